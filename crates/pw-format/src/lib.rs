@@ -1,0 +1,1 @@
+//! Bit-plane format (work in progress).

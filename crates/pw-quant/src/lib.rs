@@ -1,0 +1,1 @@
+//! Any-precision quantizer (work in progress).

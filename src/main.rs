@@ -1,0 +1,2 @@
+//! The `pagedweight` command-line tool.
+fn main() {}
