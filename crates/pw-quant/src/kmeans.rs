@@ -93,7 +93,9 @@ pub struct KmeansScratch {
 ///
 /// Returns the `k + 1` boundaries `0 = b_0 < b_1 < … < b_k = n` and the cost.
 /// Each layer of the programme is filled by divide and conquer over the
-/// monotone argmin (the cost is Monge), so the work is O(k · n log n).
+/// monotone argmin (the cost is Monge), so the work is O(k · n log n); the
+/// previous layer's argmins bound the search from below. (SMAWK's O(k · n)
+/// was measured slower here: its reduce step is a serial chain of divisions.)
 pub fn optimal_partition(prefix: &Prefix, k: usize, scratch: &mut KmeansScratch) -> (Vec<usize>, f64) {
     let n = prefix.len();
     assert!(k >= 1 && k <= n, "k-means needs 1 <= k ({k}) <= n ({n})");
@@ -109,14 +111,17 @@ pub fn optimal_partition(prefix: &Prefix, k: usize, scratch: &mut KmeansScratch)
         // Only `j` values that can still be extended to `k` clusters matter.
         let j_hi = n - (k - 1 - m);
         let lo = m + 1;
-        let row = &mut arg[m * (n + 1)..(m + 1) * (n + 1)];
+        let (done, rest) = arg.split_at_mut(m * (n + 1));
+        let row = &mut rest[..n + 1];
+        // opt[m-1][j] <= opt[m][j]: the previous layer's argmins bound this one's from below.
+        let below = &done[(m - 1) * (n + 1)..];
         if m + 1 == k {
             // The last layer needs only `j = n`.
-            let (best, arg_best) = best_start(prefix, prev, n, m, n - 1);
+            let (best, arg_best) = best_start(prefix, prev, n, m.max(below[n] as usize), n - 1);
             cur[n] = best;
             row[n] = arg_best as u32;
         } else {
-            fill_layer(prefix, prev, cur, row, lo, j_hi, m, j_hi - 1);
+            fill_layer(prefix, prev, cur, row, below, lo, j_hi, m, j_hi - 1);
         }
         std::mem::swap(prev, cur);
     }
@@ -154,6 +159,7 @@ fn fill_layer(
     prev: &[f64],
     cur: &mut [f64],
     arg: &mut [u32],
+    below: &[u32],
     jlo: usize,
     jhi: usize,
     olo: usize,
@@ -163,13 +169,13 @@ fn fill_layer(
         return;
     }
     let mid = (jlo + jhi) / 2;
-    let (best, a) = best_start(prefix, prev, mid, olo, ohi.min(mid - 1));
+    let (best, a) = best_start(prefix, prev, mid, olo.max(below[mid] as usize), ohi.min(mid - 1));
     cur[mid] = best;
     arg[mid] = a as u32;
     if mid > jlo {
-        fill_layer(prefix, prev, cur, arg, jlo, mid - 1, olo, a);
+        fill_layer(prefix, prev, cur, arg, below, jlo, mid - 1, olo, a);
     }
-    fill_layer(prefix, prev, cur, arg, mid + 1, jhi, a, ohi);
+    fill_layer(prefix, prev, cur, arg, below, mid + 1, jhi, a, ohi);
 }
 
 /// Optimal split of the cluster `[lo, hi)` into `[lo, t)` and `[t, hi)`

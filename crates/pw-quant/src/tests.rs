@@ -65,6 +65,38 @@ fn seed_kmeans_matches_brute_force() {
     }
 }
 
+/// The textbook O(k·n²) dynamic programme, for rows too long to enumerate.
+fn quadratic_dp(p: &Prefix, k: usize) -> f64 {
+    let n = p.len();
+    let mut d: Vec<f64> = (0..=n).map(|j| p.cost(0, j)).collect();
+    for m in 1..k {
+        let mut e = vec![f64::INFINITY; n + 1];
+        for (j, ej) in e.iter_mut().enumerate().skip(m + 1) {
+            *ej = (m..j).map(|i| d[i] + p.cost(i, j)).fold(f64::INFINITY, f64::min);
+        }
+        d = e;
+    }
+    d[n]
+}
+
+#[test]
+fn seed_kmeans_matches_quadratic_dp_on_long_rows() {
+    let mut rng = StdRng::seed_from_u64(7);
+    let mut scratch = KmeansScratch::default();
+    for n in [20usize, 63, 64, 65, 100, 257, 400] {
+        let (v, w) = random_sorted(&mut rng, n);
+        let p = Prefix::new(&v, &w);
+        for k in [2usize, 3, 5, 8] {
+            let (bounds, cost) = optimal_partition(&p, k, &mut scratch);
+            let recomputed: f64 =
+                bounds.windows(2).map(|b| direct_cost(&v[b[0]..b[1]], &w[b[0]..b[1]])).sum();
+            let want = quadratic_dp(&p, k);
+            assert_close(cost, want, &format!("n {n} k {k}"));
+            assert_close(recomputed, want, &format!("n {n} k {k} boundaries"));
+        }
+    }
+}
+
 #[test]
 fn two_means_split_matches_brute_force() {
     let mut rng = StdRng::seed_from_u64(2);
