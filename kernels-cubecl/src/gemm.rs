@@ -1,0 +1,179 @@
+//! Grouped bit-plane + LUT skinny GEMM: `y = x · Wᵀ` for 1..16 tokens per
+//! work item, many blocks of different committed bit-widths in one launch.
+//!
+//! Reads the planes exactly as `pw-format` stores them (`[planes, rows,
+//! words]`, plane 0 = MSB, bit `j` of a word = column `32·w + j`), so a page
+//! lowered by dropping trailing planes needs no rewrite.
+//!
+//! Mapping: a cube holds `rows_per_cube` planes (warps); plane `p` owns row
+//! `row0 + p`, lane `l` owns word `l` of each chunk of `32 · plane_size`
+//! columns. The cube stages the chunk of `x` (all tokens) in shared memory
+//! with one pad word per 32 columns, so the lanes' reads hit distinct banks,
+//! and the rows' LUTs as f32. Four indices are rebuilt at once from the plane
+//! words (`(w >> q) & 0x01010101`), which divides the bit extraction cost by
+//! four; the decoded weight is reused for every token.
+
+use cubecl::prelude::*;
+use half::f16;
+
+/// u32 fields per work item in the descriptor table.
+pub const DESC_WORDS: usize = 8;
+/// Largest LUT (8 bits): each row gets this many shared-memory slots.
+const LUT_SLOTS: usize = 256;
+
+/// What the kernel applies to `x` while staging it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Activation {
+    /// `x` is `[tokens, K]`, used as is.
+    None,
+    /// `x` is `[tokens, 2K]` = gate | up; the kernel uses `silu(gate) · up`.
+    SiluMul,
+    /// `x` is `[tokens, 2K]` = gate | up; the kernel uses `gelu_tanh(gate) · up`.
+    GeluTanhMul,
+}
+
+impl Activation {
+    pub(crate) fn code(self) -> u32 {
+        match self {
+            Self::None => 0,
+            Self::SiluMul => 1,
+            Self::GeluTanhMul => 2,
+        }
+    }
+}
+
+#[cube]
+fn activate(g: f32, #[comptime] act: u32) -> f32 {
+    if comptime![act == 1] {
+        g / (1.0 + (-g).exp())
+    } else {
+        // gelu with the tanh approximation (HF `gelu_pytorch_tanh`).
+        let inner = 0.797_884_6 * (g + 0.044715 * g * g * g);
+        0.5 * g * (1.0 + inner.tanh())
+    }
+}
+
+/// The kernel. Grid: `(row tiles, work items)`; cube: `rows_per_cube ·
+/// plane_size` units. Descriptor `d = desc[8·item ..]`: plane word offset,
+/// LUT element offset, rows, cols, bits, x offset, y offset, tokens.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn ap_gemm_kernel(
+    planes: &Array<u32>,
+    luts: &Array<f16>,
+    desc: &Array<u32>,
+    x: &Array<f32>,
+    y: &mut Array<f32>,
+    #[comptime] max_tokens: usize,
+    #[comptime] plane_size: usize,
+    #[comptime] rows_per_cube: usize,
+    #[comptime] act: u32,
+) {
+    let d = CUBE_POS_Y as usize * 8usize;
+    let plane_off = desc[d] as usize;
+    let lut_off = desc[d + 1] as usize;
+    let n = desc[d + 2] as usize;
+    let k = desc[d + 3] as usize;
+    let bits = desc[d + 4];
+    let x_off = desc[d + 5] as usize;
+    let y_off = desc[d + 6] as usize;
+    let tokens = desc[d + 7] as usize;
+
+    let row0 = CUBE_POS_X as usize * rows_per_cube;
+    if row0 >= n || tokens == 0 {
+        terminate!();
+    }
+    let words = k.div_ceil(32usize);
+    let lut_len = 1usize << bits as usize;
+    let unit = UNIT_POS as usize;
+    let cube_units = rows_per_cube * plane_size;
+    let lane = unit % plane_size;
+    let warp = unit / plane_size;
+    let row = row0 + warp;
+    let active = row < n;
+
+    // The rows' LUTs, widened to f32 once.
+    let mut lut_s = SharedMemory::<f32>::new(rows_per_cube * LUT_SLOTS);
+    for i in range_stepped(unit, rows_per_cube * lut_len, cube_units) {
+        let r = i / lut_len;
+        let e = i % lut_len;
+        if row0 + r < n {
+            lut_s[r * LUT_SLOTS + e] = f32::cast_from(luts[lut_off + (row0 + r) * lut_len + e]);
+        }
+    }
+
+    let chunk = 32usize * plane_size;
+    let xs_stride = chunk + plane_size;
+    let mut x_s = SharedMemory::<f32>::new(max_tokens * (32usize * plane_size + plane_size));
+    let x_stride = if comptime![act == 0] { k } else { 2usize * k };
+
+    let mut acc = Array::<f32>::new(max_tokens);
+    #[unroll]
+    for t in 0..max_tokens {
+        acc[t] = 0.0;
+    }
+    let mut pw = Array::<u32>::new(8usize);
+    let n_chunks = words.div_ceil(plane_size);
+    let lbase = warp * LUT_SLOTS;
+    let xbase = lane * 33usize;
+
+    for ch in 0..n_chunks {
+        // The previous chunk must be consumed (and the LUTs staged) first.
+        sync_cube();
+        let c0 = ch * chunk;
+        for i in range_stepped(unit, max_tokens * chunk, cube_units) {
+            let t = i / chunk;
+            let c = i % chunk;
+            let col = c0 + c;
+            let mut v = 0.0f32;
+            if t < tokens && col < k {
+                let base = x_off + t * x_stride;
+                if comptime![act == 0] {
+                    v = x[base + col];
+                } else {
+                    v = activate(x[base + col], act) * x[base + k + col];
+                }
+            }
+            x_s[t * xs_stride + c + c / 32usize] = v;
+        }
+        sync_cube();
+
+        let wi = ch * plane_size + lane;
+        if active && wi < words {
+            #[unroll]
+            for p in 0..8usize {
+                if (p as u32) < bits {
+                    pw[p] = planes[plane_off + (p * n + row) * words + wi];
+                }
+            }
+            #[unroll]
+            for q in 0..8usize {
+                let mut idx4 = 0u32;
+                #[unroll]
+                for p in 0..8usize {
+                    if (p as u32) < bits {
+                        idx4 = (idx4 << 1u32) | ((pw[p] >> (q as u32)) & 0x0101_0101u32);
+                    }
+                }
+                #[unroll]
+                for kk in 0..4usize {
+                    let idx = ((idx4 >> (8 * kk) as u32) & 0xFFu32) as usize;
+                    let w = lut_s[lbase + idx];
+                    let xo = xbase + q + 8 * kk;
+                    #[unroll]
+                    for t in 0..max_tokens {
+                        acc[t] += w * x_s[t * xs_stride + xo];
+                    }
+                }
+            }
+        }
+    }
+
+    #[unroll]
+    for t in 0..max_tokens {
+        let s = plane_sum(acc[t]);
+        if lane == 0 && active && t < tokens {
+            y[y_off + t * n + row] = s;
+        }
+    }
+}

@@ -1,0 +1,325 @@
+//! CubeCL kernels over the any-precision bit-plane format, generic over the
+//! CubeCL runtime (CUDA on the GPU, wgpu in CI).
+//!
+//! - [`gemm`]: the grouped skinny GEMM `y = x · Wᵀ` (1..16 tokens per work
+//!   item) reading bit-planes + LUTs with a different committed bit-width per
+//!   block in one launch, optionally fusing `act(gate) · up` into the load of
+//!   `x` (the down projection of a SwiGLU / GeGLU expert).
+//!
+//! Every kernel has a CPU `*_reference` here and `*_matches_reference` tests.
+
+// `#[cube]` generates undocumented launch items.
+#[allow(missing_docs)]
+pub mod gemm;
+
+use cubecl::prelude::*;
+use cubecl::server::Handle;
+pub use gemm::Activation;
+use half::f16;
+use pw_format::ApBlock;
+
+/// Largest token count of one work item.
+pub const MAX_TOKENS: usize = 16;
+
+/// Kernel launch or argument errors.
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    /// A work item or buffer is inconsistent.
+    #[error("work item {item}: {reason}")]
+    BadItem {
+        /// Index of the work item.
+        item: usize,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The runtime reported an error (deferred launch errors surface at sync).
+    #[error("runtime error: {0}")]
+    Runtime(String),
+}
+
+/// One block × token group of a grouped launch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorkItem {
+    /// Offset of the block's plane 0 in the plane pool (u32 words).
+    pub plane_off: u32,
+    /// Offset of the block's LUT in the LUT pool (f16 elements).
+    pub lut_off: u32,
+    /// Output rows N.
+    pub rows: u32,
+    /// Input columns K.
+    pub cols: u32,
+    /// Committed bit-width (3..=8): planes `0..bits` and the LUT of that width.
+    pub bits: u32,
+    /// Offset of the item's first token row in `x` (elements).
+    pub x_off: u32,
+    /// Offset of the item's first output row in `y` (elements); `y` is `[tokens, rows]`.
+    pub y_off: u32,
+    /// Tokens, 0..=16.
+    pub tokens: u32,
+}
+
+impl WorkItem {
+    fn words(&self) -> [u32; gemm::DESC_WORDS] {
+        [self.plane_off, self.lut_off, self.rows, self.cols, self.bits, self.x_off, self.y_off, self.tokens]
+    }
+}
+
+/// Host image of a device weight pool: the committed planes and LUT of each
+/// block, concatenated. The page table owns the real pool; tests and benches
+/// build one directly.
+#[derive(Debug, Default, Clone)]
+pub struct PoolImage {
+    /// Plane words.
+    pub planes: Vec<u32>,
+    /// LUT entries.
+    pub luts: Vec<f16>,
+}
+
+/// Where [`PoolImage::push`] put a block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolSlot {
+    /// Plane offset (u32 words).
+    pub plane_off: u32,
+    /// LUT offset (f16 elements).
+    pub lut_off: u32,
+    /// Rows.
+    pub rows: u32,
+    /// Columns.
+    pub cols: u32,
+    /// Bits committed.
+    pub bits: u32,
+}
+
+impl PoolImage {
+    /// Appends planes `0..bits` and the `bits`-wide LUT of `block`.
+    pub fn push(&mut self, block: &ApBlock, bits: u8) -> PoolSlot {
+        let slot = PoolSlot {
+            plane_off: self.planes.len() as u32,
+            lut_off: self.luts.len() as u32,
+            rows: block.rows as u32,
+            cols: block.cols as u32,
+            bits: bits as u32,
+        };
+        for p in 0..bits {
+            self.planes.extend_from_slice(block.plane(p));
+        }
+        self.luts.extend_from_slice(block.lut(bits));
+        slot
+    }
+
+    /// Bytes of planes + LUTs.
+    pub fn bytes(&self) -> usize {
+        self.planes.len() * 4 + self.luts.len() * 2
+    }
+}
+
+impl PoolSlot {
+    /// A work item over this block.
+    pub fn item(&self, x_off: u32, y_off: u32, tokens: u32) -> WorkItem {
+        WorkItem {
+            plane_off: self.plane_off,
+            lut_off: self.lut_off,
+            rows: self.rows,
+            cols: self.cols,
+            bits: self.bits,
+            x_off,
+            y_off,
+            tokens,
+        }
+    }
+}
+
+/// A device buffer and its length in elements.
+#[derive(Debug, Clone)]
+pub struct DeviceArray {
+    /// The CubeCL handle.
+    pub handle: Handle,
+    /// Length in elements of the kernel-side type.
+    pub len: usize,
+}
+
+impl DeviceArray {
+    /// Uploads a slice.
+    pub fn from_slice<R: Runtime, T: CubeElement>(client: &ComputeClient<R>, data: &[T]) -> Self {
+        Self { handle: client.create_from_slice(T::as_bytes(data)), len: data.len() }
+    }
+
+    /// An uninitialised buffer of `len` elements of `T`.
+    pub fn empty<R: Runtime, T: CubeElement>(client: &ComputeClient<R>, len: usize) -> Self {
+        Self { handle: client.empty(len.max(1) * size_of::<T>()), len }
+    }
+
+    fn arg<R: Runtime>(&self) -> ArrayArg<R> {
+        // SAFETY: `len` is the element count the buffer was created with.
+        unsafe { ArrayArg::from_raw_parts(self.handle.clone(), self.len.max(1)) }
+    }
+}
+
+/// Launch shape of the grouped GEMM.
+#[derive(Debug, Clone, Copy)]
+pub struct GemmConfig {
+    /// Lanes per plane (warp) of the device: 32 on NVIDIA, 8 on lavapipe.
+    pub plane_size: usize,
+    /// Planes (rows) per cube.
+    pub rows_per_cube: usize,
+}
+
+impl GemmConfig {
+    /// The configuration for `client`'s device.
+    pub fn for_client<R: Runtime>(client: &ComputeClient<R>) -> Self {
+        let hw = &client.properties().hardware;
+        Self { plane_size: hw.plane_size_max as usize, rows_per_cube: 8 }
+    }
+}
+
+/// Smallest compiled token bucket holding `tokens`.
+fn token_bucket(tokens: usize) -> usize {
+    tokens.next_power_of_two().max(1)
+}
+
+/// Validates `items` against the buffer lengths.
+fn check_items(
+    items: &[WorkItem],
+    planes_len: usize,
+    luts_len: usize,
+    x_len: usize,
+    y_len: usize,
+    act: Activation,
+) -> Result<(), KernelError> {
+    for (i, it) in items.iter().enumerate() {
+        let bad = |reason: String| Err(KernelError::BadItem { item: i, reason });
+        if !(3..=8).contains(&it.bits) {
+            return bad(format!("bits {} outside 3..=8", it.bits));
+        }
+        if it.tokens as usize > MAX_TOKENS {
+            return bad(format!("{} tokens, at most {MAX_TOKENS} per item", it.tokens));
+        }
+        let (n, k, t) = (it.rows as usize, it.cols as usize, it.tokens as usize);
+        let words = k.div_ceil(32);
+        if it.plane_off as usize + it.bits as usize * n * words > planes_len {
+            return bad("planes past the end of the plane pool".into());
+        }
+        if it.lut_off as usize + n * (1 << it.bits) > luts_len {
+            return bad("LUT past the end of the LUT pool".into());
+        }
+        let x_cols = if act == Activation::None { k } else { 2 * k };
+        if it.x_off as usize + t * x_cols > x_len {
+            return bad(format!("x needs {} elements, has {x_len}", it.x_off as usize + t * x_cols));
+        }
+        if it.y_off as usize + t * n > y_len {
+            return bad(format!("y needs {} elements, has {y_len}", it.y_off as usize + t * n));
+        }
+    }
+    Ok(())
+}
+
+/// Uploads the descriptor table of `items`.
+pub fn upload_items<R: Runtime>(client: &ComputeClient<R>, items: &[WorkItem]) -> DeviceArray {
+    let words: Vec<u32> = items.iter().flat_map(|i| i.words()).collect();
+    DeviceArray::from_slice(client, &words)
+}
+
+/// Launches the grouped GEMM: for every item, `y[t, r] = Σ_c x̃[t, c] · W[r, c]`
+/// where `x̃ = x` or `act(gate) · up`. Does not synchronise.
+///
+/// # Shapes
+/// - per item: `x` `[tokens, cols]` (or `[tokens, 2·cols]` with an activation)
+///   at `x_off`, `y` `[tokens, rows]` at `y_off`
+#[allow(clippy::too_many_arguments)]
+pub fn ap_gemm<R: Runtime>(
+    client: &ComputeClient<R>,
+    cfg: GemmConfig,
+    planes: &DeviceArray,
+    luts: &DeviceArray,
+    items: &[WorkItem],
+    desc: &DeviceArray,
+    x: &DeviceArray,
+    y: &DeviceArray,
+    act: Activation,
+) -> Result<(), KernelError> {
+    if items.is_empty() {
+        return Ok(());
+    }
+    check_items(items, planes.len, luts.len, x.len, y.len, act)?;
+    if desc.len != items.len() * gemm::DESC_WORDS {
+        return Err(KernelError::BadItem {
+            item: 0,
+            reason: "descriptor table does not match the items".into(),
+        });
+    }
+    let max_rows = items.iter().map(|i| i.rows).max().unwrap_or(0) as usize;
+    let max_tokens = token_bucket(items.iter().map(|i| i.tokens).max().unwrap_or(1) as usize);
+    let tiles = max_rows.div_ceil(cfg.rows_per_cube) as u32;
+    let cube_dim = CubeDim::new_1d((cfg.rows_per_cube * cfg.plane_size) as u32);
+    // SAFETY: every offset and length was checked against the buffers above.
+    unsafe {
+        gemm::ap_gemm_kernel::launch_unchecked::<R>(
+            client,
+            CubeCount::Static(tiles, items.len() as u32, 1),
+            cube_dim,
+            planes.arg(),
+            luts.arg(),
+            desc.arg(),
+            x.arg(),
+            y.arg(),
+            max_tokens,
+            cfg.plane_size,
+            cfg.rows_per_cube,
+            act.code(),
+        )
+    };
+    Ok(())
+}
+
+/// CPU reference of [`ap_gemm`] over a host pool image; `y` is updated in place.
+pub fn ap_gemm_reference(pool: &PoolImage, items: &[WorkItem], x: &[f32], y: &mut [f32], act: Activation) {
+    for it in items {
+        let (n, k, t, b) = (it.rows as usize, it.cols as usize, it.tokens as usize, it.bits as usize);
+        let words = k.div_ceil(32);
+        let x_cols = if act == Activation::None { k } else { 2 * k };
+        for tok in 0..t {
+            let xr = &x[it.x_off as usize + tok * x_cols..][..x_cols];
+            let xv: Vec<f32> = (0..k)
+                .map(|c| match act {
+                    Activation::None => xr[c],
+                    Activation::SiluMul => silu(xr[c]) * xr[k + c],
+                    Activation::GeluTanhMul => gelu_tanh(xr[c]) * xr[k + c],
+                })
+                .collect();
+            for r in 0..n {
+                let mut acc = 0f32;
+                for (c, &xc) in xv.iter().enumerate() {
+                    let mut idx = 0usize;
+                    for p in 0..b {
+                        let w = pool.planes[it.plane_off as usize + (p * n + r) * words + c / 32];
+                        idx = (idx << 1) | ((w >> (c % 32)) & 1) as usize;
+                    }
+                    acc += xc * pool.luts[it.lut_off as usize + r * (1 << b) + idx].to_f32();
+                }
+                y[it.y_off as usize + tok * n + r] = acc;
+            }
+        }
+    }
+}
+
+/// `x · sigmoid(x)`.
+pub fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// GELU, tanh approximation.
+pub fn gelu_tanh(x: f32) -> f32 {
+    0.5 * x * (1.0 + (0.797_884_6 * (x + 0.044715 * x * x * x)).tanh())
+}
+
+/// Waits for the queue and turns deferred launch errors into an error.
+pub fn sync<R: Runtime>(client: &ComputeClient<R>) -> Result<(), KernelError> {
+    cubecl::future::block_on(client.sync()).map_err(|e| KernelError::Runtime(format!("{e:?}")))
+}
+
+/// Reads back an f32 buffer (synchronising first, so launch errors surface).
+pub fn read_f32<R: Runtime>(client: &ComputeClient<R>, a: &DeviceArray) -> Result<Vec<f32>, KernelError> {
+    sync(client)?;
+    let bytes = client.read_one(a.handle.clone()).map_err(|e| KernelError::Runtime(format!("{e:?}")))?;
+    Ok(f32::from_bytes(&bytes)[..a.len].to_vec())
+}
