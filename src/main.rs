@@ -1,5 +1,7 @@
 //! The `pagedweight` command-line tool: one binary, one subcommand per job.
 
+mod bench;
+
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 use pw_format::{ApBlock, Checkpoint, MANIFEST_FILE, StFile};
@@ -34,6 +36,11 @@ enum Command {
     /// and print, per bit-width, the relative Frobenius error ‖W − Ŵ_b‖/‖W‖
     /// as JSON lines {"bits":b,"rel_err":x}.
     QuantizeTensor(QuantizeTensorArgs),
+    /// GPU benchmark of the bit-plane kernels on the expert shapes of Mixtral,
+    /// Qwen1.5-MoE and Gemma-4 (single blocks at 1..16 tokens and whole
+    /// grouped layers, bits 3..8), against the streaming read bandwidth
+    /// measured in the same run. Writes JSON records to --out.
+    BenchKernels(bench::BenchKernelsArgs),
 }
 
 #[derive(clap::Args)]
@@ -63,6 +70,7 @@ fn main() -> Result<()> {
     match Cli::parse().command {
         Command::Inspect { path, blocks } => inspect(&path, blocks),
         Command::QuantizeTensor(args) => quantize_tensor(&args),
+        Command::BenchKernels(args) => bench::bench_kernels(&args),
     }
 }
 

@@ -10,6 +10,8 @@
 
 // `#[cube]` generates undocumented launch items.
 #[allow(missing_docs)]
+pub mod bandwidth;
+#[allow(missing_docs)]
 pub mod gemm;
 
 use cubecl::prelude::*;
@@ -300,6 +302,36 @@ pub fn ap_gemm_reference(pool: &PoolImage, items: &[WorkItem], x: &[f32], y: &mu
             }
         }
     }
+}
+
+/// Launches the streaming read over `data` (u32 words);
+/// `out` gets one word per unit, `cubes · 256` in all. Does not synchronise.
+pub fn stream_read<R: Runtime>(client: &ComputeClient<R>, data: &DeviceArray, out: &DeviceArray, cubes: u32) {
+    assert!(out.len >= cubes as usize * 256, "stream_read: `out` needs one word per unit");
+    // SAFETY: the kernel reads `data.len` words and writes `cubes · 256` words, checked above.
+    unsafe {
+        bandwidth::stream_read_kernel::launch_unchecked::<R>(
+            client,
+            CubeCount::Static(cubes, 1, 1),
+            CubeDim::new_1d(256),
+            data.arg(),
+            out.arg(),
+            16,
+        )
+    };
+}
+
+/// CPU reference of [`stream_read`]: the XOR of all words, which equals the
+/// XOR of the kernel's outputs.
+pub fn stream_read_reference(data: &[u32]) -> u32 {
+    data.iter().fold(0, |a, b| a ^ b)
+}
+
+/// Reads back a u32 buffer (synchronising first).
+pub fn read_u32<R: Runtime>(client: &ComputeClient<R>, a: &DeviceArray) -> Result<Vec<u32>, KernelError> {
+    sync(client)?;
+    let bytes = client.read_one(a.handle.clone()).map_err(|e| KernelError::Runtime(format!("{e:?}")))?;
+    Ok(u32::from_bytes(&bytes)[..a.len].to_vec())
 }
 
 /// `x · sigmoid(x)`.

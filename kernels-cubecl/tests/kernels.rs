@@ -175,3 +175,18 @@ fn bad_items_are_rejected() {
         assert!(e.to_string().contains(msg), "{e} should mention {msg}");
     }
 }
+
+#[test]
+fn stream_read_matches_reference() {
+    let client = client();
+    let mut rng = StdRng::seed_from_u64(6);
+    for words in [4usize, 4 * 1000, 4 * 70_001] {
+        let data: Vec<u32> = (0..words).map(|_| rng.random()).collect();
+        let d = DeviceArray::from_slice(&client, &data);
+        let cubes = 3;
+        let out = DeviceArray::empty::<WgpuRuntime, u32>(&client, cubes * 256);
+        stream_read(&client, &d, &out, cubes as u32);
+        let got = read_u32(&client, &out).unwrap().iter().fold(0, |a, b| a ^ b);
+        assert_eq!(got, stream_read_reference(&data), "{words} words");
+    }
+}

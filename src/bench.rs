@@ -1,0 +1,231 @@
+//! `pagedweight bench-kernels`: GPU timings of the bit-plane kernels on the
+//! three models' expert shapes, written as JSON records.
+//!
+//! Timing is wall clock over batches of back-to-back launches ending in one
+//! `sync` (CubeCL 0.10 exposes no device events on its stream); each launch
+//! reads a different copy of the weights so that L2 cannot serve them. The
+//! bound is the streaming read bandwidth measured by the same binary.
+
+use anyhow::{Context, Result};
+use cubecl::prelude::*;
+use kernels_cubecl::{
+    Activation, DeviceArray, GemmConfig, PoolImage, PoolSlot, WorkItem, ap_gemm, sync, upload_items,
+};
+use pw_format::ApBlock;
+use serde_json::{Value, json};
+use std::time::Instant;
+
+/// Options of `bench-kernels`.
+#[derive(clap::Args, Debug)]
+pub struct BenchKernelsArgs {
+    /// Runtime: cuda or wgpu.
+    #[arg(long, default_value = "cuda")]
+    pub device: String,
+    /// Output JSON file.
+    #[arg(long)]
+    pub out: std::path::PathBuf,
+    /// Bytes of weight copies to rotate through (must exceed L2).
+    #[arg(long, default_value_t = 512 << 20)]
+    pub rotate_bytes: usize,
+    /// Launches per timed batch.
+    #[arg(long, default_value_t = 100)]
+    pub launches: usize,
+    /// Quick run: fewer shapes and bit-widths (for a smoke test on wgpu).
+    #[arg(long)]
+    pub quick: bool,
+}
+
+/// Runs the benchmark on the chosen runtime.
+pub fn bench_kernels(a: &BenchKernelsArgs) -> Result<()> {
+    let records = match a.device.as_str() {
+        #[cfg(feature = "cuda")]
+        "cuda" => run::<cubecl::cuda::CudaRuntime>(&cubecl::cuda::CudaDevice::new(0), a)?,
+        "wgpu" => run::<cubecl::wgpu::WgpuRuntime>(&cubecl::wgpu::WgpuDevice::DefaultDevice, a)?,
+        d => anyhow::bail!("--device {d}: expected cuda or wgpu"),
+    };
+    std::fs::write(&a.out, serde_json::to_string_pretty(&records)?)
+        .with_context(|| format!("{}", a.out.display()))?;
+    Ok(())
+}
+
+/// Expert shapes `(model, block, rows, cols)`: gate_up is `[2I, H]`, down `[H, I]`.
+const SHAPES: [(&str, &str, usize, usize); 6] = [
+    ("mixtral", "w1", 14336, 4096),
+    ("mixtral", "w2", 4096, 14336),
+    ("qwen2_moe", "gate_up", 2816, 2048),
+    ("qwen2_moe", "down", 2048, 1408),
+    ("gemma4", "gate_up", 1408, 2816),
+    ("gemma4", "down", 2816, 704),
+];
+
+/// Layers `(model, experts, hidden, intermediate, tokens, top_k, activation)`.
+const LAYERS: [(&str, usize, usize, usize, usize, usize, Activation); 3] = [
+    ("mixtral", 8, 4096, 14336, 8, 2, Activation::SiluMul),
+    ("qwen2_moe", 60, 2048, 1408, 16, 4, Activation::SiluMul),
+    ("gemma4", 128, 2816, 704, 32, 8, Activation::GeluTanhMul),
+];
+
+fn gaussian_block(rows: usize, cols: usize, seed: u64) -> Result<ApBlock> {
+    // Trained projections are close to Gaussian; a sum of uniforms is enough here.
+    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut uni = move || {
+        s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+    };
+    let w: Vec<f32> = (0..rows * cols).map(|_| (uni() + uni() + uni() + uni()) * 0.02).collect();
+    Ok(ApBlock::quantize("bench", &w, None, rows, cols, 3, 8)?)
+}
+
+/// Median seconds per launch of `f` (which enqueues `launches` launches).
+fn time_batches<R: Runtime>(
+    client: &ComputeClient<R>,
+    launches: usize,
+    mut f: impl FnMut(usize),
+) -> Result<f64> {
+    f(0);
+    sync(client)?;
+    let mut v = Vec::new();
+    for _ in 0..7 {
+        let t = Instant::now();
+        for i in 0..launches {
+            f(i);
+        }
+        sync(client)?;
+        v.push(t.elapsed().as_secs_f64() / launches as f64);
+    }
+    v.sort_by(f64::total_cmp);
+    Ok(v[v.len() / 2])
+}
+
+fn run<R: Runtime>(device: &R::Device, a: &BenchKernelsArgs) -> Result<Vec<Value>> {
+    let client = R::client(device);
+    let cfg = GemmConfig::for_client(&client);
+    let mut records = Vec::new();
+
+    // The bound: streaming reads of a buffer much larger than L2.
+    let words = if a.quick { 1 << 22 } else { 1 << 29 };
+    let data = DeviceArray::from_slice(&client, &vec![0x5a5a_5a5au32; words]);
+    let cubes = client.properties().hardware.num_streaming_multiprocessors.unwrap_or(8) as u32 * 8;
+    let out = DeviceArray::empty::<R, u32>(&client, cubes as usize * 256);
+    let secs = time_batches(&client, 20, |_| kernels_cubecl::stream_read(&client, &data, &out, cubes))?;
+    let hbm = (words * 4) as f64 / secs / 1e9;
+    eprintln!("stream read: {hbm:.0} GB/s");
+    records.push(
+        json!({"kernel": "stream_read", "bytes": words * 4, "time_us": secs * 1e6, "hbm_read_gbps": hbm}),
+    );
+    drop(data);
+
+    let bits_list: Vec<u8> = if a.quick { vec![3, 8] } else { (3..=8).collect() };
+    let shapes: &[_] = if a.quick { &SHAPES[2..4] } else { &SHAPES };
+    for &(model, block_name, rows, cols) in shapes {
+        let block = gaussian_block(rows, cols, rows as u64 * 31 + cols as u64)?;
+        for &bits in &bits_list {
+            let (pb, lb) = block.bytes_at(bits);
+            let copies = (a.rotate_bytes / (pb + lb)).clamp(2, 4096);
+            let mut pool = PoolImage::default();
+            let slots: Vec<PoolSlot> = (0..copies).map(|_| pool.push(&block, bits)).collect();
+            let planes = DeviceArray::from_slice(&client, &pool.planes);
+            let luts = DeviceArray::from_slice(&client, &pool.luts);
+            for tokens in [1usize, 4, 8, 16] {
+                let x = DeviceArray::from_slice(&client, &vec![0.01f32; tokens * cols]);
+                let y = DeviceArray::empty::<R, f32>(&client, tokens * rows);
+                let descs: Vec<(WorkItem, DeviceArray)> = slots
+                    .iter()
+                    .map(|s| {
+                        let it = s.item(0, 0, tokens as u32);
+                        (it, upload_items(&client, &[it]))
+                    })
+                    .collect();
+                let secs = time_batches(&client, a.launches, |i| {
+                    let (it, d) = &descs[i % descs.len()];
+                    ap_gemm(
+                        &client,
+                        cfg,
+                        &planes,
+                        &luts,
+                        std::slice::from_ref(it),
+                        d,
+                        &x,
+                        &y,
+                        Activation::None,
+                    )
+                    .expect("valid items");
+                })?;
+                let gbps = (pb + lb) as f64 / secs / 1e9;
+                eprintln!(
+                    "gemv {model} {block_name} {rows}x{cols} t{tokens} b{bits}: {:.1} us {gbps:.0} GB/s",
+                    secs * 1e6
+                );
+                records.push(
+                    json!({"kernel": "gemv", "model": model, "block": block_name, "shape": [rows, cols],
+                    "tokens": tokens, "bits": bits, "time_us": secs * 1e6, "effective_gbps": gbps,
+                    "bytes": pb + lb, "hbm_read_gbps": hbm}),
+                );
+            }
+        }
+    }
+
+    let layers: &[_] = if a.quick { &LAYERS[1..2] } else { &LAYERS };
+    for &(model, experts, hidden, inter, tokens, top_k, act) in layers {
+        let gu = gaussian_block(2 * inter, hidden, 1)?;
+        let dn = gaussian_block(hidden, inter, 2)?;
+        // Routed pairs spread evenly: every expert active.
+        let pairs = tokens * top_k;
+        let per_expert: Vec<usize> =
+            (0..experts).map(|e| pairs / experts + usize::from(e < pairs % experts)).collect();
+        let mut mixes: Vec<(String, Vec<u8>)> =
+            bits_list.iter().map(|&b| (format!("{b}"), vec![b; experts])).collect();
+        if !a.quick {
+            mixes.push(("mixed_3_4_8".into(), (0..experts).map(|e| [3u8, 4, 8][e % 3]).collect()));
+        }
+        for (label, bits) in mixes {
+            let mut pool = PoolImage::default();
+            let mut layer_bytes = 0usize;
+            let copies = 2;
+            let mut layer_slots = Vec::new();
+            for _ in 0..copies {
+                let slots: Vec<(PoolSlot, PoolSlot)> =
+                    (0..experts).map(|e| (pool.push(&gu, bits[e]), pool.push(&dn, bits[e]))).collect();
+                layer_slots.push(slots);
+            }
+            for (e, &b) in bits.iter().enumerate() {
+                let _ = e;
+                let (p1, l1) = gu.bytes_at(b);
+                let (p2, l2) = dn.bytes_at(b);
+                layer_bytes += p1 + l1 + p2 + l2;
+            }
+            let planes = DeviceArray::from_slice(&client, &pool.planes);
+            let luts = DeviceArray::from_slice(&client, &pool.luts);
+            let x = DeviceArray::from_slice(&client, &vec![0.01f32; pairs * hidden]);
+            let h = DeviceArray::empty::<R, f32>(&client, pairs * 2 * inter);
+            let y = DeviceArray::empty::<R, f32>(&client, pairs * hidden);
+            let plans: Vec<_> = layer_slots
+                .iter()
+                .map(|slots| {
+                    let (mut gi, mut di, mut t0) = (Vec::new(), Vec::new(), 0u32);
+                    for (e, (g, d)) in slots.iter().enumerate() {
+                        let t = per_expert[e] as u32;
+                        gi.push(g.item(t0 * hidden as u32, t0 * 2 * inter as u32, t));
+                        di.push(d.item(t0 * 2 * inter as u32, t0 * hidden as u32, t));
+                        t0 += t;
+                    }
+                    let (gd, dd) = (upload_items(&client, &gi), upload_items(&client, &di));
+                    (gi, gd, di, dd)
+                })
+                .collect();
+            let secs = time_batches(&client, a.launches / 4 + 1, |i| {
+                let (gi, gd, di, dd) = &plans[i % plans.len()];
+                ap_gemm(&client, cfg, &planes, &luts, gi, gd, &x, &h, Activation::None).expect("valid items");
+                ap_gemm(&client, cfg, &planes, &luts, di, dd, &h, &y, act).expect("valid items");
+            })?;
+            let gbps = layer_bytes as f64 / secs / 1e9;
+            eprintln!("layer {model} e{experts} t{tokens} bits {label}: {:.1} us {gbps:.0} GB/s", secs * 1e6);
+            records.push(
+                json!({"kernel": "grouped_layer", "model": model, "experts": experts, "tokens": tokens,
+                "top_k": top_k, "bits": label, "launches": 2, "time_us": secs * 1e6, "effective_gbps": gbps,
+                "bytes": layer_bytes, "shape": [experts, hidden, inter], "hbm_read_gbps": hbm}),
+            );
+        }
+    }
+    Ok(records)
+}
