@@ -5,9 +5,9 @@
 //! words]`, plane 0 = MSB, bit `j` of a word = column `32·w + j`), so a page
 //! lowered by dropping trailing planes needs no rewrite.
 //!
-//! Mapping: a cube holds `rows_per_cube` planes (warps); plane `p` owns row
-//! `row0 + p`, lane `l` owns word `l` of each chunk of `32 · plane_size`
-//! columns. The cube stages the chunk of `x` (all tokens) in shared memory
+//! Mapping: a cube holds `warps` planes (warps); warp `w` owns rows
+//! `row0 + w·R .. + R` (`R = rows_per_warp`), lane `l` owns word `l` of each
+//! chunk of `32 · plane_size` columns. The cube stages the chunk of `x` (all tokens) in shared memory
 //! with one pad word per 32 columns, so the lanes' reads hit distinct banks,
 //! and the rows' LUTs as f32. Four indices are rebuilt at once from the plane
 //! words (`(w >> q) & 0x01010101`), which divides the bit extraction cost by
@@ -53,8 +53,8 @@ fn activate(g: f32, #[comptime] act: u32) -> f32 {
     }
 }
 
-/// The kernel. Grid: `(row tiles, work items)`; cube: `rows_per_cube ·
-/// plane_size` units. Descriptor `d = desc[8·item ..]`: plane word offset,
+/// The kernel. Grid: `(row tiles of warps · rows_per_warp, work items)`;
+/// cube: `warps · plane_size` units. Descriptor `d = desc[8·item ..]`: plane word offset,
 /// LUT element offset, rows, cols, bits, x offset, y offset, tokens.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
@@ -66,9 +66,11 @@ pub fn ap_gemm_kernel(
     y: &mut Array<f32>,
     #[comptime] max_tokens: usize,
     #[comptime] plane_size: usize,
-    #[comptime] rows_per_cube: usize,
+    #[comptime] warps: usize,
+    #[comptime] rows_per_warp: usize,
     #[comptime] act: u32,
 ) {
+    let rows_per_cube = warps * rows_per_warp;
     let d = CUBE_POS_Y as usize * 8usize;
     let plane_off = desc[d] as usize;
     let lut_off = desc[d + 1] as usize;
@@ -86,14 +88,13 @@ pub fn ap_gemm_kernel(
     let words = k.div_ceil(32usize);
     let lut_len = 1usize << bits as usize;
     let unit = UNIT_POS as usize;
-    let cube_units = rows_per_cube * plane_size;
+    let cube_units = warps * plane_size;
     let lane = unit % plane_size;
     let warp = unit / plane_size;
-    let row = row0 + warp;
-    let active = row < n;
+    let wrow0 = row0 + warp * rows_per_warp;
 
     // The rows' LUTs, widened to f32 once.
-    let mut lut_s = SharedMemory::<f32>::new(rows_per_cube * LUT_SLOTS);
+    let mut lut_s = SharedMemory::<f32>::new(warps * rows_per_warp * LUT_SLOTS);
     for i in range_stepped(unit, rows_per_cube * lut_len, cube_units) {
         let r = i / lut_len;
         let e = i % lut_len;
@@ -107,14 +108,13 @@ pub fn ap_gemm_kernel(
     let mut x_s = SharedMemory::<f32>::new(max_tokens * (32usize * plane_size + plane_size));
     let x_stride = if comptime![act == 0] { k } else { 2usize * k };
 
-    let mut acc = Array::<f32>::new(max_tokens);
+    let mut acc = Array::<f32>::new(max_tokens * rows_per_warp);
     #[unroll]
-    for t in 0..max_tokens {
+    for t in 0..max_tokens * rows_per_warp {
         acc[t] = 0.0;
     }
     let mut pw = Array::<u32>::new(8usize);
     let n_chunks = words.div_ceil(plane_size);
-    let lbase = warp * LUT_SLOTS;
     let xbase = lane * 33usize;
 
     for ch in 0..n_chunks {
@@ -138,31 +138,37 @@ pub fn ap_gemm_kernel(
         }
         sync_cube();
 
+        // Each warp reuses the staged chunk for its `rows_per_warp` rows.
         let wi = ch * plane_size + lane;
-        if active && wi < words {
-            #[unroll]
-            for p in 0..8usize {
-                if (p as u32) < bits {
-                    pw[p] = planes[plane_off + (p * n + row) * words + wi];
-                }
-            }
-            #[unroll]
-            for q in 0..8usize {
-                let mut idx4 = 0u32;
+        #[unroll]
+        for r in 0..rows_per_warp {
+            let row = wrow0 + r;
+            if row < n && wi < words {
                 #[unroll]
                 for p in 0..8usize {
                     if (p as u32) < bits {
-                        idx4 = (idx4 << 1u32) | ((pw[p] >> (q as u32)) & 0x0101_0101u32);
+                        pw[p] = planes[plane_off + (p * n + row) * words + wi];
                     }
                 }
+                let lbase = (warp * rows_per_warp + r) * LUT_SLOTS;
                 #[unroll]
-                for kk in 0..4usize {
-                    let idx = ((idx4 >> (8 * kk) as u32) & 0xFFu32) as usize;
-                    let w = lut_s[lbase + idx];
-                    let xo = xbase + q + 8 * kk;
+                for q in 0..8usize {
+                    let mut idx4 = 0u32;
                     #[unroll]
-                    for t in 0..max_tokens {
-                        acc[t] += w * x_s[t * xs_stride + xo];
+                    for p in 0..8usize {
+                        if (p as u32) < bits {
+                            idx4 = (idx4 << 1u32) | ((pw[p] >> (q as u32)) & 0x0101_0101u32);
+                        }
+                    }
+                    #[unroll]
+                    for kk in 0..4usize {
+                        let idx = ((idx4 >> (8 * kk) as u32) & 0xFFu32) as usize;
+                        let w = lut_s[lbase + idx];
+                        let xo = xbase + q + 8 * kk;
+                        #[unroll]
+                        for t in 0..max_tokens {
+                            acc[r * max_tokens + t] += w * x_s[t * xs_stride + xo];
+                        }
                     }
                 }
             }
@@ -170,10 +176,14 @@ pub fn ap_gemm_kernel(
     }
 
     #[unroll]
-    for t in 0..max_tokens {
-        let s = plane_sum(acc[t]);
-        if lane == 0 && active && t < tokens {
-            y[y_off + t * n + row] = s;
+    for r in 0..rows_per_warp {
+        #[unroll]
+        for t in 0..max_tokens {
+            let s = plane_sum(acc[r * max_tokens + t]);
+            let row = wrow0 + r;
+            if lane == 0 && row < n && t < tokens {
+                y[y_off + t * n + row] = s;
+            }
         }
     }
 }

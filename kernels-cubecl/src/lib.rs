@@ -162,15 +162,20 @@ impl DeviceArray {
 pub struct GemmConfig {
     /// Lanes per plane (warp) of the device: 32 on NVIDIA, 8 on lavapipe.
     pub plane_size: usize,
-    /// Planes (rows) per cube.
-    pub rows_per_cube: usize,
+    /// Planes (warps) per cube.
+    pub warps: usize,
+    /// Rows each warp handles per staged chunk of `x` (amortises the staging
+    /// and its barriers; costs `warps · rows_per_warp` KiB of LUT space).
+    pub rows_per_warp: usize,
 }
 
 impl GemmConfig {
     /// The configuration for `client`'s device.
     pub fn for_client<R: Runtime>(client: &ComputeClient<R>) -> Self {
         let hw = &client.properties().hardware;
-        Self { plane_size: hw.plane_size_max as usize, rows_per_cube: 8 }
+        // Devices with little shared memory (lavapipe: 32 KiB) get one row per warp.
+        let rows_per_warp = if hw.max_shared_memory_size >= 96 * 1024 { 4 } else { 1 };
+        Self { plane_size: hw.plane_size_max as usize, warps: 8, rows_per_warp }
     }
 }
 
@@ -251,8 +256,8 @@ pub fn ap_gemm<R: Runtime>(
     }
     let max_rows = items.iter().map(|i| i.rows).max().unwrap_or(0) as usize;
     let max_tokens = token_bucket(items.iter().map(|i| i.tokens).max().unwrap_or(1) as usize);
-    let tiles = max_rows.div_ceil(cfg.rows_per_cube) as u32;
-    let cube_dim = CubeDim::new_1d((cfg.rows_per_cube * cfg.plane_size) as u32);
+    let tiles = max_rows.div_ceil(cfg.warps * cfg.rows_per_warp) as u32;
+    let cube_dim = CubeDim::new_1d((cfg.warps * cfg.plane_size) as u32);
     // SAFETY: every offset and length was checked against the buffers above.
     unsafe {
         gemm::ap_gemm_kernel::launch_unchecked::<R>(
@@ -266,7 +271,8 @@ pub fn ap_gemm<R: Runtime>(
             y.arg(),
             max_tokens,
             cfg.plane_size,
-            cfg.rows_per_cube,
+            cfg.warps,
+            cfg.rows_per_warp,
             act.code(),
         )
     };

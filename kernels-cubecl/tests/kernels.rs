@@ -35,24 +35,27 @@ fn check(
     act: Activation,
     what: &str,
 ) {
-    let cfg = GemmConfig::for_client(client);
     let planes = DeviceArray::from_slice(client, &pool.planes);
     let luts = DeviceArray::from_slice(client, &pool.luts);
     let desc = upload_items(client, items);
     let xd = DeviceArray::from_slice(client, x);
     let yd = DeviceArray::from_slice(client, &vec![f32::NAN; y_len]);
-    ap_gemm(client, cfg, &planes, &luts, items, &desc, &xd, &yd, act).unwrap();
-    let got = read_f32(client, &yd).unwrap();
     let mut want = vec![f32::NAN; y_len];
     ap_gemm_reference(pool, items, x, &mut want, act);
-    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-        if w.is_nan() {
-            assert!(g.is_nan(), "{what}: y[{i}] written but no item covers it");
-            continue;
+    // The device's own configuration, and several rows per warp (the GPU's).
+    let base = GemmConfig::for_client(client);
+    for cfg in [base, GemmConfig { warps: 2, rows_per_warp: 3, ..base }] {
+        ap_gemm(client, cfg, &planes, &luts, items, &desc, &xd, &yd, act).unwrap();
+        let got = read_f32(client, &yd).unwrap();
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            if w.is_nan() {
+                assert!(g.is_nan(), "{what}: y[{i}] written but no item covers it");
+                continue;
+            }
+            // Budget scale: the reference's magnitude bound, Σ|x|·max|w| (w ≤ 0.5).
+            let scale = x.iter().map(|v| v.abs()).sum::<f32>() * 0.5 + 1.0;
+            assert!((g - w).abs() <= GEMM_RTOL * scale, "{what} {cfg:?}: y[{i}] = {g}, reference {w}");
         }
-        // Budget scale: the reference's magnitude bound, Σ|x|·max|w| (w ≤ 0.5).
-        let scale = x.iter().map(|v| v.abs()).sum::<f32>() * 0.5 + 1.0;
-        assert!((g - w).abs() <= GEMM_RTOL * scale, "{what}: y[{i}] = {g}, reference {w}");
     }
 }
 
