@@ -33,6 +33,15 @@ pub struct BenchKernelsArgs {
     /// Quick run: fewer shapes and bit-widths (for a smoke test on wgpu).
     #[arg(long)]
     pub quick: bool,
+    /// Only these models (comma-separated: mixtral, qwen2_moe, gemma4).
+    #[arg(long, value_delimiter = ',')]
+    pub models: Vec<String>,
+    /// Override the warps per cube of the grouped GEMM.
+    #[arg(long)]
+    pub warps: Option<usize>,
+    /// Override the rows per warp of the grouped GEMM.
+    #[arg(long)]
+    pub rows_per_warp: Option<usize>,
 }
 
 /// Runs the benchmark on the chosen runtime.
@@ -99,7 +108,11 @@ fn time_batches<R: Runtime>(
 
 fn run<R: Runtime>(device: &R::Device, a: &BenchKernelsArgs) -> Result<Vec<Value>> {
     let client = R::client(device);
-    let cfg = GemmConfig::for_client(&client);
+    let mut cfg = GemmConfig::for_client(&client);
+    cfg.warps = a.warps.unwrap_or(cfg.warps);
+    cfg.rows_per_warp = a.rows_per_warp.unwrap_or(cfg.rows_per_warp);
+    eprintln!("config: {cfg:?}");
+    let wanted = |m: &str| a.models.is_empty() || a.models.iter().any(|w| w == m);
     let mut records = Vec::new();
 
     // The bound: streaming reads of a buffer much larger than L2.
@@ -117,7 +130,7 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchKernelsArgs) -> Result<Vec<Value
 
     let bits_list: Vec<u8> = if a.quick { vec![3, 8] } else { (3..=8).collect() };
     let shapes: &[_] = if a.quick { &SHAPES[2..4] } else { &SHAPES };
-    for &(model, block_name, rows, cols) in shapes {
+    for &(model, block_name, rows, cols) in shapes.iter().filter(|s| wanted(s.0)) {
         let block = gaussian_block(rows, cols, rows as u64 * 31 + cols as u64)?;
         for &bits in &bits_list {
             let (pb, lb) = block.bytes_at(bits);
@@ -166,7 +179,7 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchKernelsArgs) -> Result<Vec<Value
     }
 
     let layers: &[_] = if a.quick { &LAYERS[1..2] } else { &LAYERS };
-    for &(model, experts, hidden, inter, tokens, top_k, act) in layers {
+    for &(model, experts, hidden, inter, tokens, top_k, act) in layers.iter().filter(|l| wanted(l.0)) {
         let gu = gaussian_block(2 * inter, hidden, 1)?;
         let dn = gaussian_block(hidden, inter, 2)?;
         // Routed pairs spread evenly: every expert active.
