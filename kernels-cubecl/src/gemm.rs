@@ -113,25 +113,11 @@ pub fn ap_gemm_kernel(
     for t in 0..max_tokens * rows_per_warp {
         acc[t] = 0.0;
     }
-    let mut pw = Array::<u32>::new(8usize * rows_per_warp);
+    let mut pw = Array::<u32>::new(8usize);
     let n_chunks = words.div_ceil(plane_size);
     let xbase = lane * 33usize;
 
     for ch in 0..n_chunks {
-        // Issue this chunk's plane loads for every row first: their latency
-        // then overlaps the barrier and the staging of x instead of being
-        // paid once per row.
-        let wi = ch * plane_size + lane;
-        #[unroll]
-        for r in 0..rows_per_warp {
-            let row = wrow0 + r;
-            #[unroll]
-            for p in 0..8usize {
-                if (p as u32) < bits && row < n && wi < words {
-                    pw[r * 8 + p] = planes[plane_off + (p * n + row) * words + wi];
-                }
-            }
-        }
         // The previous chunk must be consumed (and the LUTs staged) first.
         sync_cube();
         let c0 = ch * chunk;
@@ -153,10 +139,17 @@ pub fn ap_gemm_kernel(
         sync_cube();
 
         // Each warp reuses the staged chunk for its `rows_per_warp` rows.
+        let wi = ch * plane_size + lane;
         #[unroll]
         for r in 0..rows_per_warp {
             let row = wrow0 + r;
             if row < n && wi < words {
+                #[unroll]
+                for p in 0..8usize {
+                    if (p as u32) < bits {
+                        pw[p] = planes[plane_off + (p * n + row) * words + wi];
+                    }
+                }
                 let lbase = (warp * rows_per_warp + r) * LUT_SLOTS;
                 #[unroll]
                 for q in 0..8usize {
@@ -164,7 +157,7 @@ pub fn ap_gemm_kernel(
                     #[unroll]
                     for p in 0..8usize {
                         if (p as u32) < bits {
-                            idx4 = (idx4 << 1u32) | ((pw[r * 8 + p] >> (q as u32)) & 0x0101_0101u32);
+                            idx4 = (idx4 << 1u32) | ((pw[p] >> (q as u32)) & 0x0101_0101u32);
                         }
                     }
                     #[unroll]
