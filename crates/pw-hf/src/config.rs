@@ -320,10 +320,9 @@ impl<'a> Fields<'a> {
     fn opt_usize(&self, field: &str) -> Result<Option<usize>> {
         match self.get(field) {
             None => Ok(None),
-            Some(v) => v
-                .as_u64()
-                .map(|x| Some(x as usize))
-                .ok_or_else(|| self.err(field, format!("expected a non-negative integer, got {v}"))),
+            Some(v) => v.as_u64().map(|x| Some(x as usize)).ok_or_else(|| {
+                self.err(field, format!("expected a non-negative integer, got {v}"))
+            }),
         }
     }
 
@@ -397,9 +396,11 @@ impl<'a> Fields<'a> {
     fn eos(&self) -> Result<Vec<u32>> {
         match self.get("eos_token_id") {
             None => Ok(Vec::new()),
-            Some(Value::Number(n)) => Ok(vec![n.as_u64().ok_or_else(|| {
-                self.err("eos_token_id", "expected a non-negative integer")
-            })? as u32]),
+            Some(Value::Number(n)) => Ok(vec![
+                n.as_u64()
+                    .ok_or_else(|| self.err("eos_token_id", "expected a non-negative integer"))?
+                    as u32,
+            ]),
             Some(Value::Array(a)) => a
                 .iter()
                 .map(|v| {
@@ -477,7 +478,10 @@ impl<'a> Fields<'a> {
             other => return Err(self.err("rope_type", format!("unsupported rope type `{other}`"))),
         };
         if ty == "default" && factor != 1.0 {
-            return Err(self.err("factor", "a scaling factor needs rope_type linear or proportional"));
+            return Err(self.err(
+                "factor",
+                "a scaling factor needs rope_type linear or proportional",
+            ));
         }
         Ok(RopeSpec {
             theta,
@@ -642,10 +646,16 @@ fn parse_gemma4(f: &Fields, multimodal: bool) -> Result<Gemma4Config> {
         ));
     }
     if f.opt_usize("num_kv_shared_layers")?.unwrap_or(0) > 0 {
-        return Err(f.err("num_kv_shared_layers", "KV sharing across layers is not supported"));
+        return Err(f.err(
+            "num_kv_shared_layers",
+            "KV sharing across layers is not supported",
+        ));
     }
     if f.opt_str("use_bidirectional_attention")?.as_deref() == Some("all") {
-        return Err(f.err("use_bidirectional_attention", "bidirectional attention is not supported"));
+        return Err(f.err(
+            "use_bidirectional_attention",
+            "bidirectional attention is not supported",
+        ));
     }
     let sliding: Vec<bool> = match f.layer_types(n)? {
         Some(t) => t,
@@ -800,7 +810,9 @@ mod tests {
             "mlp_only_layers":[],"use_sliding_window":false,"sliding_window":32768,"max_window_layers":21}"#,
         )
         .unwrap();
-        let ModelConfig::Qwen2Moe(c) = c else { panic!() };
+        let ModelConfig::Qwen2Moe(c) = c else {
+            panic!()
+        };
         assert_eq!(c.rope.theta, 1e6);
         assert!(c.sparse_layers.iter().all(|&s| s));
         assert!(c.layer_windows.iter().all(Option::is_none));
@@ -840,9 +852,13 @@ mod tests {
 
     #[test]
     fn errors_name_the_field() {
-        let e = parse(r#"{"model_type":"mixtral","vocab_size":10,"num_attention_heads":4}"#).unwrap_err();
+        let e = parse(r#"{"model_type":"mixtral","vocab_size":10,"num_attention_heads":4}"#)
+            .unwrap_err();
         let msg = e.to_string();
-        assert!(msg.contains("config.json") && msg.contains("hidden_size"), "{msg}");
+        assert!(
+            msg.contains("config.json") && msg.contains("hidden_size"),
+            "{msg}"
+        );
         let e = parse(&GEMMA_RELEASE.replace("\"num_experts\":128", "\"num_experts\":\"x\""))
             .unwrap_err()
             .to_string();

@@ -281,7 +281,8 @@ impl<B: Backend> DenseExperts<B> {
             let gu = xs.matmul(self.gate_up.val().narrow(0, ex, 1).reshape([h, i2]));
             let g = gu.clone().narrow(1, 0, i);
             let u = gu.narrow(1, i, i);
-            let y = (self.act.apply(g) * u).matmul(self.down.val().narrow(0, ex, 1).reshape([i, h]));
+            let y =
+                (self.act.apply(g) * u).matmul(self.down.val().narrow(0, ex, 1).reshape([i, h]));
             let y = y * flat_w.clone().select(0, slot);
             out = out.select_assign(0, tok, y, IndexingUpdateOp::Add);
         }

@@ -81,9 +81,11 @@ impl<B: Backend> WeightSource<B> for RandomInit<B> {
 
     fn read(&self, name: &str, expected: &[usize]) -> Result<Vec<f32>, LoadError> {
         // FNV-1a of the name, then a SplitMix64 stream: reproducible without a rand dependency.
-        let mut state = name.bytes().fold(0xcbf2_9ce4_8422_2325u64 ^ self.seed, |h, b| {
-            (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
-        });
+        let mut state = name
+            .bytes()
+            .fold(0xcbf2_9ce4_8422_2325u64 ^ self.seed, |h, b| {
+                (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+            });
         let n: usize = expected.iter().product();
         let centre = if name.contains("norm") || name.ends_with("scale") {
             1.0

@@ -8,8 +8,8 @@ use burn::tensor::activation::tanh;
 use burn::tensor::{Int, Tensor, backend::Backend};
 use pw_hf::Gemma4Config;
 use pw_nn::{
-    Attention, AttentionConfig, Embedding, ExpertKeys, Experts, GatedMlp, GatedMlpConfig, LoadError,
-    NormKind, RandomInit, RmsNorm, Router, RouterConfig, WeightSource,
+    Attention, AttentionConfig, Embedding, ExpertKeys, Experts, GatedMlp, GatedMlpConfig,
+    LoadError, NormKind, RandomInit, RmsNorm, Router, RouterConfig, WeightSource,
 };
 
 use crate::common::{CausalLm, ModelCache, Trace, act};
@@ -147,7 +147,11 @@ impl<B: Backend> Gemma4<B> {
                         intermediate: cfg.intermediate_size,
                         act: act(cfg.hidden_activation),
                     }
-                    .load(src, &format!("{p}.mlp"), ["gate_proj", "up_proj", "down_proj"])?,
+                    .load(
+                        src,
+                        &format!("{p}.mlp"),
+                        ["gate_proj", "up_proj", "down_proj"],
+                    )?,
                     moe,
                     post_feedforward_layernorm: norm(format!("{p}.post_feedforward_layernorm"))?,
                     layer_scalar: Param::from_tensor(layer_scalar),
@@ -160,12 +164,7 @@ impl<B: Backend> Gemma4<B> {
             ));
         }
         Ok(Self {
-            embed_tokens: Embedding::load(
-                src,
-                &format!("{root}.embed_tokens"),
-                cfg.vocab_size,
-                h,
-            )?,
+            embed_tokens: Embedding::load(src, &format!("{root}.embed_tokens"), cfg.vocab_size, h)?,
             // transformers casts √hidden to the weight dtype; f32 here.
             embed_scale: (h as f64).sqrt(),
             layers,
@@ -192,7 +191,9 @@ impl<B: Backend> CausalLm<B> for Gemma4<B> {
             h = residual + layer.post_attention_layernorm.forward(x);
 
             let residual = h.clone();
-            let x = layer.mlp.forward(layer.pre_feedforward_layernorm.forward(h));
+            let x = layer
+                .mlp
+                .forward(layer.pre_feedforward_layernorm.forward(h));
             let (x, routing) = match &layer.moe {
                 None => (x, None),
                 Some(moe) => {
@@ -203,8 +204,13 @@ impl<B: Backend> CausalLm<B> for Gemma4<B> {
                     let y = moe
                         .experts
                         .forward(moe.pre_feedforward_layernorm_2.forward(flat), &routing);
-                    let y = moe.post_feedforward_layernorm_2.forward(y.reshape([b, t, d]));
-                    (moe.post_feedforward_layernorm_1.forward(x) + y, Some(routing))
+                    let y = moe
+                        .post_feedforward_layernorm_2
+                        .forward(y.reshape([b, t, d]));
+                    (
+                        moe.post_feedforward_layernorm_1.forward(x) + y,
+                        Some(routing),
+                    )
                 }
             };
             h = residual + layer.post_feedforward_layernorm.forward(x);

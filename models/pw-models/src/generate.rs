@@ -76,7 +76,10 @@ impl Sampler {
         if self.cfg.top_k > 0 && self.cfg.top_k < keep {
             // Ties with the k-th logit survive, as in transformers.
             let threshold = logits[order[self.cfg.top_k - 1]];
-            keep = order.iter().take_while(|&&i| logits[i] >= threshold).count();
+            keep = order
+                .iter()
+                .take_while(|&&i| logits[i] >= threshold)
+                .count();
         }
         let max = logits[order[0]] as f64;
         let weights: Vec<f64> = order[..keep]

@@ -116,7 +116,11 @@ impl<B: Backend> Qwen2Moe<B> {
                             intermediate: cfg.intermediate_size,
                             act,
                         }
-                        .load(src, &format!("{p}.mlp"), ["gate_proj", "up_proj", "down_proj"])?,
+                        .load(
+                            src,
+                            &format!("{p}.mlp"),
+                            ["gate_proj", "up_proj", "down_proj"],
+                        )?,
                     )
                 };
                 Ok(Qwen2MoeDecoderLayer {

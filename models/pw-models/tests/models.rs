@@ -11,13 +11,14 @@ use pw_models::{AnyModel, CausalLm, ModelError, Sampler, SamplingConfig, Trace, 
 
 type B = NdArray<f32>;
 
-/// f32 checkpoint vs the f32 PyTorch reference (CPU): only summation order differs.
-const F32_TOL: f32 = 2e-4;
+/// f32 checkpoint vs the f32 PyTorch reference (CPU): only summation order differs
+/// (observed at most 8e-6 relative, on Gemma's logits).
+const F32_TOL: f32 = 5e-5;
 /// Half-precision checkpoints, compared with a reference run in f32 on the same rounded
 /// weights: the same bound, the conversion itself must be exact.
-const HALF_TOL: f32 = 2e-4;
+const HALF_TOL: f32 = 5e-5;
 /// Cached decoding vs recomputing the whole sequence in our own implementation.
-const CACHE_TOL: f32 = 1e-4;
+const CACHE_TOL: f32 = 2e-5;
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -27,7 +28,10 @@ fn fixture(name: &str) -> PathBuf {
 
 fn host(t: Tensor<B, 3>) -> (Vec<usize>, Vec<f32>) {
     let dims = t.dims().to_vec();
-    (dims, t.into_data().convert::<f32>().to_vec::<f32>().unwrap())
+    (
+        dims,
+        t.into_data().convert::<f32>().to_vec::<f32>().unwrap(),
+    )
 }
 
 /// Largest absolute difference, relative to the reference's largest magnitude when above one.
@@ -81,10 +85,19 @@ fn check_against_reference(model_dir: &str, ref_dir: &str, tol: f32) {
     for (i, h) in trace.hidden.iter().enumerate() {
         let (_, got) = host(h.clone());
         let err = rel_err(&got, &r.f32(&format!("hidden.{i}")));
-        assert!(err <= tol, "{model_dir}: hidden state {i}: error {err:e} > {tol:e}");
+        if std::env::var_os("PW_SHOW_ERR").is_some() {
+            eprintln!("{model_dir}: hidden {i} error {err:e}");
+        }
+        assert!(
+            err <= tol,
+            "{model_dir}: hidden state {i}: error {err:e} > {tol:e}"
+        );
     }
     let (_, got) = host(logits);
     let err = rel_err(&got, &r.f32("logits"));
+    if std::env::var_os("PW_SHOW_ERR").is_some() {
+        eprintln!("{model_dir}: logits error {err:e}");
+    }
     assert!(err <= tol, "{model_dir}: logits error {err:e} > {tol:e}");
 
     let mut moe_layers = 0;
@@ -146,7 +159,10 @@ fn check_against_reference(model_dir: &str, ref_dir: &str, tol: f32) {
             .to_vec::<f32>()
             .unwrap();
         let err = rel_err(&probs, &r.f32(&format!("router.{l}.probs")));
-        assert!(err <= tol, "{model_dir}: layer {l} router probabilities error {err:e}");
+        assert!(
+            err <= tol,
+            "{model_dir}: layer {l} router probabilities error {err:e}"
+        );
     }
     assert!(moe_layers > 0, "{model_dir}: no routed layer checked");
 }
@@ -166,7 +182,8 @@ fn check_generation(model_dir: &str, ref_dir: &str) {
     let mut step_logits = Vec::new();
     // Re-run the cached loop by hand to keep each step's logits.
     let mut cache = model.new_cache();
-    let mut logits = last_logits(model.forward(ids_tensor::<B>(&prompt, &device), &mut cache, None));
+    let mut logits =
+        last_logits(model.forward(ids_tensor::<B>(&prompt, &device), &mut cache, None));
     let mut got = Vec::new();
     for _ in 0..want.len() {
         let tok = argmax(&logits);
@@ -174,17 +191,30 @@ fn check_generation(model_dir: &str, ref_dir: &str) {
         step_logits.push(logits.clone());
         logits = last_logits(model.forward(ids_tensor::<B>(&[tok], &device), &mut cache, None));
     }
-    assert_eq!(got, want, "{model_dir}: greedy tokens differ from transformers");
+    assert_eq!(
+        got, want,
+        "{model_dir}: greedy tokens differ from transformers"
+    );
     let via_api = generate(&model, &prompt, &mut sampler, &device, |_| true);
-    assert_eq!(via_api, got, "{model_dir}: generate() differs from the manual loop");
+    assert_eq!(
+        via_api, got,
+        "{model_dir}: generate() differs from the manual loop"
+    );
 
     let mut seq = prompt.clone();
     for (step, tok) in got.iter().enumerate() {
         let mut fresh = model.new_cache();
         let full = last_logits(model.forward(ids_tensor::<B>(&seq, &device), &mut fresh, None));
-        assert_eq!(argmax(&full), *tok, "{model_dir}: step {step}: cache changes the choice");
+        assert_eq!(
+            argmax(&full),
+            *tok,
+            "{model_dir}: step {step}: cache changes the choice"
+        );
         let err = rel_err(&step_logits[step], &full);
-        assert!(err <= CACHE_TOL, "{model_dir}: step {step}: cached logits error {err:e}");
+        assert!(
+            err <= CACHE_TOL,
+            "{model_dir}: step {step}: cached logits error {err:e}"
+        );
         seq.push(*tok);
     }
 }
@@ -283,17 +313,27 @@ fn bad_checkpoints_give_errors_that_name_the_culprit() {
     )
     .unwrap();
     let e = load_err(tmp.path());
-    assert!(e.contains("experts.0.w1.weight") && e.contains("[40, 32]"), "{e}");
+    assert!(
+        e.contains("experts.0.w1.weight") && e.contains("[40, 32]"),
+        "{e}"
+    );
 
     // Missing config field.
     let cfg = cfg.replace("\"num_local_experts\": 4,", "");
     std::fs::write(tmp.path().join("config.json"), cfg).unwrap();
     let e = load_err(tmp.path());
-    assert!(e.contains("config.json") && e.contains("num_local_experts"), "{e}");
+    assert!(
+        e.contains("config.json") && e.contains("num_local_experts"),
+        "{e}"
+    );
 
     // No weights at all.
     let tmp = tempfile::tempdir().unwrap();
-    std::fs::copy(fixture("mixtral/config.json"), tmp.path().join("config.json")).unwrap();
+    std::fs::copy(
+        fixture("mixtral/config.json"),
+        tmp.path().join("config.json"),
+    )
+    .unwrap();
     let e = load_err(tmp.path());
     assert!(e.contains("model.safetensors"), "{e}");
 
