@@ -34,9 +34,9 @@ impl RopeSpec {
         let half = head_dim / 2;
         let rotating = match self.kind {
             RopeKind::Default => half,
-            RopeKind::Proportional {
-                partial_rotary_factor,
-            } => ((partial_rotary_factor * head_dim as f64) as usize / 2).min(half),
+            RopeKind::Proportional { partial_rotary_factor } => {
+                ((partial_rotary_factor * head_dim as f64) as usize / 2).min(half)
+            }
         };
         (0..half)
             .map(|i| {
@@ -217,19 +217,15 @@ impl ModelConfig {
     /// Reads a config file.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|source| HfError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| HfError::Io { path: path.to_path_buf(), source })?;
         Self::from_json_str(&text, path)
     }
 
     /// Parses config JSON; `path` is only used in error messages.
     pub fn from_json_str(text: &str, path: &Path) -> Result<Self> {
-        let value: Value = serde_json::from_str(text).map_err(|source| HfError::Json {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let value: Value = serde_json::from_str(text)
+            .map_err(|source| HfError::Json { path: path.to_path_buf(), source })?;
         let root = Fields::root(&value, path)?;
         let model_type = root.req_str("model_type")?;
         match model_type.as_str() {
@@ -242,7 +238,9 @@ impl ModelConfig {
             }
             other => Err(root.err(
                 "model_type",
-                format!("unsupported model type `{other}` (expected mixtral, qwen2_moe, gemma4 or gemma4_text)"),
+                format!(
+                    "unsupported model type `{other}` (expected mixtral, qwen2_moe, gemma4 or gemma4_text)"
+                ),
             )),
         }
     }
@@ -280,11 +278,7 @@ impl<'a> Fields<'a> {
             field: "<root>".into(),
             message: "not a JSON object".into(),
         })?;
-        Ok(Self {
-            obj,
-            path: path.to_path_buf(),
-            prefix: String::new(),
-        })
+        Ok(Self { obj, path: path.to_path_buf(), prefix: String::new() })
     }
 
     fn name(&self, field: &str) -> String {
@@ -292,11 +286,7 @@ impl<'a> Fields<'a> {
     }
 
     fn err(&self, field: &str, message: impl Into<String>) -> HfError {
-        HfError::Config {
-            path: self.path.clone(),
-            field: self.name(field),
-            message: message.into(),
-        }
+        HfError::Config { path: self.path.clone(), field: self.name(field), message: message.into() }
     }
 
     /// The field, treating JSON `null` as absent.
@@ -310,25 +300,21 @@ impl<'a> Fields<'a> {
             .ok_or_else(|| self.err(field, "missing"))?
             .as_object()
             .ok_or_else(|| self.err(field, "not an object"))?;
-        Ok(Fields {
-            obj,
-            path: self.path.clone(),
-            prefix: format!("{}{}.", self.prefix, field),
-        })
+        Ok(Fields { obj, path: self.path.clone(), prefix: format!("{}{}.", self.prefix, field) })
     }
 
     fn opt_usize(&self, field: &str) -> Result<Option<usize>> {
         match self.get(field) {
             None => Ok(None),
-            Some(v) => v.as_u64().map(|x| Some(x as usize)).ok_or_else(|| {
-                self.err(field, format!("expected a non-negative integer, got {v}"))
-            }),
+            Some(v) => v
+                .as_u64()
+                .map(|x| Some(x as usize))
+                .ok_or_else(|| self.err(field, format!("expected a non-negative integer, got {v}"))),
         }
     }
 
     fn req_usize(&self, field: &str) -> Result<usize> {
-        self.opt_usize(field)?
-            .ok_or_else(|| self.err(field, "missing"))
+        self.opt_usize(field)?.ok_or_else(|| self.err(field, "missing"))
     }
 
     fn positive(&self, field: &str) -> Result<usize> {
@@ -342,10 +328,9 @@ impl<'a> Fields<'a> {
     fn opt_f64(&self, field: &str) -> Result<Option<f64>> {
         match self.get(field) {
             None => Ok(None),
-            Some(v) => v
-                .as_f64()
-                .map(Some)
-                .ok_or_else(|| self.err(field, format!("expected a number, got {v}"))),
+            Some(v) => {
+                v.as_f64().map(Some).ok_or_else(|| self.err(field, format!("expected a number, got {v}")))
+            }
         }
     }
 
@@ -356,9 +341,7 @@ impl<'a> Fields<'a> {
     fn bool_or(&self, field: &str, default: bool) -> Result<bool> {
         match self.get(field) {
             None => Ok(default),
-            Some(v) => v
-                .as_bool()
-                .ok_or_else(|| self.err(field, format!("expected true or false, got {v}"))),
+            Some(v) => v.as_bool().ok_or_else(|| self.err(field, format!("expected true or false, got {v}"))),
         }
     }
 
@@ -373,10 +356,9 @@ impl<'a> Fields<'a> {
     fn opt_str(&self, field: &str) -> Result<Option<String>> {
         match self.get(field) {
             None => Ok(None),
-            Some(v) => v
-                .as_str()
-                .map(|s| Some(s.to_string()))
-                .ok_or_else(|| self.err(field, "expected a string")),
+            Some(v) => {
+                v.as_str().map(|s| Some(s.to_string())).ok_or_else(|| self.err(field, "expected a string"))
+            }
         }
     }
 
@@ -384,9 +366,7 @@ impl<'a> Fields<'a> {
         match self.opt_str(field)?.as_deref() {
             None => Ok(default),
             Some("silu") | Some("swish") => Ok(Activation::Silu),
-            Some("gelu_pytorch_tanh") | Some("gelu_new") | Some("gelu_fast") => {
-                Ok(Activation::GeluTanh)
-            }
+            Some("gelu_pytorch_tanh") | Some("gelu_new") | Some("gelu_fast") => Ok(Activation::GeluTanh),
             Some("gelu") => Ok(Activation::Gelu),
             Some(other) => Err(self.err(field, format!("unsupported activation `{other}`"))),
         }
@@ -397,16 +377,12 @@ impl<'a> Fields<'a> {
         match self.get("eos_token_id") {
             None => Ok(Vec::new()),
             Some(Value::Number(n)) => Ok(vec![
-                n.as_u64()
-                    .ok_or_else(|| self.err("eos_token_id", "expected a non-negative integer"))?
-                    as u32,
+                n.as_u64().ok_or_else(|| self.err("eos_token_id", "expected a non-negative integer"))? as u32,
             ]),
             Some(Value::Array(a)) => a
                 .iter()
                 .map(|v| {
-                    v.as_u64()
-                        .map(|x| x as u32)
-                        .ok_or_else(|| self.err("eos_token_id", "expected integers"))
+                    v.as_u64().map(|x| x as u32).ok_or_else(|| self.err("eos_token_id", "expected integers"))
                 })
                 .collect(),
             Some(v) => Err(self.err("eos_token_id", format!("unexpected value {v}"))),
@@ -455,9 +431,7 @@ impl<'a> Fields<'a> {
 
     /// This object is one rope-parameters dict.
     fn rope_spec(&self, default_theta: f64) -> Result<RopeSpec> {
-        let ty = self
-            .opt_str("rope_type")?
-            .unwrap_or_else(|| "default".into());
+        let ty = self.opt_str("rope_type")?.unwrap_or_else(|| "default".into());
         let theta = self.f64_or("rope_theta", default_theta)?;
         let factor = self.f64_or("factor", 1.0)?;
         let kind = match ty.as_str() {
@@ -472,36 +446,24 @@ impl<'a> Fields<'a> {
                 RopeKind::Default
             }
             "linear" => RopeKind::Default,
-            "proportional" => RopeKind::Proportional {
-                partial_rotary_factor: self.f64_or("partial_rotary_factor", 1.0)?,
-            },
+            "proportional" => {
+                RopeKind::Proportional { partial_rotary_factor: self.f64_or("partial_rotary_factor", 1.0)? }
+            }
             other => return Err(self.err("rope_type", format!("unsupported rope type `{other}`"))),
         };
         if ty == "default" && factor != 1.0 {
-            return Err(self.err(
-                "factor",
-                "a scaling factor needs rope_type linear or proportional",
-            ));
+            return Err(self.err("factor", "a scaling factor needs rope_type linear or proportional"));
         }
-        Ok(RopeSpec {
-            theta,
-            kind,
-            factor,
-        })
+        Ok(RopeSpec { theta, kind, factor })
     }
 
     fn layer_types(&self, n: usize) -> Result<Option<Vec<bool>>> {
         let Some(v) = self.get("layer_types") else {
             return Ok(None);
         };
-        let arr = v
-            .as_array()
-            .ok_or_else(|| self.err("layer_types", "expected a list"))?;
+        let arr = v.as_array().ok_or_else(|| self.err("layer_types", "expected a list"))?;
         if arr.len() != n {
-            return Err(self.err(
-                "layer_types",
-                format!("has {} entries for {n} layers", arr.len()),
-            ));
+            return Err(self.err("layer_types", format!("has {} entries for {n} layers", arr.len())));
         }
         arr.iter()
             .map(|t| match t.as_str() {
@@ -516,9 +478,7 @@ impl<'a> Fields<'a> {
 
 fn parse_mixtral(f: &Fields) -> Result<MixtralConfig> {
     let num_attention_heads = f.positive("num_attention_heads")?;
-    let num_key_value_heads = f
-        .opt_usize("num_key_value_heads")?
-        .unwrap_or(num_attention_heads);
+    let num_key_value_heads = f.opt_usize("num_key_value_heads")?.unwrap_or(num_attention_heads);
     check_gqa(f, num_attention_heads, num_key_value_heads)?;
     let cfg = MixtralConfig {
         vocab_size: f.positive("vocab_size")?,
@@ -545,10 +505,7 @@ fn parse_mixtral(f: &Fields) -> Result<MixtralConfig> {
 
 fn check_gqa(f: &Fields, heads: usize, kv: usize) -> Result<()> {
     if kv == 0 || heads % kv != 0 {
-        return Err(f.err(
-            "num_key_value_heads",
-            format!("{kv} does not divide num_attention_heads {heads}"),
-        ));
+        return Err(f.err("num_key_value_heads", format!("{kv} does not divide num_attention_heads {heads}")));
     }
     Ok(())
 }
@@ -556,9 +513,7 @@ fn check_gqa(f: &Fields, heads: usize, kv: usize) -> Result<()> {
 fn parse_qwen2_moe(f: &Fields) -> Result<Qwen2MoeConfig> {
     let n = f.positive("num_hidden_layers")?;
     let num_attention_heads = f.positive("num_attention_heads")?;
-    let num_key_value_heads = f
-        .opt_usize("num_key_value_heads")?
-        .unwrap_or(num_attention_heads);
+    let num_key_value_heads = f.opt_usize("num_key_value_heads")?.unwrap_or(num_attention_heads);
     check_gqa(f, num_attention_heads, num_key_value_heads)?;
     let mlp_only: Vec<usize> = match f.get("mlp_only_layers") {
         None => Vec::new(),
@@ -567,9 +522,7 @@ fn parse_qwen2_moe(f: &Fields) -> Result<Qwen2MoeConfig> {
             .ok_or_else(|| f.err("mlp_only_layers", "expected a list"))?
             .iter()
             .map(|x| {
-                x.as_u64()
-                    .map(|x| x as usize)
-                    .ok_or_else(|| f.err("mlp_only_layers", "expected integers"))
+                x.as_u64().map(|x| x as usize).ok_or_else(|| f.err("mlp_only_layers", "expected integers"))
             })
             .collect::<Result<_>>()?,
     };
@@ -582,21 +535,10 @@ fn parse_qwen2_moe(f: &Fields) -> Result<Qwen2MoeConfig> {
     let window = f.opt_usize("sliding_window")?.filter(|&w| w > 0);
     let use_sliding = f.bool_or("use_sliding_window", false)?;
     let layer_windows = match f.layer_types(n)? {
-        Some(types) => types
-            .into_iter()
-            .map(|s| if s { window } else { None })
-            .collect(),
+        Some(types) => types.into_iter().map(|s| if s { window } else { None }).collect(),
         None => {
             let max_window_layers = f.opt_usize("max_window_layers")?.unwrap_or(n);
-            (0..n)
-                .map(|i| {
-                    if use_sliding && i >= max_window_layers {
-                        window
-                    } else {
-                        None
-                    }
-                })
-                .collect()
+            (0..n).map(|i| if use_sliding && i >= max_window_layers { window } else { None }).collect()
         }
     };
     let cfg = Qwen2MoeConfig {
@@ -614,9 +556,7 @@ fn parse_qwen2_moe(f: &Fields) -> Result<Qwen2MoeConfig> {
         num_experts,
         num_experts_per_tok: f.opt_usize("num_experts_per_tok")?.unwrap_or(0),
         moe_intermediate_size: f.opt_usize("moe_intermediate_size")?.unwrap_or(0),
-        shared_expert_intermediate_size: f
-            .opt_usize("shared_expert_intermediate_size")?
-            .unwrap_or(0),
+        shared_expert_intermediate_size: f.opt_usize("shared_expert_intermediate_size")?.unwrap_or(0),
         norm_topk_prob: f.bool_or("norm_topk_prob", false)?,
         sparse_layers,
         tie_word_embeddings: f.bool_or("tie_word_embeddings", false)?,
@@ -625,10 +565,7 @@ fn parse_qwen2_moe(f: &Fields) -> Result<Qwen2MoeConfig> {
     };
     if cfg.sparse_layers.iter().any(|&s| s) {
         if cfg.num_experts_per_tok == 0 || cfg.num_experts_per_tok > cfg.num_experts {
-            return Err(f.err(
-                "num_experts_per_tok",
-                format!("must be in 1..={}", cfg.num_experts),
-            ));
+            return Err(f.err("num_experts_per_tok", format!("must be in 1..={}", cfg.num_experts)));
         }
         if cfg.moe_intermediate_size == 0 {
             return Err(f.err("moe_intermediate_size", "missing or zero"));
@@ -646,16 +583,10 @@ fn parse_gemma4(f: &Fields, multimodal: bool) -> Result<Gemma4Config> {
         ));
     }
     if f.opt_usize("num_kv_shared_layers")?.unwrap_or(0) > 0 {
-        return Err(f.err(
-            "num_kv_shared_layers",
-            "KV sharing across layers is not supported",
-        ));
+        return Err(f.err("num_kv_shared_layers", "KV sharing across layers is not supported"));
     }
     if f.opt_str("use_bidirectional_attention")?.as_deref() == Some("all") {
-        return Err(f.err(
-            "use_bidirectional_attention",
-            "bidirectional attention is not supported",
-        ));
+        return Err(f.err("use_bidirectional_attention", "bidirectional attention is not supported"));
     }
     let sliding: Vec<bool> = match f.layer_types(n)? {
         Some(t) => t,
@@ -669,12 +600,7 @@ fn parse_gemma4(f: &Fields, multimodal: bool) -> Result<Gemma4Config> {
 
     let mut layers: Vec<Gemma4LayerSpec> = sliding
         .iter()
-        .map(|&s| Gemma4LayerSpec {
-            sliding: s,
-            head_dim,
-            num_key_value_heads: kv,
-            k_eq_v: k_eq_v && !s,
-        })
+        .map(|&s| Gemma4LayerSpec { sliding: s, head_dim, num_key_value_heads: kv, k_eq_v: k_eq_v && !s })
         .collect();
     if f.get("per_layer_config").is_some() {
         // transformers >= 5.17 form: {"<layer index>": {"head_dim": .., "num_key_value_heads": ..}}.
@@ -715,10 +641,7 @@ fn parse_gemma4(f: &Fields, multimodal: bool) -> Result<Gemma4Config> {
     let (rope_sliding, rope_full) = if f.get("rope_parameters").is_some() {
         let rp = f.child("rope_parameters")?;
         if rp.get("sliding_attention").is_some() || rp.get("full_attention").is_some() {
-            (
-                rp.child("sliding_attention")?.rope_spec(1e4)?,
-                rp.child("full_attention")?.rope_spec(1e6)?,
-            )
+            (rp.child("sliding_attention")?.rope_spec(1e4)?, rp.child("full_attention")?.rope_spec(1e6)?)
         } else {
             let one = rp.rope_spec(1e4)?;
             (one, one)
@@ -728,16 +651,8 @@ fn parse_gemma4(f: &Fields, multimodal: bool) -> Result<Gemma4Config> {
         let theta = f.f64_or("rope_theta", 1e6)?;
         let local = f.f64_or("rope_local_base_freq", 1e4)?;
         (
-            RopeSpec {
-                theta: local,
-                kind: RopeKind::Default,
-                factor: 1.0,
-            },
-            RopeSpec {
-                theta,
-                kind: RopeKind::Default,
-                factor: 1.0,
-            },
+            RopeSpec { theta: local, kind: RopeKind::Default, factor: 1.0 },
+            RopeSpec { theta, kind: RopeKind::Default, factor: 1.0 },
         )
     };
 
@@ -810,9 +725,7 @@ mod tests {
             "mlp_only_layers":[],"use_sliding_window":false,"sliding_window":32768,"max_window_layers":21}"#,
         )
         .unwrap();
-        let ModelConfig::Qwen2Moe(c) = c else {
-            panic!()
-        };
+        let ModelConfig::Qwen2Moe(c) = c else { panic!() };
         assert_eq!(c.rope.theta, 1e6);
         assert!(c.sparse_layers.iter().all(|&s| s));
         assert!(c.layer_windows.iter().all(Option::is_none));
@@ -830,9 +743,7 @@ mod tests {
 
     #[test]
     fn gemma4_release_flat_global_head_dim() {
-        let ModelConfig::Gemma4(c) = parse(GEMMA_RELEASE).unwrap() else {
-            panic!()
-        };
+        let ModelConfig::Gemma4(c) = parse(GEMMA_RELEASE).unwrap() else { panic!() };
         assert!(c.multimodal);
         assert_eq!(c.layers.len(), 30);
         let full: Vec<usize> = (0..30).filter(|&i| !c.layers[i].sliding).collect();
@@ -852,13 +763,9 @@ mod tests {
 
     #[test]
     fn errors_name_the_field() {
-        let e = parse(r#"{"model_type":"mixtral","vocab_size":10,"num_attention_heads":4}"#)
-            .unwrap_err();
+        let e = parse(r#"{"model_type":"mixtral","vocab_size":10,"num_attention_heads":4}"#).unwrap_err();
         let msg = e.to_string();
-        assert!(
-            msg.contains("config.json") && msg.contains("hidden_size"),
-            "{msg}"
-        );
+        assert!(msg.contains("config.json") && msg.contains("hidden_size"), "{msg}");
         let e = parse(&GEMMA_RELEASE.replace("\"num_experts\":128", "\"num_experts\":\"x\""))
             .unwrap_err()
             .to_string();

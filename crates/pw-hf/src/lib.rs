@@ -9,8 +9,7 @@ mod error;
 mod safetensors_io;
 
 pub use config::{
-    Activation, Gemma4Config, Gemma4LayerSpec, MixtralConfig, ModelConfig, Qwen2MoeConfig,
-    RopeKind, RopeSpec,
+    Activation, Gemma4Config, Gemma4LayerSpec, MixtralConfig, ModelConfig, Qwen2MoeConfig, RopeKind, RopeSpec,
 };
 pub use error::HfError;
 pub use safetensors_io::{Checkpoint, DType, HostTensor};

@@ -104,23 +104,15 @@ impl Checkpoint {
         let index = dir.join("model.safetensors.index.json");
         let single = dir.join("model.safetensors");
         let files: Vec<PathBuf> = if index.exists() {
-            let text = std::fs::read_to_string(&index).map_err(|source| HfError::Io {
+            let text = std::fs::read_to_string(&index)
+                .map_err(|source| HfError::Io { path: index.clone(), source })?;
+            let json: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|source| HfError::Json { path: index.clone(), source })?;
+            let map = json.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| HfError::Config {
                 path: index.clone(),
-                source,
+                field: "weight_map".into(),
+                message: "missing or not an object".into(),
             })?;
-            let json: serde_json::Value =
-                serde_json::from_str(&text).map_err(|source| HfError::Json {
-                    path: index.clone(),
-                    source,
-                })?;
-            let map = json
-                .get("weight_map")
-                .and_then(|m| m.as_object())
-                .ok_or_else(|| HfError::Config {
-                    path: index.clone(),
-                    field: "weight_map".into(),
-                    message: "missing or not an object".into(),
-                })?;
             let mut names: Vec<String> = Vec::new();
             for (tensor, file) in map {
                 let file = file.as_str().ok_or_else(|| HfError::Config {
@@ -136,11 +128,7 @@ impl Checkpoint {
             for name in names {
                 let p = dir.join(&name);
                 if let Err(source) = File::open(&p) {
-                    return Err(HfError::MissingShard {
-                        index: index.clone(),
-                        shard: name,
-                        source,
-                    });
+                    return Err(HfError::MissingShard { index: index.clone(), shard: name, source });
                 }
                 paths.push(p);
             }
@@ -158,10 +146,7 @@ impl Checkpoint {
         let mut shards = Vec::new();
         let mut entries = BTreeMap::new();
         for path in files {
-            let map = map_file(path).map_err(|source| HfError::Io {
-                path: path.clone(),
-                source,
-            })?;
+            let map = map_file(path).map_err(|source| HfError::Io { path: path.clone(), source })?;
             let bad = |e: safetensors::SafeTensorError| HfError::Safetensors {
                 path: path.clone(),
                 message: e.to_string(),
@@ -181,16 +166,9 @@ impl Checkpoint {
                     },
                 );
             }
-            shards.push(Shard {
-                path: path.clone(),
-                map,
-            });
+            shards.push(Shard { path: path.clone(), map });
         }
-        Ok(Self {
-            dir,
-            shards,
-            entries,
-        })
+        Ok(Self { dir, shards, entries })
     }
 
     /// The model directory.
@@ -211,10 +189,7 @@ impl Checkpoint {
     fn entry(&self, name: &str) -> Result<&Entry> {
         self.entries
             .get(name)
-            .ok_or_else(|| HfError::MissingTensor {
-                name: name.to_string(),
-                dir: self.dir.clone(),
-            })
+            .ok_or_else(|| HfError::MissingTensor { name: name.to_string(), dir: self.dir.clone() })
     }
 
     /// Stored dtype and shape of a tensor.
@@ -230,18 +205,13 @@ impl Checkpoint {
         let bytes = &shard.map[e.start..e.end];
         // Decode little-endian element by element: the mapping has no alignment guarantee.
         let data: Vec<f32> = match e.dtype {
-            DType::F32 => bytes
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect(),
-            DType::F16 => bytes
-                .chunks_exact(2)
-                .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
-                .collect(),
-            DType::BF16 => bytes
-                .chunks_exact(2)
-                .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
-                .collect(),
+            DType::F32 => {
+                bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+            }
+            DType::F16 => bytes.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+            DType::BF16 => {
+                bytes.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect()
+            }
             other => {
                 return Err(HfError::DType {
                     name: name.to_string(),
@@ -251,10 +221,7 @@ impl Checkpoint {
                 });
             }
         };
-        Ok(HostTensor {
-            shape: e.shape.clone(),
-            data,
-        })
+        Ok(HostTensor { shape: e.shape.clone(), data })
     }
 
     /// Reads an `I64` tensor (token ids, expert indices in reference files).

@@ -51,12 +51,7 @@ pub struct KvCache<B: Backend> {
 
 impl<B: Backend> Default for KvCache<B> {
     fn default() -> Self {
-        Self {
-            k: None,
-            v: None,
-            first: 0,
-            next: 0,
-        }
+        Self { k: None, v: None, first: 0, next: 0 }
     }
 }
 
@@ -126,30 +121,16 @@ impl AttentionConfig {
                 Linear::load(src, &p, d_in, d_out, false)
             }
         };
-        let norm = |name: &str, kind| {
-            RmsNorm::load(src, &format!("{prefix}.{name}"), hd, self.norm_eps, kind)
-        };
+        let norm =
+            |name: &str, kind| RmsNorm::load(src, &format!("{prefix}.{name}"), hd, self.norm_eps, kind);
         Ok(Attention {
             q_proj: proj("q_proj", h, q_out, self.qkv_bias)?,
             k_proj: proj("k_proj", h, kv_out, self.qkv_bias)?,
-            v_proj: if self.k_eq_v {
-                None
-            } else {
-                Some(proj("v_proj", h, kv_out, self.qkv_bias)?)
-            },
+            v_proj: if self.k_eq_v { None } else { Some(proj("v_proj", h, kv_out, self.qkv_bias)?) },
             o_proj: proj("o_proj", q_out, h, false)?,
-            q_norm: self
-                .qk_norm
-                .then(|| norm("q_norm", NormKind::Scale))
-                .transpose()?,
-            k_norm: self
-                .qk_norm
-                .then(|| norm("k_norm", NormKind::Scale))
-                .transpose()?,
-            v_norm: self
-                .v_norm
-                .then(|| norm("v_norm", NormKind::Weightless))
-                .transpose()?,
+            q_norm: self.qk_norm.then(|| norm("q_norm", NormKind::Scale)).transpose()?,
+            k_norm: self.qk_norm.then(|| norm("k_norm", NormKind::Scale)).transpose()?,
+            v_norm: self.v_norm.then(|| norm("v_norm", NormKind::Weightless)).transpose()?,
             n_heads: self.n_heads,
             n_kv_heads: self.n_kv_heads,
             head_dim: hd,
@@ -218,24 +199,15 @@ impl<B: Backend> Attention<B> {
             if rep == 1 {
                 m
             } else {
-                m.unsqueeze_dim::<5>(2)
-                    .expand([b, nkv, rep, s, hd])
-                    .reshape([b, nh, s, hd])
+                m.unsqueeze_dim::<5>(2).expand([b, nkv, rep, s, hd]).reshape([b, nh, s, hd])
             }
         };
         let scores = q.matmul(expand(k.clone()).swap_dims(2, 3)) * self.scale + mask;
         let probs = softmax(scores, 3);
-        let out = probs
-            .matmul(expand(v.clone()))
-            .swap_dims(1, 2)
-            .reshape([b, t, nh * hd]);
+        let out = probs.matmul(expand(v.clone())).swap_dims(1, 2).reshape([b, t, nh * hd]);
 
         // Keep only what future queries can still see.
-        let keep = if self.window > 0 {
-            s.min(self.window - 1)
-        } else {
-            s
-        };
+        let keep = if self.window > 0 { s.min(self.window - 1) } else { s };
         if keep > 0 {
             cache.k = Some(k.narrow(2, s - keep, keep));
             cache.v = Some(v.narrow(2, s - keep, keep));

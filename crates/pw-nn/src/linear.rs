@@ -24,21 +24,14 @@ impl<B: Backend> Linear<B> {
         bias: bool,
     ) -> Result<Self, LoadError> {
         let w = src.read(&format!("{prefix}.weight"), &[d_out, d_in])?;
-        let weight = Tensor::from_data(
-            TensorData::new(transpose(&w, d_out, d_in), [d_in, d_out]),
-            &src.device(),
-        );
+        let weight =
+            Tensor::from_data(TensorData::new(transpose(&w, d_out, d_in), [d_in, d_out]), &src.device());
         let bias = if bias {
-            Some(Param::from_tensor(
-                src.tensor(&format!("{prefix}.bias"), [d_out])?,
-            ))
+            Some(Param::from_tensor(src.tensor(&format!("{prefix}.bias"), [d_out])?))
         } else {
             None
         };
-        Ok(Self {
-            weight: Param::from_tensor(weight),
-            bias,
-        })
+        Ok(Self { weight: Param::from_tensor(weight), bias })
     }
 
     /// Loads the bias only if the checkpoint has one.
@@ -86,9 +79,7 @@ impl<B: Backend> Embedding<B> {
         vocab: usize,
         hidden: usize,
     ) -> Result<Self, LoadError> {
-        Ok(Self {
-            weight: Param::from_tensor(src.tensor(&format!("{prefix}.weight"), [vocab, hidden])?),
-        })
+        Ok(Self { weight: Param::from_tensor(src.tensor(&format!("{prefix}.weight"), [vocab, hidden])?) })
     }
 
     /// Looks up token ids.
@@ -99,10 +90,7 @@ impl<B: Backend> Embedding<B> {
     pub fn forward(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
         let [b, t] = ids.dims();
         let [_, h] = self.weight.dims();
-        self.weight
-            .val()
-            .select(0, ids.reshape([b * t]))
-            .reshape([b, t, h])
+        self.weight.val().select(0, ids.reshape([b * t])).reshape([b, t, h])
     }
 
     /// Scores hidden states against every embedding (tied output head).
@@ -113,8 +101,6 @@ impl<B: Backend> Embedding<B> {
     pub fn attend(&self, h: Tensor<B, 3>) -> Tensor<B, 3> {
         let [b, t, d] = h.dims();
         let [v, _] = self.weight.dims();
-        h.reshape([b * t, d])
-            .matmul(self.weight.val().transpose())
-            .reshape([b, t, v])
+        h.reshape([b * t, d]).matmul(self.weight.val().transpose()).reshape([b, t, v])
     }
 }

@@ -64,19 +64,13 @@ pub struct Router<B: Backend> {
 impl RouterConfig {
     /// Loads `{prefix}.weight` (Mixtral/Qwen `gate`) or the Gemma `{prefix}.proj` / `.scale` /
     /// `.per_expert_scale`.
-    pub fn load<B: Backend>(
-        &self,
-        src: &impl WeightSource<B>,
-        prefix: &str,
-    ) -> Result<Router<B>, LoadError> {
+    pub fn load<B: Backend>(&self, src: &impl WeightSource<B>, prefix: &str) -> Result<Router<B>, LoadError> {
         let (h, e) = (self.hidden, self.num_experts);
         Ok(if self.gemma_scaling {
             Router {
                 proj: Linear::load(src, &format!("{prefix}.proj"), h, e, false)?,
                 norm: Some(RmsNorm::weightless(self.norm_eps)),
-                scale: Some(Param::from_tensor(
-                    src.tensor(&format!("{prefix}.scale"), [h])?,
-                )),
+                scale: Some(Param::from_tensor(src.tensor(&format!("{prefix}.scale"), [h])?)),
                 per_expert_scale: Some(Param::from_tensor(
                     src.tensor(&format!("{prefix}.per_expert_scale"), [e])?,
                 )),
@@ -129,12 +123,7 @@ impl<B: Backend> Router<B> {
             let flat: Tensor<B, 1, Int> = idx.reshape([t * self.top_k]);
             weights = weights * pes.val().select(0, flat).reshape([t, self.top_k]);
         }
-        Routing {
-            indices,
-            weights,
-            probs,
-            k: self.top_k,
-        }
+        Routing { indices, weights, probs, k: self.top_k }
     }
 }
 
@@ -179,21 +168,15 @@ impl<B: Backend> Experts<B> {
         let (e, h, i) = (num_experts, cfg.hidden, cfg.intermediate);
         let mut gate_up = Vec::with_capacity(e * h * 2 * i);
         let mut down = Vec::with_capacity(e * i * h);
-        if let Some(p) = keys
-            .fused
-            .iter()
-            .find(|p| src.has(&format!("{p}.gate_up_proj")))
-        {
+        if let Some(p) = keys.fused.iter().find(|p| src.has(&format!("{p}.gate_up_proj"))) {
             let gu = src.read(&format!("{p}.gate_up_proj"), &[e, 2 * i, h])?;
             let dn = src.read(&format!("{p}.down_proj"), &[e, h, i])?;
             for x in 0..e {
                 gate_up.extend(transpose(&gu[x * 2 * i * h..(x + 1) * 2 * i * h], 2 * i, h));
                 down.extend(transpose(&dn[x * h * i..(x + 1) * h * i], h, i));
             }
-        } else if let Some((p, [g, u, d])) = keys
-            .per_expert
-            .iter()
-            .find(|(p, [g, _, _])| src.has(&format!("{p}.0.{g}.weight")))
+        } else if let Some((p, [g, u, d])) =
+            keys.per_expert.iter().find(|(p, [g, _, _])| src.has(&format!("{p}.0.{g}.weight")))
         {
             for x in 0..e {
                 let gw = src.read(&format!("{p}.{x}.{g}.weight"), &[i, h])?;
@@ -206,26 +189,13 @@ impl<B: Backend> Experts<B> {
                 down.extend(transpose(&dw, h, i));
             }
         } else {
-            let mut tried: Vec<String> = keys
-                .fused
-                .iter()
-                .map(|p| format!("{p}.gate_up_proj"))
-                .collect();
-            tried.extend(
-                keys.per_expert
-                    .iter()
-                    .map(|(p, [g, _, _])| format!("{p}.0.{g}.weight")),
-            );
-            return Err(LoadError::Missing {
-                name: tried.join(" or "),
-            });
+            let mut tried: Vec<String> = keys.fused.iter().map(|p| format!("{p}.gate_up_proj")).collect();
+            tried.extend(keys.per_expert.iter().map(|(p, [g, _, _])| format!("{p}.0.{g}.weight")));
+            return Err(LoadError::Missing { name: tried.join(" or ") });
         }
         let device = src.device();
         Ok(Experts::Dense(DenseExperts {
-            gate_up: Param::from_tensor(Tensor::from_data(
-                TensorData::new(gate_up, [e, h, 2 * i]),
-                &device,
-            )),
+            gate_up: Param::from_tensor(Tensor::from_data(TensorData::new(gate_up, [e, h, 2 * i]), &device)),
             down: Param::from_tensor(Tensor::from_data(TensorData::new(down, [e, i, h]), &device)),
             act: cfg.act,
         }))
@@ -281,8 +251,7 @@ impl<B: Backend> DenseExperts<B> {
             let gu = xs.matmul(self.gate_up.val().narrow(0, ex, 1).reshape([h, i2]));
             let g = gu.clone().narrow(1, 0, i);
             let u = gu.narrow(1, i, i);
-            let y =
-                (self.act.apply(g) * u).matmul(self.down.val().narrow(0, ex, 1).reshape([i, h]));
+            let y = (self.act.apply(g) * u).matmul(self.down.val().narrow(0, ex, 1).reshape([i, h]));
             let y = y * flat_w.clone().select(0, slot);
             out = out.select_assign(0, tok, y, IndexingUpdateOp::Add);
         }

@@ -38,24 +38,14 @@ impl<B: Backend> RmsNorm<B> {
     ) -> Result<Self, LoadError> {
         let weight = match kind {
             NormKind::Weightless => None,
-            _ => Some(Param::from_tensor(
-                src.tensor(&format!("{prefix}.weight"), [dim])?,
-            )),
+            _ => Some(Param::from_tensor(src.tensor(&format!("{prefix}.weight"), [dim])?)),
         };
-        Ok(Self {
-            weight,
-            eps,
-            one_plus: kind == NormKind::OnePlus,
-        })
+        Ok(Self { weight, eps, one_plus: kind == NormKind::OnePlus })
     }
 
     /// A weightless norm (nothing to load).
     pub fn weightless(eps: f64) -> Self {
-        Self {
-            weight: None,
-            eps,
-            one_plus: false,
-        }
+        Self { weight: None, eps, one_plus: false }
     }
 
     /// Normalises the last dimension.

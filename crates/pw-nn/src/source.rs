@@ -37,16 +37,9 @@ pub trait WeightSource<B: Backend> {
     fn read(&self, name: &str, expected: &[usize]) -> Result<Vec<f32>, LoadError>;
 
     /// Reads `name` into a tensor of shape `expected`.
-    fn tensor<const D: usize>(
-        &self,
-        name: &str,
-        expected: [usize; D],
-    ) -> Result<Tensor<B, D>, LoadError> {
+    fn tensor<const D: usize>(&self, name: &str, expected: [usize; D]) -> Result<Tensor<B, D>, LoadError> {
         let data = self.read(name, &expected)?;
-        Ok(Tensor::from_data(
-            TensorData::new(data, expected),
-            &self.device(),
-        ))
+        Ok(Tensor::from_data(TensorData::new(data, expected), &self.device()))
     }
 }
 
@@ -62,11 +55,7 @@ pub struct RandomInit<B: Backend> {
 impl<B: Backend> RandomInit<B> {
     /// Weights with standard deviation `std`, derived from `seed` and each tensor's name.
     pub fn new(device: &B::Device, seed: u64, std: f32) -> Self {
-        Self {
-            device: device.clone(),
-            seed,
-            std,
-        }
+        Self { device: device.clone(), seed, std }
     }
 }
 
@@ -83,15 +72,9 @@ impl<B: Backend> WeightSource<B> for RandomInit<B> {
         // FNV-1a of the name, then a SplitMix64 stream: reproducible without a rand dependency.
         let mut state = name
             .bytes()
-            .fold(0xcbf2_9ce4_8422_2325u64 ^ self.seed, |h, b| {
-                (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
-            });
+            .fold(0xcbf2_9ce4_8422_2325u64 ^ self.seed, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
         let n: usize = expected.iter().product();
-        let centre = if name.contains("norm") || name.ends_with("scale") {
-            1.0
-        } else {
-            0.0
-        };
+        let centre = if name.contains("norm") || name.ends_with("scale") { 1.0 } else { 0.0 };
         Ok((0..n)
             .map(|_| {
                 state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);

@@ -31,10 +31,7 @@ pub struct HfSource<'a, B: Backend> {
 impl<'a, B: Backend> HfSource<'a, B> {
     /// Reads from `ckpt` onto `device`.
     pub fn new(ckpt: &'a Checkpoint, device: &B::Device) -> Self {
-        Self {
-            ckpt,
-            device: device.clone(),
-        }
+        Self { ckpt, device: device.clone() }
     }
 }
 
@@ -49,9 +46,7 @@ impl<B: Backend> WeightSource<B> for HfSource<'_, B> {
 
     fn read(&self, name: &str, expected: &[usize]) -> Result<Vec<f32>, LoadError> {
         let (_, shape) = self.ckpt.info(name).map_err(|e| match e {
-            HfError::MissingTensor { .. } => LoadError::Missing {
-                name: name.to_string(),
-            },
+            HfError::MissingTensor { .. } => LoadError::Missing { name: name.to_string() },
             other => LoadError::Source(other.to_string()),
         })?;
         // Scalars saved as [1] and [] are the same thing.
@@ -63,10 +58,7 @@ impl<B: Backend> WeightSource<B> for HfSource<'_, B> {
                 got: shape.to_vec(),
             });
         }
-        self.ckpt
-            .read_f32(name)
-            .map(|t| t.data)
-            .map_err(|e| LoadError::Source(e.to_string()))
+        self.ckpt.read_f32(name).map(|t| t.data).map_err(|e| LoadError::Source(e.to_string()))
     }
 }
 
@@ -88,9 +80,7 @@ pub struct ModelCache<B: Backend> {
 impl<B: Backend> ModelCache<B> {
     /// Empty caches for `n` layers.
     pub fn new(n: usize) -> Self {
-        Self {
-            layers: (0..n).map(|_| KvCache::new()).collect(),
-        }
+        Self { layers: (0..n).map(|_| KvCache::new()).collect() }
     }
 
     /// Tokens already processed.
@@ -110,10 +100,7 @@ pub struct Trace<B: Backend> {
 
 impl<B: Backend> Default for Trace<B> {
     fn default() -> Self {
-        Self {
-            hidden: Vec::new(),
-            routing: Vec::new(),
-        }
+        Self { hidden: Vec::new(), routing: Vec::new() }
     }
 }
 
@@ -181,10 +168,7 @@ impl<B: Backend> AnyModel<B> {
         device: &B::Device,
     ) -> Result<Self, ModelError> {
         let src = HfSource::<B>::new(ckpt, device);
-        let wrap = |source| ModelError::Load {
-            dir: ckpt.dir().display().to_string(),
-            source,
-        };
+        let wrap = |source| ModelError::Load { dir: ckpt.dir().display().to_string(), source };
         Ok(match config {
             ModelConfig::Mixtral(c) => Self::Mixtral(Mixtral::load(c, &src).map_err(wrap)?),
             ModelConfig::Qwen2Moe(c) => Self::Qwen2Moe(Qwen2Moe::load(c, &src).map_err(wrap)?),

@@ -8,8 +8,8 @@ use burn::tensor::activation::tanh;
 use burn::tensor::{Int, Tensor, backend::Backend};
 use pw_hf::Gemma4Config;
 use pw_nn::{
-    Attention, AttentionConfig, Embedding, ExpertKeys, Experts, GatedMlp, GatedMlpConfig,
-    LoadError, NormKind, RandomInit, RmsNorm, Router, RouterConfig, WeightSource,
+    Attention, AttentionConfig, Embedding, ExpertKeys, Experts, GatedMlp, GatedMlpConfig, LoadError,
+    NormKind, RandomInit, RmsNorm, Router, RouterConfig, WeightSource,
 };
 
 use crate::common::{CausalLm, ModelCache, Trace, act};
@@ -73,11 +73,7 @@ impl<B: Backend> Gemma4<B> {
             .enumerate()
             .map(|(i, spec)| {
                 let p = format!("{root}.layers.{i}");
-                let rope = if spec.sliding {
-                    cfg.rope_sliding
-                } else {
-                    cfg.rope_full
-                };
+                let rope = if spec.sliding { cfg.rope_sliding } else { cfg.rope_full };
                 let attn = AttentionConfig {
                     hidden: h,
                     n_heads: cfg.num_attention_heads,
@@ -104,10 +100,7 @@ impl<B: Backend> Gemma4<B> {
                     };
                     let keys = ExpertKeys {
                         fused: vec![format!("{p}.experts")],
-                        per_expert: vec![(
-                            format!("{p}.experts"),
-                            ["gate_proj", "up_proj", "down_proj"],
-                        )],
+                        per_expert: vec![(format!("{p}.experts"), ["gate_proj", "up_proj", "down_proj"])],
                     };
                     let expert = GatedMlpConfig {
                         hidden: h,
@@ -117,15 +110,9 @@ impl<B: Backend> Gemma4<B> {
                     Some(Gemma4Moe {
                         router: router.load(src, &format!("{p}.router"))?,
                         experts: Experts::load_dense(src, &keys, cfg.num_experts, expert)?,
-                        post_feedforward_layernorm_1: norm(format!(
-                            "{p}.post_feedforward_layernorm_1"
-                        ))?,
-                        pre_feedforward_layernorm_2: norm(format!(
-                            "{p}.pre_feedforward_layernorm_2"
-                        ))?,
-                        post_feedforward_layernorm_2: norm(format!(
-                            "{p}.post_feedforward_layernorm_2"
-                        ))?,
+                        post_feedforward_layernorm_1: norm(format!("{p}.post_feedforward_layernorm_1"))?,
+                        pre_feedforward_layernorm_2: norm(format!("{p}.pre_feedforward_layernorm_2"))?,
+                        post_feedforward_layernorm_2: norm(format!("{p}.post_feedforward_layernorm_2"))?,
                     })
                 } else {
                     None
@@ -159,9 +146,7 @@ impl<B: Backend> Gemma4<B> {
             })
             .collect::<Result<Vec<_>, LoadError>>()?;
         if !cfg.tie_word_embeddings {
-            return Err(LoadError::Source(
-                "Gemma-4 with an untied lm_head is not supported".into(),
-            ));
+            return Err(LoadError::Source("Gemma-4 with an untied lm_head is not supported".into()));
         }
         Ok(Self {
             embed_tokens: Embedding::load(src, &format!("{root}.embed_tokens"), cfg.vocab_size, h)?,
@@ -191,9 +176,7 @@ impl<B: Backend> CausalLm<B> for Gemma4<B> {
             h = residual + layer.post_attention_layernorm.forward(x);
 
             let residual = h.clone();
-            let x = layer
-                .mlp
-                .forward(layer.pre_feedforward_layernorm.forward(h));
+            let x = layer.mlp.forward(layer.pre_feedforward_layernorm.forward(h));
             let (x, routing) = match &layer.moe {
                 None => (x, None),
                 Some(moe) => {
@@ -201,16 +184,9 @@ impl<B: Backend> CausalLm<B> for Gemma4<B> {
                     // The router and experts read the residual itself, not the MLP's input.
                     let flat = residual.clone().reshape([b * t, d]);
                     let routing = moe.router.forward(flat.clone());
-                    let y = moe
-                        .experts
-                        .forward(moe.pre_feedforward_layernorm_2.forward(flat), &routing);
-                    let y = moe
-                        .post_feedforward_layernorm_2
-                        .forward(y.reshape([b, t, d]));
-                    (
-                        moe.post_feedforward_layernorm_1.forward(x) + y,
-                        Some(routing),
-                    )
+                    let y = moe.experts.forward(moe.pre_feedforward_layernorm_2.forward(flat), &routing);
+                    let y = moe.post_feedforward_layernorm_2.forward(y.reshape([b, t, d]));
+                    (moe.post_feedforward_layernorm_1.forward(x) + y, Some(routing))
                 }
             };
             h = residual + layer.post_feedforward_layernorm.forward(x);

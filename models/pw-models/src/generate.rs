@@ -23,14 +23,7 @@ pub struct SamplingConfig {
 
 impl Default for SamplingConfig {
     fn default() -> Self {
-        Self {
-            temperature: 0.0,
-            top_k: 0,
-            top_p: 1.0,
-            seed: 0,
-            max_tokens: 128,
-            stop_tokens: Vec::new(),
-        }
+        Self { temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0, max_tokens: 128, stop_tokens: Vec::new() }
     }
 }
 
@@ -76,16 +69,10 @@ impl Sampler {
         if self.cfg.top_k > 0 && self.cfg.top_k < keep {
             // Ties with the k-th logit survive, as in transformers.
             let threshold = logits[order[self.cfg.top_k - 1]];
-            keep = order
-                .iter()
-                .take_while(|&&i| logits[i] >= threshold)
-                .count();
+            keep = order.iter().take_while(|&&i| logits[i] >= threshold).count();
         }
         let max = logits[order[0]] as f64;
-        let weights: Vec<f64> = order[..keep]
-            .iter()
-            .map(|&i| ((logits[i] as f64 - max) / t).exp())
-            .collect();
+        let weights: Vec<f64> = order[..keep].iter().map(|&i| ((logits[i] as f64 - max) / t).exp()).collect();
         let total: f64 = weights.iter().sum();
         if self.cfg.top_p < 1.0 {
             let mut cum = 0.0;
@@ -131,13 +118,7 @@ pub fn ids_tensor<B: Backend>(ids: &[u32], device: &B::Device) -> Tensor<B, 2, I
 /// Last position's logits of a `[1, seq, vocab]` output, on the host.
 pub fn last_logits<B: Backend>(logits: Tensor<B, 3>) -> Vec<f32> {
     let [_, t, v] = logits.dims();
-    logits
-        .narrow(1, t - 1, 1)
-        .reshape([v])
-        .into_data()
-        .convert::<f32>()
-        .to_vec::<f32>()
-        .expect("f32 logits")
+    logits.narrow(1, t - 1, 1).reshape([v]).into_data().convert::<f32>().to_vec::<f32>().expect("f32 logits")
 }
 
 /// Generates up to `max_tokens` tokens after `prompt`, calling `on_token` with each as it is
@@ -159,10 +140,7 @@ pub fn generate<B: Backend, M: CausalLm<B>>(
         let tok = sampler.sample(&logits);
         out.push(tok);
         let go_on = on_token(tok);
-        if !go_on
-            || sampler.config().stop_tokens.contains(&tok)
-            || out.len() >= sampler.config().max_tokens
-        {
+        if !go_on || sampler.config().stop_tokens.contains(&tok) || out.len() >= sampler.config().max_tokens {
             return out;
         }
         logits = last_logits(model.forward(ids_tensor::<B>(&[tok], device), &mut cache, None));
@@ -174,13 +152,7 @@ mod tests {
     use super::*;
 
     fn cfg(temperature: f32, top_k: usize, top_p: f32, seed: u64) -> SamplingConfig {
-        SamplingConfig {
-            temperature,
-            top_k,
-            top_p,
-            seed,
-            ..Default::default()
-        }
+        SamplingConfig { temperature, top_k, top_p, seed, ..Default::default() }
     }
 
     #[test]

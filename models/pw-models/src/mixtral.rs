@@ -5,8 +5,8 @@ use burn::module::Module;
 use burn::tensor::{Int, Tensor, backend::Backend};
 use pw_hf::MixtralConfig;
 use pw_nn::{
-    Attention, AttentionConfig, Embedding, ExpertKeys, Experts, GatedMlpConfig, Linear, LoadError,
-    NormKind, RandomInit, RmsNorm, RouterConfig, SparseMoe, WeightSource,
+    Attention, AttentionConfig, Embedding, ExpertKeys, Experts, GatedMlpConfig, Linear, LoadError, NormKind,
+    RandomInit, RmsNorm, RouterConfig, SparseMoe, WeightSource,
 };
 
 use crate::common::{CausalLm, ModelCache, Trace, act};
@@ -63,11 +63,8 @@ impl<B: Backend> Mixtral<B> {
             gemma_scaling: false,
             norm_eps: eps,
         };
-        let expert = GatedMlpConfig {
-            hidden: h,
-            intermediate: cfg.intermediate_size,
-            act: act(cfg.hidden_act),
-        };
+        let expert =
+            GatedMlpConfig { hidden: h, intermediate: cfg.intermediate_size, act: act(cfg.hidden_act) };
         let layers = (0..cfg.num_hidden_layers)
             .map(|i| {
                 let p = format!("model.layers.{i}");

@@ -6,8 +6,8 @@ use burn::module::Module;
 use burn::tensor::{Int, Tensor, backend::Backend};
 use pw_hf::Qwen2MoeConfig;
 use pw_nn::{
-    Attention, AttentionConfig, Embedding, ExpertKeys, Experts, GatedMlp, GatedMlpConfig, Linear,
-    LoadError, NormKind, RandomInit, RmsNorm, RouterConfig, SharedExpert, SparseMoe, WeightSource,
+    Attention, AttentionConfig, Embedding, ExpertKeys, Experts, GatedMlp, GatedMlpConfig, Linear, LoadError,
+    NormKind, RandomInit, RmsNorm, RouterConfig, SharedExpert, SparseMoe, WeightSource,
 };
 
 use crate::common::{CausalLm, ModelCache, Trace, act};
@@ -80,16 +80,9 @@ impl<B: Backend> Qwen2Moe<B> {
                 let mlp = if cfg.sparse_layers[i] {
                     let keys = ExpertKeys {
                         fused: vec![format!("{p}.mlp.experts")],
-                        per_expert: vec![(
-                            format!("{p}.mlp.experts"),
-                            ["gate_proj", "up_proj", "down_proj"],
-                        )],
+                        per_expert: vec![(format!("{p}.mlp.experts"), ["gate_proj", "up_proj", "down_proj"])],
                     };
-                    let expert = GatedMlpConfig {
-                        hidden: h,
-                        intermediate: cfg.moe_intermediate_size,
-                        act,
-                    };
+                    let expert = GatedMlpConfig { hidden: h, intermediate: cfg.moe_intermediate_size, act };
                     let shared = if cfg.shared_expert_intermediate_size > 0 {
                         Some(SharedExpert::load(
                             src,
@@ -111,12 +104,7 @@ impl<B: Backend> Qwen2Moe<B> {
                     })
                 } else {
                     Qwen2MoeMlp::Dense(
-                        GatedMlpConfig {
-                            hidden: h,
-                            intermediate: cfg.intermediate_size,
-                            act,
-                        }
-                        .load(
+                        GatedMlpConfig { hidden: h, intermediate: cfg.intermediate_size, act }.load(
                             src,
                             &format!("{p}.mlp"),
                             ["gate_proj", "up_proj", "down_proj"],

@@ -21,28 +21,19 @@ const HALF_TOL: f32 = 5e-5;
 const CACHE_TOL: f32 = 2e-5;
 
 fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
 }
 
 fn host(t: Tensor<B, 3>) -> (Vec<usize>, Vec<f32>) {
     let dims = t.dims().to_vec();
-    (
-        dims,
-        t.into_data().convert::<f32>().to_vec::<f32>().unwrap(),
-    )
+    (dims, t.into_data().convert::<f32>().to_vec::<f32>().unwrap())
 }
 
 /// Largest absolute difference, relative to the reference's largest magnitude when above one.
 fn rel_err(got: &[f32], want: &[f32]) -> f32 {
     assert_eq!(got.len(), want.len());
     let scale = want.iter().fold(1f32, |m, x| m.max(x.abs()));
-    got.iter()
-        .zip(want)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0f32, f32::max)
-        / scale
+    got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max) / scale
 }
 
 struct Reference {
@@ -51,21 +42,14 @@ struct Reference {
 
 impl Reference {
     fn open(dir: &Path) -> Self {
-        let ckpt =
-            Checkpoint::from_files(dir.to_path_buf(), &[dir.join("ref.safetensors")]).unwrap();
+        let ckpt = Checkpoint::from_files(dir.to_path_buf(), &[dir.join("ref.safetensors")]).unwrap();
         Self { ckpt }
     }
     fn f32(&self, name: &str) -> Vec<f32> {
         self.ckpt.read_f32(name).unwrap().data
     }
     fn ids(&self, name: &str) -> Vec<u32> {
-        self.ckpt
-            .read_i64(name)
-            .unwrap()
-            .1
-            .into_iter()
-            .map(|x| x as u32)
-            .collect()
+        self.ckpt.read_i64(name).unwrap().1.into_iter().map(|x| x as u32).collect()
     }
     fn i64(&self, name: &str) -> Vec<i64> {
         self.ckpt.read_i64(name).unwrap().1
@@ -88,10 +72,7 @@ fn check_against_reference(model_dir: &str, ref_dir: &str, tol: f32) {
         if std::env::var_os("PW_SHOW_ERR").is_some() {
             eprintln!("{model_dir}: hidden {i} error {err:e}");
         }
-        assert!(
-            err <= tol,
-            "{model_dir}: hidden state {i}: error {err:e} > {tol:e}"
-        );
+        assert!(err <= tol, "{model_dir}: hidden state {i}: error {err:e} > {tol:e}");
     }
     let (_, got) = host(logits);
     let err = rel_err(&got, &r.f32("logits"));
@@ -103,35 +84,18 @@ fn check_against_reference(model_dir: &str, ref_dir: &str, tol: f32) {
     let mut moe_layers = 0;
     for (l, routing) in trace.routing.iter().enumerate() {
         let Some(routing) = routing else {
-            assert!(
-                !r.ckpt.contains(&format!("router.{l}.idx")),
-                "{model_dir}: layer {l} should be routed"
-            );
+            assert!(!r.ckpt.contains(&format!("router.{l}.idx")), "{model_dir}: layer {l} should be routed");
             continue;
         };
         moe_layers += 1;
         let want_idx = r.i64(&format!("router.{l}.idx"));
         let want_w = r.f32(&format!("router.{l}.weights"));
-        let got_w = routing
-            .weights
-            .clone()
-            .into_data()
-            .convert::<f32>()
-            .to_vec::<f32>()
-            .unwrap();
+        let got_w = routing.weights.clone().into_data().convert::<f32>().to_vec::<f32>().unwrap();
         let k = routing.k;
-        for (tok, (got, want)) in routing
-            .indices
-            .chunks(k)
-            .zip(want_idx.chunks(k))
-            .enumerate()
-        {
+        for (tok, (got, want)) in routing.indices.chunks(k).zip(want_idx.chunks(k)).enumerate() {
             // Same experts with the same weights; the order within a token is irrelevant.
-            let mut g: Vec<(usize, f32)> = got
-                .iter()
-                .copied()
-                .zip(got_w[tok * k..(tok + 1) * k].iter().copied())
-                .collect();
+            let mut g: Vec<(usize, f32)> =
+                got.iter().copied().zip(got_w[tok * k..(tok + 1) * k].iter().copied()).collect();
             let mut w: Vec<(usize, f32)> = want
                 .iter()
                 .map(|&x| x as usize)
@@ -151,18 +115,9 @@ fn check_against_reference(model_dir: &str, ref_dir: &str, tol: f32) {
                 );
             }
         }
-        let probs = routing
-            .probs
-            .clone()
-            .into_data()
-            .convert::<f32>()
-            .to_vec::<f32>()
-            .unwrap();
+        let probs = routing.probs.clone().into_data().convert::<f32>().to_vec::<f32>().unwrap();
         let err = rel_err(&probs, &r.f32(&format!("router.{l}.probs")));
-        assert!(
-            err <= tol,
-            "{model_dir}: layer {l} router probabilities error {err:e}"
-        );
+        assert!(err <= tol, "{model_dir}: layer {l} router probabilities error {err:e}");
     }
     assert!(moe_layers > 0, "{model_dir}: no routed layer checked");
 }
@@ -175,15 +130,11 @@ fn check_generation(model_dir: &str, ref_dir: &str) {
     let r = Reference::open(&fixture(ref_dir));
     let prompt = r.ids("input_ids");
     let want = r.ids("generated");
-    let mut sampler = Sampler::new(SamplingConfig {
-        max_tokens: want.len(),
-        ..Default::default()
-    });
+    let mut sampler = Sampler::new(SamplingConfig { max_tokens: want.len(), ..Default::default() });
     let mut step_logits = Vec::new();
     // Re-run the cached loop by hand to keep each step's logits.
     let mut cache = model.new_cache();
-    let mut logits =
-        last_logits(model.forward(ids_tensor::<B>(&prompt, &device), &mut cache, None));
+    let mut logits = last_logits(model.forward(ids_tensor::<B>(&prompt, &device), &mut cache, None));
     let mut got = Vec::new();
     for _ in 0..want.len() {
         let tok = argmax(&logits);
@@ -191,30 +142,17 @@ fn check_generation(model_dir: &str, ref_dir: &str) {
         step_logits.push(logits.clone());
         logits = last_logits(model.forward(ids_tensor::<B>(&[tok], &device), &mut cache, None));
     }
-    assert_eq!(
-        got, want,
-        "{model_dir}: greedy tokens differ from transformers"
-    );
+    assert_eq!(got, want, "{model_dir}: greedy tokens differ from transformers");
     let via_api = generate(&model, &prompt, &mut sampler, &device, |_| true);
-    assert_eq!(
-        via_api, got,
-        "{model_dir}: generate() differs from the manual loop"
-    );
+    assert_eq!(via_api, got, "{model_dir}: generate() differs from the manual loop");
 
     let mut seq = prompt.clone();
     for (step, tok) in got.iter().enumerate() {
         let mut fresh = model.new_cache();
         let full = last_logits(model.forward(ids_tensor::<B>(&seq, &device), &mut fresh, None));
-        assert_eq!(
-            argmax(&full),
-            *tok,
-            "{model_dir}: step {step}: cache changes the choice"
-        );
+        assert_eq!(argmax(&full), *tok, "{model_dir}: step {step}: cache changes the choice");
         let err = rel_err(&step_logits[step], &full);
-        assert!(
-            err <= CACHE_TOL,
-            "{model_dir}: step {step}: cached logits error {err:e}"
-        );
+        assert!(err <= CACHE_TOL, "{model_dir}: step {step}: cached logits error {err:e}");
         seq.push(*tok);
     }
 }
@@ -313,37 +251,23 @@ fn bad_checkpoints_give_errors_that_name_the_culprit() {
     )
     .unwrap();
     let e = load_err(tmp.path());
-    assert!(
-        e.contains("experts.0.w1.weight") && e.contains("[40, 32]"),
-        "{e}"
-    );
+    assert!(e.contains("experts.0.w1.weight") && e.contains("[40, 32]"), "{e}");
 
     // Missing config field.
     let cfg = cfg.replace("\"num_local_experts\": 4,", "");
     std::fs::write(tmp.path().join("config.json"), cfg).unwrap();
     let e = load_err(tmp.path());
-    assert!(
-        e.contains("config.json") && e.contains("num_local_experts"),
-        "{e}"
-    );
+    assert!(e.contains("config.json") && e.contains("num_local_experts"), "{e}");
 
     // No weights at all.
     let tmp = tempfile::tempdir().unwrap();
-    std::fs::copy(
-        fixture("mixtral/config.json"),
-        tmp.path().join("config.json"),
-    )
-    .unwrap();
+    std::fs::copy(fixture("mixtral/config.json"), tmp.path().join("config.json")).unwrap();
     let e = load_err(tmp.path());
     assert!(e.contains("model.safetensors"), "{e}");
 
     // Missing tensor.
     let tmp = copy_fixture("gemma4");
-    std::fs::copy(
-        fixture("mixtral/model.safetensors"),
-        tmp.path().join("model.safetensors"),
-    )
-    .unwrap();
+    std::fs::copy(fixture("mixtral/model.safetensors"), tmp.path().join("model.safetensors")).unwrap();
     let e = load_err(tmp.path());
     assert!(e.contains("missing") && e.contains("model.layers.0"), "{e}");
 }
@@ -351,9 +275,7 @@ fn bad_checkpoints_give_errors_that_name_the_culprit() {
 #[test]
 fn random_init_models_run() {
     let device = Default::default();
-    let ModelConfig::Gemma4(cfg) = ModelConfig::from_dir(fixture("gemma4")).unwrap() else {
-        panic!()
-    };
+    let ModelConfig::Gemma4(cfg) = ModelConfig::from_dir(fixture("gemma4")).unwrap() else { panic!() };
     let model = pw_models::Gemma4::<B>::init(&cfg, &device);
     let mut cache = model.new_cache();
     let logits = model.forward(ids_tensor::<B>(&[3, 4, 5], &device), &mut cache, None);
