@@ -5,6 +5,8 @@ use clap::{Parser, Subcommand};
 use pw_format::{ApBlock, Checkpoint, MANIFEST_FILE, StFile};
 use std::path::{Path, PathBuf};
 
+mod models_cmd;
+
 #[derive(Parser)]
 #[command(
     name = "pagedweight",
@@ -34,6 +36,11 @@ enum Command {
     /// and print, per bit-width, the relative Frobenius error ‖W − Ŵ_b‖/‖W‖
     /// as JSON lines {"bits":b,"rel_err":x}.
     QuantizeTensor(QuantizeTensorArgs),
+    /// Run a Hugging Face MoE checkpoint once over the prompt and write its logits
+    /// (f32 tensor `logits` [T, V]) to a safetensors file.
+    Logits(models_cmd::LogitsArgs),
+    /// Stream a completion of a prompt from a Hugging Face MoE checkpoint.
+    Generate(models_cmd::GenerateArgs),
 }
 
 #[derive(clap::Args)]
@@ -63,6 +70,8 @@ fn main() -> Result<()> {
     match Cli::parse().command {
         Command::Inspect { path, blocks } => inspect(&path, blocks),
         Command::QuantizeTensor(args) => quantize_tensor(&args),
+        Command::Logits(args) => models_cmd::logits(&args),
+        Command::Generate(args) => models_cmd::generate(&args),
     }
 }
 
