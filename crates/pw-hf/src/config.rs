@@ -395,7 +395,7 @@ impl<'a> Fields<'a> {
             _ => {
                 let hidden = self.positive("hidden_size")?;
                 let heads = self.positive("num_attention_heads")?;
-                if hidden % heads != 0 {
+                if !hidden.is_multiple_of(heads) {
                     return Err(self.err(
                         "num_attention_heads",
                         format!("does not divide hidden_size {hidden} and head_dim is not given"),
@@ -504,7 +504,7 @@ fn parse_mixtral(f: &Fields) -> Result<MixtralConfig> {
 }
 
 fn check_gqa(f: &Fields, heads: usize, kv: usize) -> Result<()> {
-    if kv == 0 || heads % kv != 0 {
+    if kv == 0 || !heads.is_multiple_of(kv) {
         return Err(f.err("num_key_value_heads", format!("{kv} does not divide num_attention_heads {heads}")));
     }
     Ok(())
@@ -530,7 +530,7 @@ fn parse_qwen2_moe(f: &Fields) -> Result<Qwen2MoeConfig> {
     let num_experts = f.opt_usize("num_experts")?.unwrap_or(0);
     // As in transformers: sparse iff not listed as MLP-only, experts exist and (i+1) % step == 0.
     let sparse_layers = (0..n)
-        .map(|i| !mlp_only.contains(&i) && num_experts > 0 && step > 0 && (i + 1) % step == 0)
+        .map(|i| !mlp_only.contains(&i) && num_experts > 0 && step > 0 && (i + 1).is_multiple_of(step))
         .collect();
     let window = f.opt_usize("sliding_window")?.filter(|&w| w > 0);
     let use_sliding = f.bool_or("use_sliding_window", false)?;
@@ -591,7 +591,7 @@ fn parse_gemma4(f: &Fields, multimodal: bool) -> Result<Gemma4Config> {
     let sliding: Vec<bool> = match f.layer_types(n)? {
         Some(t) => t,
         // transformers default: 5 sliding then 1 full, and the last layer always full.
-        None => (0..n).map(|i| (i + 1) % 6 != 0 && i + 1 != n).collect(),
+        None => (0..n).map(|i| !(i + 1).is_multiple_of(6) && i + 1 != n).collect(),
     };
     let head_dim = f.head_dim()?;
     let kv = f.positive("num_key_value_heads")?;
@@ -633,7 +633,7 @@ fn parse_gemma4(f: &Fields, multimodal: bool) -> Result<Gemma4Config> {
     }
     for l in &layers {
         check_gqa(f, heads, l.num_key_value_heads)?;
-        if l.head_dim % 2 != 0 {
+        if !l.head_dim.is_multiple_of(2) {
             return Err(f.err("head_dim", "must be even for rotary embeddings"));
         }
     }

@@ -13,6 +13,8 @@ use pw_nn::{
 use crate::common::{CausalLm, ModelCache, Trace, act};
 
 /// The feed-forward part of a layer.
+// One per layer, built once: boxing would buy nothing (and Burn modules do not box).
+#[allow(clippy::large_enum_variant)]
 #[derive(Module, Debug)]
 pub enum Qwen2MoeMlp<B: Backend> {
     /// Routed experts plus the shared expert.
