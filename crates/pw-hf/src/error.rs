@@ -63,16 +63,6 @@ pub enum HfError {
         /// What would have been accepted.
         expected: &'static str,
     },
-    /// A tensor has the wrong shape for the configuration.
-    #[error("tensor `{name}` has shape {got:?}, but config.json implies {expected:?}")]
-    Shape {
-        /// The tensor name.
-        name: String,
-        /// Shape implied by the configuration.
-        expected: Vec<usize>,
-        /// Shape in the checkpoint.
-        got: Vec<usize>,
-    },
     /// A configuration field is missing or has a bad value.
     #[error("{path}: field `{field}`: {message}")]
     Config {

@@ -1,4 +1,4 @@
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
@@ -241,14 +241,5 @@ impl Checkpoint {
             .map(|c| i64::from_le_bytes(c.try_into().expect("chunk of 8")))
             .collect();
         Ok((e.shape.clone(), data))
-    }
-
-    /// Dtypes present, with counts (for diagnostics).
-    pub fn dtype_counts(&self) -> HashMap<String, usize> {
-        let mut m = HashMap::new();
-        for e in self.entries.values() {
-            *m.entry(e.dtype.to_string()).or_insert(0) += 1;
-        }
-        m
     }
 }

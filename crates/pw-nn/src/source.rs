@@ -2,6 +2,9 @@
 
 use burn::tensor::{Tensor, TensorData, backend::Backend};
 
+use crate::mlp::GatedMlpConfig;
+use crate::moe::{ExpertKeys, Experts};
+
 /// Why a layer could not be built.
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
@@ -40,6 +43,21 @@ pub trait WeightSource<B: Backend> {
     fn tensor<const D: usize>(&self, name: &str, expected: [usize; D]) -> Result<Tensor<B, D>, LoadError> {
         let data = self.read(name, &expected)?;
         Ok(Tensor::from_data(TensorData::new(data, expected), &self.device()))
+    }
+
+    /// Builds the expert bank of one MoE layer. Model files always come through here, so a
+    /// source backed by another storage (paged, quantized) returns its own [`Experts`] variant
+    /// by overriding this; the default reads dense weights.
+    fn experts(
+        &self,
+        keys: &ExpertKeys,
+        num_experts: usize,
+        cfg: GatedMlpConfig,
+    ) -> Result<Experts<B>, LoadError>
+    where
+        Self: Sized,
+    {
+        Experts::load_dense(self, keys, num_experts, cfg)
     }
 }
 

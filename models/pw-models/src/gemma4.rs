@@ -109,7 +109,7 @@ impl<B: Backend> Gemma4<B> {
                     };
                     Some(Gemma4Moe {
                         router: router.load(src, &format!("{p}.router"))?,
-                        experts: Experts::load_dense(src, &keys, cfg.num_experts, expert)?,
+                        experts: src.experts(&keys, cfg.num_experts, expert)?,
                         post_feedforward_layernorm_1: norm(format!("{p}.post_feedforward_layernorm_1"))?,
                         pre_feedforward_layernorm_2: norm(format!("{p}.pre_feedforward_layernorm_2"))?,
                         post_feedforward_layernorm_2: norm(format!("{p}.post_feedforward_layernorm_2"))?,

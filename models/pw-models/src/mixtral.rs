@@ -5,7 +5,7 @@ use burn::module::Module;
 use burn::tensor::{Int, Tensor, backend::Backend};
 use pw_hf::MixtralConfig;
 use pw_nn::{
-    Attention, AttentionConfig, Embedding, ExpertKeys, Experts, GatedMlpConfig, Linear, LoadError, NormKind,
+    Attention, AttentionConfig, Embedding, ExpertKeys, GatedMlpConfig, Linear, LoadError, NormKind,
     RandomInit, RmsNorm, RouterConfig, SparseMoe, WeightSource,
 };
 
@@ -97,7 +97,7 @@ impl<B: Backend> Mixtral<B> {
                     )?,
                     block_sparse_moe: SparseMoe {
                         router: router.load(src, &format!("{moe}.gate"))?,
-                        experts: Experts::load_dense(src, &keys, cfg.num_local_experts, expert)?,
+                        experts: src.experts(&keys, cfg.num_local_experts, expert)?,
                         shared: None,
                     },
                 })

@@ -6,8 +6,8 @@ use burn::module::Module;
 use burn::tensor::{Int, Tensor, backend::Backend};
 use pw_hf::Qwen2MoeConfig;
 use pw_nn::{
-    Attention, AttentionConfig, Embedding, ExpertKeys, Experts, GatedMlp, GatedMlpConfig, Linear, LoadError,
-    NormKind, RandomInit, RmsNorm, RouterConfig, SharedExpert, SparseMoe, WeightSource,
+    Attention, AttentionConfig, Embedding, ExpertKeys, GatedMlp, GatedMlpConfig, Linear, LoadError, NormKind,
+    RandomInit, RmsNorm, RouterConfig, SharedExpert, SparseMoe, WeightSource,
 };
 
 use crate::common::{CausalLm, ModelCache, Trace, act};
@@ -101,7 +101,7 @@ impl<B: Backend> Qwen2Moe<B> {
                     };
                     Qwen2MoeMlp::Sparse(SparseMoe {
                         router: router.load(src, &format!("{p}.mlp.gate"))?,
-                        experts: Experts::load_dense(src, &keys, cfg.num_experts, expert)?,
+                        experts: src.experts(&keys, cfg.num_experts, expert)?,
                         shared,
                     })
                 } else {
