@@ -243,3 +243,71 @@ impl Checkpoint {
         Ok((e.shape.clone(), data))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use safetensors::tensor::TensorView;
+
+    fn write(path: &Path, tensors: Vec<(&str, safetensors::Dtype, Vec<usize>, Vec<u8>)>) {
+        let views: Vec<(String, TensorView)> = tensors
+            .iter()
+            .map(|(n, d, s, b)| (n.to_string(), TensorView::new(*d, s.clone(), b).unwrap()))
+            .collect();
+        safetensors::serialize_to_file(views, None, path).unwrap();
+    }
+
+    #[test]
+    fn reads_every_float_dtype_as_f32() {
+        let dir = tempfile::tempdir().unwrap();
+        let vals = [1.5f32, -2.25, 0.0, 3.0];
+        let f32b: Vec<u8> = vals.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let f16b: Vec<u8> = vals.iter().flat_map(|&x| f16::from_f32(x).to_le_bytes()).collect();
+        let bf16b: Vec<u8> = vals.iter().flat_map(|&x| bf16::from_f32(x).to_le_bytes()).collect();
+        let ids: Vec<u8> = [7i64, -1].iter().flat_map(|x| x.to_le_bytes()).collect();
+        use safetensors::Dtype as D;
+        write(
+            &dir.path().join("model.safetensors"),
+            vec![
+                ("a", D::F32, vec![2, 2], f32b),
+                ("b", D::F16, vec![4], f16b),
+                ("c", D::BF16, vec![1, 4], bf16b),
+                ("ids", D::I64, vec![2], ids),
+            ],
+        );
+        let ck = Checkpoint::open(dir.path()).unwrap();
+        for name in ["a", "b", "c"] {
+            assert_eq!(ck.read_f32(name).unwrap().data, vals, "{name}");
+        }
+        assert_eq!(ck.read_i64("ids").unwrap().1, vec![7, -1]);
+        let e = ck.read_f32("ids").unwrap_err().to_string();
+        assert!(e.contains("`ids`") && e.contains("I64"), "{e}");
+        let e = ck.read_f32("nope").unwrap_err().to_string();
+        assert!(e.contains("`nope`") && e.contains("missing"), "{e}");
+    }
+
+    #[test]
+    fn sharded_index_and_its_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let one: Vec<u8> = 1f32.to_le_bytes().to_vec();
+        use safetensors::Dtype as D;
+        write(&dir.path().join("s1.safetensors"), vec![("x", D::F32, vec![1], one.clone())]);
+        write(&dir.path().join("s2.safetensors"), vec![("y", D::F32, vec![1], one)]);
+        let index = r#"{"metadata":{},"weight_map":{"x":"s1.safetensors","y":"s2.safetensors"}}"#;
+        std::fs::write(dir.path().join("model.safetensors.index.json"), index).unwrap();
+        let ck = Checkpoint::open(dir.path()).unwrap();
+        assert_eq!(ck.names().collect::<Vec<_>>(), vec!["x", "y"]);
+
+        std::fs::write(dir.path().join("s2.safetensors"), b"garbage").unwrap();
+        let e = Checkpoint::open(dir.path()).unwrap_err().to_string();
+        assert!(e.contains("s2.safetensors") && e.contains("not a valid safetensors"), "{e}");
+
+        std::fs::remove_file(dir.path().join("s2.safetensors")).unwrap();
+        let e = Checkpoint::open(dir.path()).unwrap_err().to_string();
+        assert!(e.contains("names shard s2.safetensors"), "{e}");
+
+        std::fs::write(dir.path().join("model.safetensors.index.json"), "{").unwrap();
+        let e = Checkpoint::open(dir.path()).unwrap_err().to_string();
+        assert!(e.contains("model.safetensors.index.json") && e.contains("JSON"), "{e}");
+    }
+}
