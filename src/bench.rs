@@ -49,6 +49,10 @@ pub fn bench_kernels(a: &BenchKernelsArgs) -> Result<()> {
     let records = match a.device.as_str() {
         #[cfg(feature = "cuda")]
         "cuda" => run::<cubecl::cuda::CudaRuntime>(&cubecl::cuda::CudaDevice::new(0), a)?,
+        #[cfg(not(feature = "cuda"))]
+        "cuda" => {
+            anyhow::bail!("--device cuda: this binary was built without CUDA; rebuild with `--features cuda`")
+        }
         "wgpu" => run::<cubecl::wgpu::WgpuRuntime>(&cubecl::wgpu::WgpuDevice::DefaultDevice, a)?,
         d => anyhow::bail!("--device {d}: expected cuda or wgpu"),
     };
@@ -118,7 +122,7 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchKernelsArgs) -> Result<Vec<Value
     // The bound: streaming reads of a buffer much larger than L2.
     let words = if a.quick { 1 << 22 } else { 1 << 29 };
     let data = DeviceArray::from_slice(&client, &vec![0x5a5a_5a5au32; words]);
-    let cubes = client.properties().hardware.num_streaming_multiprocessors.unwrap_or(8) as u32 * 8;
+    let cubes = client.properties().hardware.num_streaming_multiprocessors.unwrap_or(8) * 8;
     let out = DeviceArray::empty::<R, u32>(&client, cubes as usize * 256);
     let secs = time_batches(&client, 20, |_| kernels_cubecl::stream_read(&client, &data, &out, cubes))?;
     let hbm = (words * 4) as f64 / secs / 1e9;

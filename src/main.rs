@@ -7,6 +7,8 @@ use clap::{Parser, Subcommand};
 use pw_format::{ApBlock, Checkpoint, MANIFEST_FILE, StFile};
 use std::path::{Path, PathBuf};
 
+mod models_cmd;
+
 #[derive(Parser)]
 #[command(
     name = "pagedweight",
@@ -36,6 +38,11 @@ enum Command {
     /// and print, per bit-width, the relative Frobenius error ‖W − Ŵ_b‖/‖W‖
     /// as JSON lines {"bits":b,"rel_err":x}.
     QuantizeTensor(QuantizeTensorArgs),
+    /// Run a Hugging Face MoE checkpoint once over the prompt and write its logits
+    /// (f32 tensor `logits` [T, V]) to a safetensors file.
+    Logits(models_cmd::LogitsArgs),
+    /// Stream a completion of a prompt from a Hugging Face MoE checkpoint.
+    Generate(models_cmd::GenerateArgs),
     /// GPU benchmark of the bit-plane kernels on the expert shapes of Mixtral,
     /// Qwen1.5-MoE and Gemma-4 (single blocks at 1..16 tokens and whole
     /// grouped layers, bits 3..8), against the streaming read bandwidth
@@ -70,6 +77,8 @@ fn main() -> Result<()> {
     match Cli::parse().command {
         Command::Inspect { path, blocks } => inspect(&path, blocks),
         Command::QuantizeTensor(args) => quantize_tensor(&args),
+        Command::Logits(args) => models_cmd::logits(&args),
+        Command::Generate(args) => models_cmd::generate(&args),
         Command::BenchKernels(args) => bench::bench_kernels(&args),
     }
 }

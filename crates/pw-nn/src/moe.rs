@@ -1,0 +1,318 @@
+//! Top-k routing, expert banks and the sparse MoE block.
+//!
+//! The expert weights sit behind [`Experts`]: model code only calls
+//! [`Experts::forward`] with a [`Routing`], so another storage (paged, quantized) is one more
+//! enum variant here and no change in the model files.
+
+use burn::module::{Module, Param};
+use burn::tensor::activation::{sigmoid, softmax};
+use burn::tensor::{IndexingUpdateOp, Int, Tensor, TensorData, backend::Backend};
+
+use crate::linear::Linear;
+use crate::mlp::{Act, GatedMlp, GatedMlpConfig};
+use crate::norm::RmsNorm;
+use crate::source::{LoadError, WeightSource, transpose};
+
+/// Which experts each token goes to, and with what weight.
+#[derive(Debug, Clone)]
+pub struct Routing<B: Backend> {
+    /// Chosen experts, row-major `[tokens, k]`, in descending probability.
+    pub indices: Vec<usize>,
+    /// Weight of each choice, `[tokens, k]`.
+    pub weights: Tensor<B, 2>,
+    /// Full router probabilities, `[tokens, experts]`.
+    pub probs: Tensor<B, 2>,
+    /// Choices per token.
+    pub k: usize,
+}
+
+/// Options of a softmax top-k router.
+#[derive(Debug, Clone)]
+pub struct RouterConfig {
+    /// Model width.
+    pub hidden: usize,
+    /// Routed experts.
+    pub num_experts: usize,
+    /// Experts per token.
+    pub top_k: usize,
+    /// Divide the top-k probabilities by their sum (Mixtral, Gemma) or not (Qwen1.5-MoE).
+    pub renormalize: bool,
+    /// Gemma-4: the router reads `rms_norm(x) · scale · hidden^-0.5`, and its projection is
+    /// `{prefix}.proj` with `{prefix}.scale` and `{prefix}.per_expert_scale`.
+    pub gemma_scaling: bool,
+    /// Epsilon of the Gemma router norm.
+    pub norm_eps: f64,
+}
+
+/// Softmax over a linear projection, then top-k.
+#[derive(Module, Debug)]
+pub struct Router<B: Backend> {
+    /// `[hidden] -> [experts]` logits.
+    pub proj: Linear<B>,
+    /// Gemma: weightless input norm.
+    pub norm: Option<RmsNorm<B>>,
+    /// Gemma: per-channel input scale, `[hidden]`.
+    pub scale: Option<Param<Tensor<B, 1>>>,
+    /// Gemma: per-expert output scale, `[experts]`.
+    pub per_expert_scale: Option<Param<Tensor<B, 1>>>,
+    /// Experts per token.
+    pub top_k: usize,
+    /// Renormalise the chosen probabilities.
+    pub renormalize: bool,
+}
+
+impl RouterConfig {
+    /// Loads `{prefix}.weight` (Mixtral/Qwen `gate`) or the Gemma `{prefix}.proj` / `.scale` /
+    /// `.per_expert_scale`.
+    pub fn load<B: Backend>(&self, src: &impl WeightSource<B>, prefix: &str) -> Result<Router<B>, LoadError> {
+        let (h, e) = (self.hidden, self.num_experts);
+        Ok(if self.gemma_scaling {
+            Router {
+                proj: Linear::load(src, &format!("{prefix}.proj"), h, e, false)?,
+                norm: Some(RmsNorm::weightless(self.norm_eps)),
+                scale: Some(Param::from_tensor(src.tensor(&format!("{prefix}.scale"), [h])?)),
+                per_expert_scale: Some(Param::from_tensor(
+                    src.tensor(&format!("{prefix}.per_expert_scale"), [e])?,
+                )),
+                top_k: self.top_k,
+                renormalize: self.renormalize,
+            }
+        } else {
+            Router {
+                proj: Linear::load(src, prefix, h, e, false)?,
+                norm: None,
+                scale: None,
+                per_expert_scale: None,
+                top_k: self.top_k,
+                renormalize: self.renormalize,
+            }
+        })
+    }
+}
+
+impl<B: Backend> Router<B> {
+    /// Routes every token.
+    ///
+    /// # Shapes
+    /// - `x`: `[tokens, hidden]`
+    /// - output: [`Routing`] with `[tokens, k]` weights
+    pub fn forward(&self, x: Tensor<B, 2>) -> Routing<B> {
+        let [t, h] = x.dims();
+        let mut x = x;
+        if let Some(n) = &self.norm {
+            x = n.forward(x);
+        }
+        if let Some(s) = &self.scale {
+            x = x * s.val().unsqueeze_dim(0) * (h as f64).powf(-0.5);
+        }
+        let probs = softmax(self.proj.forward(x), 1);
+        let (mut weights, idx) = probs.clone().topk_with_indices(self.top_k, 1);
+        if self.renormalize {
+            weights = weights.clone() / weights.sum_dim(1);
+        }
+        let indices: Vec<usize> = idx
+            .clone()
+            .into_data()
+            .convert::<i64>()
+            .to_vec::<i64>()
+            .expect("top-k indices are integers")
+            .into_iter()
+            .map(|i| i as usize)
+            .collect();
+        if let Some(pes) = &self.per_expert_scale {
+            let flat: Tensor<B, 1, Int> = idx.reshape([t * self.top_k]);
+            weights = weights * pes.val().select(0, flat).reshape([t, self.top_k]);
+        }
+        Routing { indices, weights, probs, k: self.top_k }
+    }
+}
+
+/// Checkpoint names of an expert bank, tried in order: the fused transformers-5 layout
+/// (`{prefix}.gate_up_proj [E, 2I, H]`, `{prefix}.down_proj [E, H, I]`) and the per-expert layout
+/// (`{prefix}.{e}.{gate}.weight` etc.).
+#[derive(Debug, Clone)]
+pub struct ExpertKeys {
+    /// Prefixes of fused tensors.
+    pub fused: Vec<String>,
+    /// Prefixes of per-expert tensors with the gate, up and down names.
+    pub per_expert: Vec<(String, [&'static str; 3])>,
+}
+
+/// Every expert of a layer as two dense tensors.
+#[derive(Module, Debug)]
+pub struct DenseExperts<B: Backend> {
+    /// `[experts, hidden, 2 · intermediate]`: gate columns first, then up.
+    pub gate_up: Param<Tensor<B, 3>>,
+    /// `[experts, intermediate, hidden]`.
+    pub down: Param<Tensor<B, 3>>,
+    /// Gate activation.
+    #[module(skip)]
+    pub act: Act,
+}
+
+/// The expert bank of one MoE layer.
+#[derive(Module, Debug)]
+pub enum Experts<B: Backend> {
+    /// Full-precision weights, all resident.
+    Dense(DenseExperts<B>),
+}
+
+impl<B: Backend> Experts<B> {
+    /// Loads a dense bank of `num_experts` SwiGLU/GeGLU experts from either layout.
+    pub fn load_dense(
+        src: &impl WeightSource<B>,
+        keys: &ExpertKeys,
+        num_experts: usize,
+        cfg: GatedMlpConfig,
+    ) -> Result<Self, LoadError> {
+        let (e, h, i) = (num_experts, cfg.hidden, cfg.intermediate);
+        let mut gate_up = Vec::with_capacity(e * h * 2 * i);
+        let mut down = Vec::with_capacity(e * i * h);
+        if let Some(p) = keys.fused.iter().find(|p| src.has(&format!("{p}.gate_up_proj"))) {
+            let gu = src.read(&format!("{p}.gate_up_proj"), &[e, 2 * i, h])?;
+            let dn = src.read(&format!("{p}.down_proj"), &[e, h, i])?;
+            for x in 0..e {
+                gate_up.extend(transpose(&gu[x * 2 * i * h..(x + 1) * 2 * i * h], 2 * i, h));
+                down.extend(transpose(&dn[x * h * i..(x + 1) * h * i], h, i));
+            }
+        } else if let Some((p, [g, u, d])) =
+            keys.per_expert.iter().find(|(p, [g, _, _])| src.has(&format!("{p}.0.{g}.weight")))
+        {
+            for x in 0..e {
+                let gw = src.read(&format!("{p}.{x}.{g}.weight"), &[i, h])?;
+                let uw = src.read(&format!("{p}.{x}.{u}.weight"), &[i, h])?;
+                let dw = src.read(&format!("{p}.{x}.{d}.weight"), &[h, i])?;
+                // Rows of the fused [2I, H] matrix: gate rows, then up rows.
+                let mut both = gw;
+                both.extend(uw);
+                gate_up.extend(transpose(&both, 2 * i, h));
+                down.extend(transpose(&dw, h, i));
+            }
+        } else {
+            let mut tried: Vec<String> = keys.fused.iter().map(|p| format!("{p}.gate_up_proj")).collect();
+            tried.extend(keys.per_expert.iter().map(|(p, [g, _, _])| format!("{p}.0.{g}.weight")));
+            return Err(LoadError::Missing { name: tried.join(" or ") });
+        }
+        let device = src.device();
+        Ok(Experts::Dense(DenseExperts {
+            gate_up: Param::from_tensor(Tensor::from_data(TensorData::new(gate_up, [e, h, 2 * i]), &device)),
+            down: Param::from_tensor(Tensor::from_data(TensorData::new(down, [e, i, h]), &device)),
+            act: cfg.act,
+        }))
+    }
+
+    /// Number of experts.
+    pub fn num_experts(&self) -> usize {
+        match self {
+            Experts::Dense(d) => d.gate_up.dims()[0],
+        }
+    }
+
+    /// Sum over each token's chosen experts of `weight · expert(x)`.
+    ///
+    /// # Shapes
+    /// - `x`: `[tokens, hidden]`
+    /// - output: `[tokens, hidden]`
+    pub fn forward(&self, x: Tensor<B, 2>, routing: &Routing<B>) -> Tensor<B, 2> {
+        match self {
+            Experts::Dense(d) => d.forward(x, routing),
+        }
+    }
+}
+
+impl<B: Backend> DenseExperts<B> {
+    fn forward(&self, x: Tensor<B, 2>, routing: &Routing<B>) -> Tensor<B, 2> {
+        let [t, h] = x.dims();
+        let [e, _, i2] = self.gate_up.dims();
+        let i = i2 / 2;
+        let k = routing.k;
+        let device = x.device();
+        // Group (token, slot) pairs by expert, as the HF eager loop does.
+        let mut by_expert: Vec<Vec<(usize, usize)>> = vec![Vec::new(); e];
+        for (pos, &ex) in routing.indices.iter().enumerate() {
+            by_expert[ex].push((pos / k, pos));
+        }
+        let flat_w = routing.weights.clone().reshape([t * k, 1]);
+        let mut out = Tensor::<B, 2>::zeros([t, h], &device);
+        for (ex, pairs) in by_expert.iter().enumerate() {
+            if pairs.is_empty() {
+                continue;
+            }
+            let n = pairs.len();
+            let tok = Tensor::<B, 1, Int>::from_data(
+                TensorData::new(pairs.iter().map(|p| p.0 as i64).collect::<Vec<_>>(), [n]),
+                &device,
+            );
+            let slot = Tensor::<B, 1, Int>::from_data(
+                TensorData::new(pairs.iter().map(|p| p.1 as i64).collect::<Vec<_>>(), [n]),
+                &device,
+            );
+            let xs = x.clone().select(0, tok.clone());
+            let gu = xs.matmul(self.gate_up.val().narrow(0, ex, 1).reshape([h, i2]));
+            let g = gu.clone().narrow(1, 0, i);
+            let u = gu.narrow(1, i, i);
+            let y = (self.act.apply(g) * u).matmul(self.down.val().narrow(0, ex, 1).reshape([i, h]));
+            let y = y * flat_w.clone().select(0, slot);
+            out = out.select_assign(0, tok, y, IndexingUpdateOp::Add);
+        }
+        out
+    }
+}
+
+/// An always-on expert whose output is scaled by `sigmoid(gate(x))` (Qwen1.5-MoE).
+#[derive(Module, Debug)]
+pub struct SharedExpert<B: Backend> {
+    /// The expert MLP.
+    pub mlp: GatedMlp<B>,
+    /// `[hidden] -> [1]` gate.
+    pub gate: Linear<B>,
+}
+
+impl<B: Backend> SharedExpert<B> {
+    /// Loads `{mlp_prefix}.{gate,up,down}_proj` and `{gate_prefix}.weight`.
+    pub fn load(
+        src: &impl WeightSource<B>,
+        mlp_prefix: &str,
+        gate_prefix: &str,
+        cfg: GatedMlpConfig,
+    ) -> Result<Self, LoadError> {
+        Ok(Self {
+            mlp: cfg.load(src, mlp_prefix, ["gate_proj", "up_proj", "down_proj"])?,
+            gate: Linear::load(src, gate_prefix, cfg.hidden, 1, false)?,
+        })
+    }
+
+    /// # Shapes
+    /// - `x`: `[tokens, hidden]`
+    /// - output: `[tokens, hidden]`
+    pub fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        sigmoid(self.gate.forward(x.clone())) * self.mlp.forward(x)
+    }
+}
+
+/// Router + experts (+ optional shared expert): the Mixtral / Qwen2-MoE sparse block.
+#[derive(Module, Debug)]
+pub struct SparseMoe<B: Backend> {
+    /// Top-k router.
+    pub router: Router<B>,
+    /// Routed experts.
+    pub experts: Experts<B>,
+    /// Shared expert.
+    pub shared: Option<SharedExpert<B>>,
+}
+
+impl<B: Backend> SparseMoe<B> {
+    /// # Shapes
+    /// - `x`: `[batch, seq, hidden]`
+    /// - output: `[batch, seq, hidden]` and the routing of the `batch · seq` tokens
+    pub fn forward(&self, x: Tensor<B, 3>) -> (Tensor<B, 3>, Routing<B>) {
+        let [b, t, h] = x.dims();
+        let flat = x.reshape([b * t, h]);
+        let routing = self.router.forward(flat.clone());
+        let mut y = self.experts.forward(flat.clone(), &routing);
+        if let Some(s) = &self.shared {
+            y = y + s.forward(flat);
+        }
+        (y.reshape([b, t, h]), routing)
+    }
+}

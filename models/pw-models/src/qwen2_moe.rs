@@ -1,0 +1,190 @@
+//! Qwen1.5-MoE (`qwen2_moe`): like Mixtral but with q/k/v biases, softmax → top-k *without*
+//! renormalisation, a shared expert scaled by `sigmoid(shared_expert_gate(x))`, and dense MLP
+//! layers where `mlp_only_layers` / `decoder_sparse_step` say so.
+
+use burn::module::Module;
+use burn::tensor::{Int, Tensor, backend::Backend};
+use pw_hf::Qwen2MoeConfig;
+use pw_nn::{
+    Attention, AttentionConfig, Embedding, ExpertKeys, GatedMlp, GatedMlpConfig, Linear, LoadError, NormKind,
+    RandomInit, RmsNorm, RouterConfig, SharedExpert, SparseMoe, WeightSource,
+};
+
+use crate::common::{CausalLm, ModelCache, Trace, act};
+
+/// The feed-forward part of a layer.
+// One per layer, built once: boxing would buy nothing (and Burn modules do not box).
+#[allow(clippy::large_enum_variant)]
+#[derive(Module, Debug)]
+pub enum Qwen2MoeMlp<B: Backend> {
+    /// Routed experts plus the shared expert.
+    Sparse(SparseMoe<B>),
+    /// A plain SwiGLU MLP (`mlp_only_layers`).
+    Dense(GatedMlp<B>),
+}
+
+/// One Qwen2-MoE decoder layer.
+#[derive(Module, Debug)]
+pub struct Qwen2MoeDecoderLayer<B: Backend> {
+    input_layernorm: RmsNorm<B>,
+    self_attn: Attention<B>,
+    post_attention_layernorm: RmsNorm<B>,
+    mlp: Qwen2MoeMlp<B>,
+}
+
+/// Qwen2-MoE for causal LM.
+#[derive(Module, Debug)]
+pub struct Qwen2Moe<B: Backend> {
+    embed_tokens: Embedding<B>,
+    layers: Vec<Qwen2MoeDecoderLayer<B>>,
+    norm: RmsNorm<B>,
+    /// `None` when tied to the embeddings.
+    lm_head: Option<Linear<B>>,
+    vocab_size: usize,
+}
+
+impl<B: Backend> Qwen2Moe<B> {
+    /// Random weights of the given shape (tests, training from scratch).
+    pub fn init(cfg: &Qwen2MoeConfig, device: &B::Device) -> Self {
+        Self::load(cfg, &RandomInit::new(device, 0, 0.05)).expect("random weights always load")
+    }
+
+    /// Loads from a checkpoint laid out as transformers saves `Qwen2MoeForCausalLM`.
+    pub fn load(cfg: &Qwen2MoeConfig, src: &impl WeightSource<B>) -> Result<Self, LoadError> {
+        let h = cfg.hidden_size;
+        let eps = cfg.rms_norm_eps;
+        let act = act(cfg.hidden_act);
+        let router = RouterConfig {
+            hidden: h,
+            num_experts: cfg.num_experts,
+            top_k: cfg.num_experts_per_tok,
+            renormalize: cfg.norm_topk_prob,
+            gemma_scaling: false,
+            norm_eps: eps,
+        };
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| {
+                let p = format!("model.layers.{i}");
+                let attn = AttentionConfig {
+                    hidden: h,
+                    n_heads: cfg.num_attention_heads,
+                    n_kv_heads: cfg.num_key_value_heads,
+                    head_dim: cfg.head_dim,
+                    qkv_bias: cfg.qkv_bias,
+                    qk_norm: false,
+                    v_norm: false,
+                    k_eq_v: false,
+                    scale: None,
+                    sliding_window: cfg.layer_windows[i],
+                    norm_eps: eps,
+                    inv_freq: cfg.rope.inv_freq(cfg.head_dim),
+                };
+                let mlp = if cfg.sparse_layers[i] {
+                    let keys = ExpertKeys {
+                        fused: vec![format!("{p}.mlp.experts")],
+                        per_expert: vec![(format!("{p}.mlp.experts"), ["gate_proj", "up_proj", "down_proj"])],
+                    };
+                    let expert = GatedMlpConfig { hidden: h, intermediate: cfg.moe_intermediate_size, act };
+                    let shared = if cfg.shared_expert_intermediate_size > 0 {
+                        Some(SharedExpert::load(
+                            src,
+                            &format!("{p}.mlp.shared_expert"),
+                            &format!("{p}.mlp.shared_expert_gate"),
+                            GatedMlpConfig {
+                                hidden: h,
+                                intermediate: cfg.shared_expert_intermediate_size,
+                                act,
+                            },
+                        )?)
+                    } else {
+                        None
+                    };
+                    Qwen2MoeMlp::Sparse(SparseMoe {
+                        router: router.load(src, &format!("{p}.mlp.gate"))?,
+                        experts: src.experts(&keys, cfg.num_experts, expert)?,
+                        shared,
+                    })
+                } else {
+                    Qwen2MoeMlp::Dense(
+                        GatedMlpConfig { hidden: h, intermediate: cfg.intermediate_size, act }.load(
+                            src,
+                            &format!("{p}.mlp"),
+                            ["gate_proj", "up_proj", "down_proj"],
+                        )?,
+                    )
+                };
+                Ok(Qwen2MoeDecoderLayer {
+                    input_layernorm: RmsNorm::load(
+                        src,
+                        &format!("{p}.input_layernorm"),
+                        h,
+                        eps,
+                        NormKind::Scale,
+                    )?,
+                    self_attn: attn.load(src, &format!("{p}.self_attn"))?,
+                    post_attention_layernorm: RmsNorm::load(
+                        src,
+                        &format!("{p}.post_attention_layernorm"),
+                        h,
+                        eps,
+                        NormKind::Scale,
+                    )?,
+                    mlp,
+                })
+            })
+            .collect::<Result<Vec<_>, LoadError>>()?;
+        Ok(Self {
+            embed_tokens: Embedding::load(src, "model.embed_tokens", cfg.vocab_size, h)?,
+            layers,
+            norm: RmsNorm::load(src, "model.norm", h, eps, NormKind::Scale)?,
+            lm_head: if cfg.tie_word_embeddings {
+                None
+            } else {
+                Some(Linear::load(src, "lm_head", h, cfg.vocab_size, false)?)
+            },
+            vocab_size: cfg.vocab_size,
+        })
+    }
+}
+
+impl<B: Backend> CausalLm<B> for Qwen2Moe<B> {
+    fn forward(
+        &self,
+        ids: Tensor<B, 2, Int>,
+        cache: &mut ModelCache<B>,
+        mut trace: Option<&mut Trace<B>>,
+    ) -> Tensor<B, 3> {
+        let mut h = self.embed_tokens.forward(ids);
+        Trace::record(&mut trace, &h, None, true);
+        for (layer, kv) in self.layers.iter().zip(cache.layers.iter_mut()) {
+            let residual = h.clone();
+            let x = layer.input_layernorm.forward(h);
+            h = residual + layer.self_attn.forward(x, kv);
+
+            let residual = h.clone();
+            let x = layer.post_attention_layernorm.forward(h);
+            let (x, routing) = match &layer.mlp {
+                Qwen2MoeMlp::Sparse(moe) => {
+                    let (y, r) = moe.forward(x);
+                    (y, Some(r))
+                }
+                Qwen2MoeMlp::Dense(mlp) => (mlp.forward(x), None),
+            };
+            h = residual + x;
+            Trace::record(&mut trace, &h, routing, false);
+        }
+        let h = self.norm.forward(h);
+        match &self.lm_head {
+            Some(head) => head.forward(h),
+            None => self.embed_tokens.attend(h),
+        }
+    }
+
+    fn new_cache(&self) -> ModelCache<B> {
+        ModelCache::new(self.layers.len())
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+}
