@@ -1,5 +1,6 @@
 //! GPU backends against the ndarray reference, layer by layer (`--features wgpu`; runs on any
-//! Vulkan device, lavapipe included).
+//! Vulkan device, lavapipe included: `XDG_RUNTIME_DIR=/tmp cargo test --features wgpu --test
+//! backend_parity`). This is the test that caught Burn fusion's wrong MoE results.
 #![cfg(feature = "wgpu")]
 
 use std::path::Path;
@@ -98,7 +99,7 @@ fn layers_agree() {
 }
 
 #[test]
-fn mixtral_hidden_states_agree() {
+fn qwen2_moe_hidden_states_agree() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/pw-models/tests/fixtures/qwen2_moe");
     let (dc, dg) = (Default::default(), Default::default());
     let mc = AnyModel::<Cpu>::load(&dir, &dc).unwrap();
