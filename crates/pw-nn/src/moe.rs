@@ -195,9 +195,7 @@ impl<B: Backend> Experts<B> {
             return Err(LoadError::Missing { name: tried.join(" or ") });
         }
         let device = src.device();
-        // Separate per-expert matrices rather than slices of one [E, ...] tensor: a narrowed
-        // then reshaped 3-D parameter fed to matmul gave wrong results on the CubeCL backends
-        // (expert 0's weights), while ndarray was right.
+        // One matrix pair per expert: the unit a paged bank will move and re-quantize.
         let (gu_n, dn_n) = (h * 2 * i, i * h);
         Ok(Experts::Dense(DenseExperts {
             gate_up: (0..e)
@@ -250,9 +248,7 @@ impl<B: Backend> DenseExperts<B> {
         }
         let flat_w = routing.weights.clone().reshape([t * k, 1]);
         // Expert outputs are stacked expert by expert, then gathered back into (token, slot)
-        // order and summed over the slots. A scatter-add (`select_assign`) into one output
-        // gave wrong sums on the CubeCL backends when nothing was read in between (lazy
-        // execution), so the combine is kept purely functional.
+        // order and summed over the slots: a functional combine, no in-place scatter.
         let mut outputs = Vec::with_capacity(e);
         let mut row_of_slot = vec![0i64; t * k];
         let mut row = 0i64;
