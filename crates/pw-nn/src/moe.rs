@@ -6,7 +6,7 @@
 
 use burn::module::{Module, Param};
 use burn::tensor::activation::{sigmoid, softmax};
-use burn::tensor::{IndexingUpdateOp, Int, Tensor, TensorData, backend::Backend};
+use burn::tensor::{Int, Tensor, TensorData, backend::Backend};
 
 use crate::linear::Linear;
 use crate::mlp::{Act, GatedMlp, GatedMlpConfig};
@@ -138,13 +138,14 @@ pub struct ExpertKeys {
     pub per_expert: Vec<(String, [&'static str; 3])>,
 }
 
-/// Every expert of a layer as two dense tensors.
+/// Every expert of a layer as full-precision matrices, one pair per expert (the unit a paged
+/// bank moves around).
 #[derive(Module, Debug)]
 pub struct DenseExperts<B: Backend> {
-    /// `[experts, hidden, 2 · intermediate]`: gate columns first, then up.
-    pub gate_up: Param<Tensor<B, 3>>,
-    /// `[experts, intermediate, hidden]`.
-    pub down: Param<Tensor<B, 3>>,
+    /// Per expert `[hidden, 2 · intermediate]`: gate columns first, then up.
+    pub gate_up: Vec<Param<Tensor<B, 2>>>,
+    /// Per expert `[intermediate, hidden]`.
+    pub down: Vec<Param<Tensor<B, 2>>>,
     /// Gate activation.
     #[module(skip)]
     pub act: Act,
@@ -194,9 +195,21 @@ impl<B: Backend> Experts<B> {
             return Err(LoadError::Missing { name: tried.join(" or ") });
         }
         let device = src.device();
+        // One matrix pair per expert: the unit a paged bank will move and re-quantize.
+        let (gu_n, dn_n) = (h * 2 * i, i * h);
         Ok(Experts::Dense(DenseExperts {
-            gate_up: Param::from_tensor(Tensor::from_data(TensorData::new(gate_up, [e, h, 2 * i]), &device)),
-            down: Param::from_tensor(Tensor::from_data(TensorData::new(down, [e, i, h]), &device)),
+            gate_up: (0..e)
+                .map(|x| {
+                    let m = gate_up[x * gu_n..(x + 1) * gu_n].to_vec();
+                    Param::from_tensor(Tensor::from_data(TensorData::new(m, [h, 2 * i]), &device))
+                })
+                .collect(),
+            down: (0..e)
+                .map(|x| {
+                    let m = down[x * dn_n..(x + 1) * dn_n].to_vec();
+                    Param::from_tensor(Tensor::from_data(TensorData::new(m, [i, h]), &device))
+                })
+                .collect(),
             act: cfg.act,
         }))
     }
@@ -204,7 +217,7 @@ impl<B: Backend> Experts<B> {
     /// Number of experts.
     pub fn num_experts(&self) -> usize {
         match self {
-            Experts::Dense(d) => d.gate_up.dims()[0],
+            Experts::Dense(d) => d.gate_up.len(),
         }
     }
 
@@ -223,7 +236,8 @@ impl<B: Backend> Experts<B> {
 impl<B: Backend> DenseExperts<B> {
     fn forward(&self, x: Tensor<B, 2>, routing: &Routing<B>) -> Tensor<B, 2> {
         let [t, h] = x.dims();
-        let [e, _, i2] = self.gate_up.dims();
+        let e = self.gate_up.len();
+        let [_, i2] = self.gate_up[0].dims();
         let i = i2 / 2;
         let k = routing.k;
         let device = x.device();
@@ -233,7 +247,11 @@ impl<B: Backend> DenseExperts<B> {
             by_expert[ex].push((pos / k, pos));
         }
         let flat_w = routing.weights.clone().reshape([t * k, 1]);
-        let mut out = Tensor::<B, 2>::zeros([t, h], &device);
+        // Expert outputs are stacked expert by expert, then gathered back into (token, slot)
+        // order and summed over the slots: a functional combine, no in-place scatter.
+        let mut outputs = Vec::with_capacity(e);
+        let mut row_of_slot = vec![0i64; t * k];
+        let mut row = 0i64;
         for (ex, pairs) in by_expert.iter().enumerate() {
             if pairs.is_empty() {
                 continue;
@@ -247,15 +265,19 @@ impl<B: Backend> DenseExperts<B> {
                 TensorData::new(pairs.iter().map(|p| p.1 as i64).collect::<Vec<_>>(), [n]),
                 &device,
             );
-            let xs = x.clone().select(0, tok.clone());
-            let gu = xs.matmul(self.gate_up.val().narrow(0, ex, 1).reshape([h, i2]));
+            let xs = x.clone().select(0, tok);
+            let gu = xs.matmul(self.gate_up[ex].val());
             let g = gu.clone().narrow(1, 0, i);
             let u = gu.narrow(1, i, i);
-            let y = (self.act.apply(g) * u).matmul(self.down.val().narrow(0, ex, 1).reshape([i, h]));
-            let y = y * flat_w.clone().select(0, slot);
-            out = out.select_assign(0, tok, y, IndexingUpdateOp::Add);
+            let y = (self.act.apply(g) * u).matmul(self.down[ex].val());
+            outputs.push(y * flat_w.clone().select(0, slot));
+            for p in pairs {
+                row_of_slot[p.1] = row;
+                row += 1;
+            }
         }
-        out
+        let order = Tensor::<B, 1, Int>::from_data(TensorData::new(row_of_slot, [t * k]), &device);
+        Tensor::cat(outputs, 0).select(0, order).reshape([t, k, h]).sum_dim(1).reshape([t, h])
     }
 }
 
