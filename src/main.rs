@@ -116,13 +116,7 @@ fn quantize_tensor(a: &QuantizeTensorArgs) -> Result<()> {
     meta.insert("shape".to_string(), format!("[{rows},{cols}]"));
     meta.insert("bits".to_string(), format!("[{},{}]", a.min_bits, a.max_bits));
     meta.insert("sensitivity".to_string(), serde_json::to_string(&block.sensitivity)?);
-    let tensors = block.tensors(&a.tensor);
-    let views = tensors
-        .iter()
-        .map(|(k, (d, s, b))| Ok((k.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b)?)))
-        .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()?;
-    safetensors::serialize_to_file(views, Some(meta), &a.out)
-        .with_context(|| format!("writing {}", a.out.display()))?;
+    pw_format::write_tensors(&a.out, &block.tensors(&a.tensor), Some(meta))?;
 
     let norm: f64 = w.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>().sqrt();
     for bits in a.min_bits..=a.max_bits {

@@ -1,11 +1,10 @@
 //! One any-precision block: bit-planes, per-row LUTs, sensitivities, and the
 //! CPU reference operators that every GPU kernel is tested against.
 
-use crate::{FormatError, StFile};
+use crate::{FormatError, StFile, TensorMap};
 use half::f16;
 use pw_quant::{MAX_BITS, MIN_BITS, Quantized};
 use safetensors::Dtype;
-use std::collections::BTreeMap;
 
 /// Weights per packed word.
 pub const WORD_BITS: usize = 32;
@@ -190,8 +189,8 @@ impl ApBlock {
     }
 
     /// The block as safetensors tensors `{prefix}.planes` and `{prefix}.lut{b}`.
-    pub fn tensors(&self, prefix: &str) -> BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)> {
-        let mut m = BTreeMap::new();
+    pub fn tensors(&self, prefix: &str) -> TensorMap {
+        let mut m = TensorMap::new();
         m.insert(
             format!("{prefix}.planes"),
             (

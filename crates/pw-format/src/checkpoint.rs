@@ -3,7 +3,7 @@
 //! blocks' planes and LUTs plus every non-expert tensor unchanged.
 
 use crate::block::check_range;
-use crate::{ApBlock, FormatError, StFile};
+use crate::{ApBlock, FormatError, StFile, TensorMap, write_tensors};
 use safetensors::Dtype;
 use safetensors::tensor::TensorView;
 use serde::{Deserialize, Serialize};
@@ -104,7 +104,7 @@ pub struct BlockMeta {
     pub sources: Vec<String>,
 }
 
-type Pending = BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)>;
+type Pending = TensorMap;
 
 /// Writes a checkpoint directory shard by shard.
 #[derive(Debug)]
@@ -171,13 +171,7 @@ impl CheckpointWriter {
         }
         let path = self.dir.join(self.shard_name());
         let pending = std::mem::take(&mut self.pending);
-        let views: Vec<(String, TensorView<'_>)> = pending
-            .iter()
-            .map(|(k, (d, s, b))| Ok((k.clone(), TensorView::new(*d, s.clone(), b)?)))
-            .collect::<Result<_, safetensors::SafeTensorError>>()
-            .map_err(|e| FormatError::Safetensors { path: path.clone(), reason: e.to_string() })?;
-        safetensors::serialize_to_file(views, None, &path)
-            .map_err(|e| FormatError::Safetensors { path: path.clone(), reason: e.to_string() })?;
+        write_tensors(&path, &pending, None)?;
         self.pending_bytes = 0;
         self.shard += 1;
         Ok(())

@@ -61,7 +61,7 @@ pub use checkpoint::{
 };
 pub use error::FormatError;
 pub use safetensors::Dtype;
-pub use st::{StFile, view_to_f32};
+pub use st::{StFile, TensorMap, view_to_f32, write_tensors};
 
 #[cfg(test)]
 mod tests;

@@ -102,6 +102,27 @@ impl StFile {
     }
 }
 
+/// Owned tensors by name: dtype, shape, little-endian bytes.
+pub type TensorMap = std::collections::BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)>;
+
+/// Writes `tensors` (and optional string metadata) as one safetensors file.
+pub fn write_tensors(
+    path: &Path,
+    tensors: &TensorMap,
+    metadata: Option<std::collections::HashMap<String, String>>,
+) -> Result<(), FormatError> {
+    let err = |e: safetensors::SafeTensorError| FormatError::Safetensors {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    };
+    let views = tensors
+        .iter()
+        .map(|(k, (d, s, b))| Ok((k.clone(), TensorView::new(*d, s.clone(), b)?)))
+        .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()
+        .map_err(err)?;
+    safetensors::serialize_to_file(views, metadata, path).map_err(err)
+}
+
 /// Converts a float tensor view to f32; `None` for non-float dtypes.
 pub fn view_to_f32(t: &TensorView<'_>) -> Option<Vec<f32>> {
     let b = t.data();
