@@ -9,6 +9,10 @@ use std::path::{Path, PathBuf};
 
 mod models_cmd;
 
+/// What every `--model` defaults to: the small Mixtral-architecture MoE shipped in the repository
+/// (trained by `scripts/train_tiny_moe.py`, see its model card), relative to the repository root.
+const DEFAULT_MODEL: &str = "assets/tiny-mixtral";
+
 #[derive(Parser)]
 #[command(
     name = "pagedweight",

@@ -27,7 +27,7 @@ pub enum DeviceKind {
 #[derive(clap::Args, Debug)]
 pub struct LogitsArgs {
     /// Hugging Face model directory (config.json + safetensors).
-    #[arg(long)]
+    #[arg(long, default_value = crate::DEFAULT_MODEL)]
     pub model: PathBuf,
     /// Token ids, comma-separated.
     #[arg(long, conflicts_with = "prompt", required_unless_present = "prompt", value_delimiter = ',')]
@@ -47,7 +47,7 @@ pub struct LogitsArgs {
 #[derive(clap::Args, Debug)]
 pub struct GenerateArgs {
     /// Hugging Face model directory (config.json, safetensors, tokenizer.json).
-    #[arg(long)]
+    #[arg(long, default_value = crate::DEFAULT_MODEL)]
     pub model: PathBuf,
     /// The prompt.
     #[arg(long)]
