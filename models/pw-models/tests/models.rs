@@ -286,3 +286,31 @@ fn random_init_models_run() {
     let cap = cfg.final_logit_softcapping.unwrap() as f32;
     assert!(values.iter().all(|x| x.abs() <= cap));
 }
+
+/// The shipped models (`assets/`, trained by `scripts/train_tiny_moe.py`) against transformers'
+/// own f32 logits (`scripts/shipped_model_refs.py`, TF32 off), and their tokenizer against the
+/// ids transformers was given.
+fn check_shipped(name: &str) {
+    const PROMPT: &str = "HAMLET.\nTo be, or not to be, that is the question:\nWhether 'tis nobler in the mind";
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets").join(name);
+    let r = Checkpoint::from_files(dir.clone(), &[dir.join("ref_logits.safetensors")]).unwrap();
+    let ids: Vec<u32> = r.read_i64("input_ids").unwrap().1.into_iter().map(|x| x as u32).collect();
+    let tok = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
+    assert_eq!(tok.encode(PROMPT, true).unwrap().get_ids(), &ids[..], "{name}: tokenizer disagrees");
+
+    let device = Default::default();
+    let model = AnyModel::<B>::load(&dir, &device).unwrap();
+    let logits = model.forward(ids_tensor::<B>(&ids, &device), &mut model.new_cache(), None);
+    let err = rel_err(&host(logits).1, &r.read_f32("logits").unwrap().data);
+    assert!(err <= HALF_TOL, "{name}: logits error {err:e} > {HALF_TOL:e}");
+}
+
+#[test]
+fn shipped_tiny_mixtral_matches_transformers() {
+    check_shipped("tiny-mixtral");
+}
+
+#[test]
+fn shipped_tiny_qwen2_moe_matches_transformers() {
+    check_shipped("tiny-qwen2-moe");
+}
