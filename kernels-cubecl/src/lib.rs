@@ -6,9 +6,13 @@
 //!   block in one launch, optionally fusing `act(gate) · up` into the load of
 //!   `x` (the down projection of a SwiGLU / GeGLU expert).
 //!
+//! - [`attention`]: the paged KV cache's append and decode-attention kernels.
+//!
 //! Every kernel has a CPU `*_reference` here and `*_matches_reference` tests.
 
 // `#[cube]` generates undocumented launch items.
+#[allow(missing_docs)]
+pub mod attention;
 #[allow(missing_docs)]
 pub mod bandwidth;
 #[allow(missing_docs)]
@@ -360,4 +364,214 @@ pub fn read_f32<R: Runtime>(client: &ComputeClient<R>, a: &DeviceArray) -> Resul
     sync(client)?;
     let bytes = client.read_one(a.handle.clone()).map_err(|e| KernelError::Runtime(format!("{e:?}")))?;
     Ok(f32::from_bytes(&bytes)[..a.len].to_vec())
+}
+
+/// Geometry of one layer's paged KV cache and of its decode attention.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PagedAttnShape {
+    /// Query heads.
+    pub n_heads: usize,
+    /// Key/value heads (GQA: `n_heads` is a multiple).
+    pub n_kv_heads: usize,
+    /// Head dimension; a multiple of the plane size.
+    pub head_dim: usize,
+    /// Tokens per cache block.
+    pub block_size: usize,
+    /// Width of the block table: blocks a sequence may hold.
+    pub max_blocks: usize,
+    /// Sliding window (each query sees the last `window` tokens, itself included); 0 = none.
+    pub window: usize,
+}
+
+impl PagedAttnShape {
+    /// Elements of one cached token (one slot) in a K or V pool.
+    pub fn slot_width(&self) -> usize {
+        self.n_kv_heads * self.head_dim
+    }
+
+    fn check(&self, plane_size: usize) -> Result<(), KernelError> {
+        let bad = |reason: String| Err(KernelError::BadItem { item: 0, reason });
+        if self.n_kv_heads == 0 || !self.n_heads.is_multiple_of(self.n_kv_heads) {
+            return bad(format!(
+                "{} query heads are not a multiple of {} KV heads",
+                self.n_heads, self.n_kv_heads
+            ));
+        }
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(plane_size) {
+            return bad(format!(
+                "head_dim {} is not a multiple of the plane size {plane_size}",
+                self.head_dim
+            ));
+        }
+        if self.block_size == 0 || self.max_blocks == 0 {
+            return bad("block_size and max_blocks must be positive".into());
+        }
+        Ok(())
+    }
+}
+
+/// Writes each sequence's new K/V row (`k_new`, `v_new`: `[seqs, kv_heads · head_dim]` f32) into
+/// pool slot `slots[s]`, converting to the pool type `KV`. Does not synchronise.
+///
+/// # Shapes
+/// - `k_new`, `v_new`: `[seqs, slot_width]`; `slots`: `[seqs]`; pools: `[pool slots, slot_width]`
+#[allow(clippy::too_many_arguments)]
+pub fn kv_append<R: Runtime, KV: Float + CubeElement>(
+    client: &ComputeClient<R>,
+    shape: PagedAttnShape,
+    seqs: usize,
+    k_new: &DeviceArray,
+    v_new: &DeviceArray,
+    slots: &DeviceArray,
+    k_pool: &DeviceArray,
+    v_pool: &DeviceArray,
+) -> Result<(), KernelError> {
+    let w = shape.slot_width();
+    if seqs == 0 {
+        return Ok(());
+    }
+    if k_new.len < seqs * w || v_new.len < seqs * w || slots.len < seqs || k_pool.len != v_pool.len {
+        return Err(KernelError::BadItem { item: 0, reason: "kv_append: buffer sizes do not match".into() });
+    }
+    // SAFETY: sources and slot list checked above; slot values are the cache allocator's, which
+    // hands out only slots below `k_pool.len / w`.
+    unsafe {
+        attention::kv_append_kernel::launch_unchecked::<KV, R>(
+            client,
+            CubeCount::Static(seqs as u32, 1, 1),
+            CubeDim::new_1d(w.min(256) as u32),
+            k_new.arg(),
+            v_new.arg(),
+            slots.arg(),
+            k_pool.arg(),
+            v_pool.arg(),
+            w,
+        )
+    };
+    Ok(())
+}
+
+/// CPU reference of [`kv_append`] on f32 pools.
+pub fn kv_append_reference(
+    shape: PagedAttnShape,
+    k_new: &[f32],
+    v_new: &[f32],
+    slots: &[u32],
+    k_pool: &mut [f32],
+    v_pool: &mut [f32],
+) {
+    let w = shape.slot_width();
+    for (s, &slot) in slots.iter().enumerate() {
+        let d = slot as usize * w;
+        k_pool[d..d + w].copy_from_slice(&k_new[s * w..][..w]);
+        v_pool[d..d + w].copy_from_slice(&v_new[s * w..][..w]);
+    }
+}
+
+/// Decode attention of one query token per sequence over its paged K/V:
+/// `out[s, h] = softmax(scale · q[s, h] · K[s, kv(h)]ᵀ) · V[s, kv(h)]` over the sequence's
+/// visible tokens. `params` holds `[scale]`. Does not synchronise.
+///
+/// # Shapes
+/// - `q`, `out`: `[seqs, n_heads, head_dim]`; `block_table`: `[seqs, max_blocks]`;
+///   `seq_lens`: `[seqs]`; pools: `[pool slots, n_kv_heads · head_dim]`
+#[allow(clippy::too_many_arguments)]
+pub fn paged_decode_attention<R: Runtime, KV: Float + CubeElement>(
+    client: &ComputeClient<R>,
+    shape: PagedAttnShape,
+    seqs: usize,
+    q: &DeviceArray,
+    k_pool: &DeviceArray,
+    v_pool: &DeviceArray,
+    block_table: &DeviceArray,
+    seq_lens: &DeviceArray,
+    params: &DeviceArray,
+    out: &DeviceArray,
+) -> Result<(), KernelError> {
+    let plane_size = client.properties().hardware.plane_size_max as usize;
+    shape.check(plane_size)?;
+    if seqs == 0 {
+        return Ok(());
+    }
+    let qn = seqs * shape.n_heads * shape.head_dim;
+    if q.len < qn
+        || out.len < qn
+        || block_table.len < seqs * shape.max_blocks
+        || seq_lens.len < seqs
+        || params.len < 1
+    {
+        return Err(KernelError::BadItem {
+            item: 0,
+            reason: "paged_decode_attention: buffer sizes do not match".into(),
+        });
+    }
+    // SAFETY: q/out/table/lens sizes checked above; table entries and lengths come from the
+    // cache allocator, which keeps every referenced slot inside the pools.
+    unsafe {
+        attention::paged_decode_kernel::launch_unchecked::<KV, R>(
+            client,
+            CubeCount::Static(shape.n_heads as u32, seqs as u32, 1),
+            CubeDim::new_1d(plane_size as u32),
+            q.arg(),
+            k_pool.arg(),
+            v_pool.arg(),
+            block_table.arg(),
+            seq_lens.arg(),
+            params.arg(),
+            out.arg(),
+            shape.head_dim,
+            shape.n_heads,
+            shape.n_kv_heads,
+            shape.block_size,
+            shape.max_blocks,
+            shape.window,
+            plane_size,
+        )
+    };
+    Ok(())
+}
+
+/// CPU reference of [`paged_decode_attention`] on f32 pools (plain two-pass softmax).
+#[allow(clippy::too_many_arguments)]
+pub fn paged_decode_attention_reference(
+    shape: PagedAttnShape,
+    scale: f32,
+    q: &[f32],
+    k_pool: &[f32],
+    v_pool: &[f32],
+    block_table: &[u32],
+    seq_lens: &[u32],
+) -> Vec<f32> {
+    let (hq, d, w) = (shape.n_heads, shape.head_dim, shape.slot_width());
+    let group = hq / shape.n_kv_heads;
+    let mut out = vec![0f32; seq_lens.len() * hq * d];
+    for (s, &len) in seq_lens.iter().enumerate() {
+        let len = len as usize;
+        let start = if shape.window > 0 { len.saturating_sub(shape.window) } else { 0 };
+        let slot = |t: usize| {
+            block_table[s * shape.max_blocks + t / shape.block_size] as usize * shape.block_size
+                + t % shape.block_size
+        };
+        for h in 0..hq {
+            let qh = &q[(s * hq + h) * d..][..d];
+            let off = (h / group) * d;
+            let scores: Vec<f32> = (start..len)
+                .map(|t| {
+                    let k = &k_pool[slot(t) * w + off..][..d];
+                    scale * qh.iter().zip(k).map(|(a, b)| a * b).sum::<f32>()
+                })
+                .collect();
+            let m = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+            let e: Vec<f32> = scores.iter().map(|x| (x - m).exp()).collect();
+            let z: f32 = e.iter().sum();
+            let o = &mut out[(s * hq + h) * d..][..d];
+            for (i, t) in (start..len).enumerate() {
+                let v = &v_pool[slot(t) * w + off..][..d];
+                for (oo, vv) in o.iter_mut().zip(v) {
+                    *oo += e[i] / z * vv;
+                }
+            }
+        }
+    }
+    out
 }

@@ -193,3 +193,119 @@ fn stream_read_matches_reference() {
         assert_eq!(got, stream_read_reference(&data), "{words} words");
     }
 }
+
+/// Paged decode attention: f32 accumulation in another order plus the online softmax's
+/// rescaling; budget relative to the largest |v| (outputs are convex combinations of V rows).
+const ATTN_TOL: f32 = 2e-5;
+
+/// Random paged cache: `lens[s]` tokens per sequence in shuffled blocks, then one decode step
+/// (append the new token, attend) on the device against the CPU references.
+fn check_paged_attention<KV: Float + CubeElement>(
+    shape: PagedAttnShape,
+    lens: &[u32],
+    to_kv: fn(f32) -> KV,
+    from_kv: fn(KV) -> f32,
+    what: &str,
+) {
+    let client = client();
+    let mut rng = StdRng::seed_from_u64(11 + lens.len() as u64 + shape.window as u64);
+    let (w, bs, seqs) = (shape.slot_width(), shape.block_size, lens.len());
+    let pool_blocks = seqs * shape.max_blocks + 3;
+    // Hand out blocks in a shuffled order so that no sequence's blocks are contiguous.
+    let mut free: Vec<u32> = (0..pool_blocks as u32).collect();
+    for i in (1..free.len()).rev() {
+        free.swap(i, rng.random_range(0..=i));
+    }
+    let mut table = vec![0u32; seqs * shape.max_blocks];
+    for s in 0..seqs {
+        for b in 0..(lens[s] as usize).div_ceil(bs) {
+            table[s * shape.max_blocks + b] = free.pop().unwrap();
+        }
+    }
+    let slots = pool_blocks * bs;
+    // Pool contents rounded through KV so the reference sees exactly what the device holds.
+    let mut kp: Vec<f32> = (0..slots * w).map(|_| from_kv(to_kv(rng.random_range(-1.0f32..1.0)))).collect();
+    let mut vp: Vec<f32> = (0..slots * w).map(|_| from_kv(to_kv(rng.random_range(-1.0f32..1.0)))).collect();
+    let kd = DeviceArray::from_slice(&client, &kp.iter().map(|&x| to_kv(x)).collect::<Vec<_>>());
+    let vd = DeviceArray::from_slice(&client, &vp.iter().map(|&x| to_kv(x)).collect::<Vec<_>>());
+
+    // The new token of each sequence goes to position len - 1.
+    let new_slots: Vec<u32> = lens
+        .iter()
+        .enumerate()
+        .map(|(s, &len)| {
+            let t = len as usize - 1;
+            table[s * shape.max_blocks + t / bs] * bs as u32 + (t % bs) as u32
+        })
+        .collect();
+    let k_new: Vec<f32> = (0..seqs * w).map(|_| from_kv(to_kv(rng.random_range(-1.0f32..1.0)))).collect();
+    let v_new: Vec<f32> = (0..seqs * w).map(|_| from_kv(to_kv(rng.random_range(-1.0f32..1.0)))).collect();
+    kv_append_reference(shape, &k_new, &v_new, &new_slots, &mut kp, &mut vp);
+    let (knd, vnd, sd) = (
+        DeviceArray::from_slice(&client, &k_new),
+        DeviceArray::from_slice(&client, &v_new),
+        DeviceArray::from_slice(&client, &new_slots),
+    );
+    kv_append::<_, KV>(&client, shape, seqs, &knd, &vnd, &sd, &kd, &vd).unwrap();
+
+    let qn = seqs * shape.n_heads * shape.head_dim;
+    let q: Vec<f32> = (0..qn).map(|_| rng.random_range(-2.0f32..2.0)).collect();
+    let scale = 1.0 / (shape.head_dim as f32).sqrt();
+    let want = paged_decode_attention_reference(shape, scale, &q, &kp, &vp, &table, lens);
+    let out = DeviceArray::from_slice(&client, &vec![f32::NAN; qn]);
+    let args = [&q[..], &[scale]].map(|a| DeviceArray::from_slice(&client, a));
+    let (td, ld) = (DeviceArray::from_slice(&client, &table), DeviceArray::from_slice(&client, lens));
+    paged_decode_attention::<_, KV>(&client, shape, seqs, &args[0], &kd, &vd, &td, &ld, &args[1], &out)
+        .unwrap();
+    let got = read_f32(&client, &out).unwrap();
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert!((g - w).abs() <= ATTN_TOL, "{what}: out[{i}] = {g}, reference {w}");
+    }
+}
+
+fn shape(n_heads: usize, n_kv_heads: usize, head_dim: usize, window: usize) -> PagedAttnShape {
+    PagedAttnShape { n_heads, n_kv_heads, head_dim, block_size: 16, max_blocks: 8, window }
+}
+
+#[test]
+fn paged_decode_attention_matches_reference() {
+    let lens = [1, 16, 17, 40, 128];
+    // GQA 4:1 in f32, and an f16 cache as on the GPU.
+    check_paged_attention::<f32>(shape(8, 2, 32, 0), &lens, |x| x, |x| x, "gqa f32");
+    check_paged_attention::<half::f16>(
+        shape(8, 2, 32, 0),
+        &lens,
+        half::f16::from_f32,
+        half::f16::to_f32,
+        "gqa f16",
+    );
+    // Multi-head (no grouping) with a wider head, and a sliding window shorter than some sequences.
+    check_paged_attention::<half::f16>(
+        shape(4, 4, 64, 0),
+        &lens,
+        half::f16::from_f32,
+        half::f16::to_f32,
+        "mha d64",
+    );
+    check_paged_attention::<half::f16>(
+        shape(8, 2, 32, 24),
+        &lens,
+        half::f16::from_f32,
+        half::f16::to_f32,
+        "window 24",
+    );
+}
+
+#[test]
+fn paged_attention_rejects_bad_shapes() {
+    let client = client();
+    let a = DeviceArray::from_slice(&client, &[0f32; 64]);
+    let u = DeviceArray::from_slice(&client, &[0u32; 8]);
+    let bad_group = shape(6, 4, 32, 0);
+    let err =
+        paged_decode_attention::<_, f32>(&client, bad_group, 1, &a, &a, &a, &u, &u, &a, &a).unwrap_err();
+    assert!(err.to_string().contains("multiple of 4 KV heads"), "{err}");
+    let bad_dim = shape(2, 1, 12, 0);
+    let err = paged_decode_attention::<_, f32>(&client, bad_dim, 1, &a, &a, &a, &u, &u, &a, &a).unwrap_err();
+    assert!(err.to_string().contains("head_dim 12"), "{err}");
+}

@@ -291,7 +291,8 @@ fn random_init_models_run() {
 /// own f32 logits (`scripts/shipped_model_refs.py`, TF32 off), and their tokenizer against the
 /// ids transformers was given.
 fn check_shipped(name: &str) {
-    const PROMPT: &str = "HAMLET.\nTo be, or not to be, that is the question:\nWhether 'tis nobler in the mind";
+    const PROMPT: &str =
+        "HAMLET.\nTo be, or not to be, that is the question:\nWhether 'tis nobler in the mind";
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets").join(name);
     let r = Checkpoint::from_files(dir.clone(), &[dir.join("ref_logits.safetensors")]).unwrap();
     let ids: Vec<u32> = r.read_i64("input_ids").unwrap().1.into_iter().map(|x| x as u32).collect();
