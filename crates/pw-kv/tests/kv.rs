@@ -84,6 +84,9 @@ fn client() -> ComputeClient<WgpuRuntime> {
     WgpuRuntime::client(&WgpuDevice::DefaultDevice)
 }
 
+/// Cached rows of one layer of one sequence, in token order.
+type Rows = Vec<Vec<f32>>;
+
 /// Dense attention of one query over a history (f16-rounded K/V rows), per head.
 fn dense(l: &LayerGeometry, q: &[f32], ks: &[Vec<f32>], vs: &[Vec<f32>]) -> Vec<f32> {
     let (d, group) = (l.head_dim, l.n_heads / l.n_kv_heads);
@@ -120,8 +123,7 @@ fn decode_steps_match_dense_attention_over_the_history() {
     let pools = DevicePools::<WgpuRuntime>::new::<f16>(&client, &g, 24);
     let round = |x: f32| f16::from_f32(x).to_f32();
     // history[seq][layer] = (K rows, V rows)
-    let mut history: std::collections::BTreeMap<u64, Vec<(Vec<Vec<f32>>, Vec<Vec<f32>>)>> =
-        Default::default();
+    let mut history: std::collections::BTreeMap<u64, Vec<(Rows, Rows)>> = Default::default();
     for id in [1u64, 2, 3] {
         tables.add(id).unwrap();
         history.insert(id, vec![(vec![], vec![]); g.layers.len()]);
