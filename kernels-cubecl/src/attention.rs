@@ -14,7 +14,8 @@
 use cubecl::prelude::*;
 
 /// Writes the new token of each sequence into its slot. Grid: `(sequences)`; each cube copies
-/// one `[kv_heads · head_dim]` row of K and of V, converting to the pool's element type.
+/// one `[kv_heads · head_dim]` row of K and of V (read at `s · src_stride + k_off` / `v_off`,
+/// so they can sit inside a fused QKV row), converting to the pool's element type.
 #[cube(launch_unchecked)]
 pub fn kv_append_kernel<KV: Float>(
     k_new: &Array<f32>,
@@ -23,17 +24,21 @@ pub fn kv_append_kernel<KV: Float>(
     k_pool: &mut Array<KV>,
     v_pool: &mut Array<KV>,
     #[comptime] width: usize,
+    #[comptime] src_stride: usize,
+    #[comptime] k_off: usize,
+    #[comptime] v_off: usize,
 ) {
     let s = CUBE_POS_X as usize;
     let dst = slots[s] as usize * width;
-    let src = s * width;
+    let src = s * src_stride;
     for i in range_stepped(UNIT_POS as usize, width, CUBE_DIM as usize) {
-        k_pool[dst + i] = KV::cast_from(k_new[src + i]);
-        v_pool[dst + i] = KV::cast_from(v_new[src + i]);
+        k_pool[dst + i] = KV::cast_from(k_new[src + k_off + i]);
+        v_pool[dst + i] = KV::cast_from(v_new[src + v_off + i]);
     }
 }
 
 /// Decode attention over paged K/V. Grid: `(query heads, sequences)`; cube: one plane.
+/// Queries are read at `s · q_stride` (inside a fused QKV row), outputs are dense.
 /// `params[0]` is the score scale. `seq_lens[s]` counts the cached tokens of sequence `s`,
 /// the query's own included (it was appended first); with `window > 0` the query sees only the
 /// last `window` of them.
@@ -55,6 +60,7 @@ pub fn paged_decode_kernel<KV: Float>(
     #[comptime] max_blocks: usize,
     #[comptime] window: usize,
     #[comptime] plane_size: usize,
+    #[comptime] q_stride: usize,
 ) {
     let per = comptime![head_dim / plane_size];
     let h = CUBE_POS_X as usize;
@@ -71,7 +77,8 @@ pub fn paged_decode_kernel<KV: Float>(
     }
     let scale = params[0];
 
-    let q_base = (s * n_heads + h) * head_dim + lane;
+    let q_base = s * q_stride + h * head_dim + lane;
+    let o_base = (s * n_heads + h) * head_dim + lane;
     let mut qv = Array::<f32>::new(per);
     let mut acc = Array::<f32>::new(per);
     #[unroll]
@@ -104,6 +111,6 @@ pub fn paged_decode_kernel<KV: Float>(
     let z = select(l > 0.0, l, 1.0f32);
     #[unroll]
     for j in 0..per {
-        out[q_base + j * plane_size] = acc[j] / z;
+        out[o_base + j * plane_size] = acc[j] / z;
     }
 }

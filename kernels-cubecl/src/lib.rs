@@ -7,6 +7,8 @@
 //!   `x` (the down projection of a SwiGLU / GeGLU expert).
 //!
 //! - [`attention`]: the paged KV cache's append and decode-attention kernels.
+//! - [`decode`]: the small fused kernels of a decode step (embedding, RMSNorm, dense f16 GEMM,
+//!   RoPE, on-device routing into the grouped kernel's descriptors, gather, combine).
 //!
 //! Every kernel has a CPU `*_reference` here and `*_matches_reference` tests.
 
@@ -16,7 +18,10 @@ pub mod attention;
 #[allow(missing_docs)]
 pub mod bandwidth;
 #[allow(missing_docs)]
+pub mod decode;
+#[allow(missing_docs)]
 pub mod gemm;
+pub mod step;
 
 use cubecl::prelude::*;
 use cubecl::server::Handle;
@@ -427,10 +432,47 @@ pub fn kv_append<R: Runtime, KV: Float + CubeElement>(
     v_pool: &DeviceArray,
 ) -> Result<(), KernelError> {
     let w = shape.slot_width();
+    let layout = RowLayout { stride: w, k_off: 0, v_off: 0 };
+    kv_append_rows::<R, KV>(client, shape, seqs, layout, k_new, v_new, slots, k_pool, v_pool)
+}
+
+/// Where K and V sit in the rows of their source: row `s` at `s · stride`, K at `k_off`, V at
+/// `v_off` (a fused QKV projection's output is one buffer with all three).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RowLayout {
+    /// Elements per source row.
+    pub stride: usize,
+    /// Offset of K in a row.
+    pub k_off: usize,
+    /// Offset of V in a row.
+    pub v_off: usize,
+}
+
+/// [`kv_append`] reading K/V rows laid out as `layout` says.
+#[allow(clippy::too_many_arguments)]
+pub fn kv_append_rows<R: Runtime, KV: Float + CubeElement>(
+    client: &ComputeClient<R>,
+    shape: PagedAttnShape,
+    seqs: usize,
+    layout: RowLayout,
+    k_new: &DeviceArray,
+    v_new: &DeviceArray,
+    slots: &DeviceArray,
+    k_pool: &DeviceArray,
+    v_pool: &DeviceArray,
+) -> Result<(), KernelError> {
+    let w = shape.slot_width();
     if seqs == 0 {
         return Ok(());
     }
-    if k_new.len < seqs * w || v_new.len < seqs * w || slots.len < seqs || k_pool.len != v_pool.len {
+    let need = (seqs - 1) * layout.stride + w;
+    if layout.k_off + w > layout.stride.max(w)
+        || layout.v_off + w > layout.stride.max(w)
+        || k_new.len < need + layout.k_off
+        || v_new.len < need + layout.v_off
+        || slots.len < seqs
+        || k_pool.len != v_pool.len
+    {
         return Err(KernelError::BadItem { item: 0, reason: "kv_append: buffer sizes do not match".into() });
     }
     // SAFETY: sources and slot list checked above; slot values are the cache allocator's, which
@@ -446,6 +488,9 @@ pub fn kv_append<R: Runtime, KV: Float + CubeElement>(
             k_pool.arg(),
             v_pool.arg(),
             w,
+            layout.stride,
+            layout.k_off,
+            layout.v_off,
         )
     };
     Ok(())
@@ -488,13 +533,46 @@ pub fn paged_decode_attention<R: Runtime, KV: Float + CubeElement>(
     params: &DeviceArray,
     out: &DeviceArray,
 ) -> Result<(), KernelError> {
+    let q_stride = shape.n_heads * shape.head_dim;
+    paged_decode_attention_strided::<R, KV>(
+        client,
+        shape,
+        seqs,
+        q,
+        q_stride,
+        k_pool,
+        v_pool,
+        block_table,
+        seq_lens,
+        params,
+        out,
+    )
+}
+
+/// [`paged_decode_attention`] with the query of sequence `s` at `s · q_stride` (inside a fused
+/// QKV row).
+#[allow(clippy::too_many_arguments)]
+pub fn paged_decode_attention_strided<R: Runtime, KV: Float + CubeElement>(
+    client: &ComputeClient<R>,
+    shape: PagedAttnShape,
+    seqs: usize,
+    q: &DeviceArray,
+    q_stride: usize,
+    k_pool: &DeviceArray,
+    v_pool: &DeviceArray,
+    block_table: &DeviceArray,
+    seq_lens: &DeviceArray,
+    params: &DeviceArray,
+    out: &DeviceArray,
+) -> Result<(), KernelError> {
     let plane_size = client.properties().hardware.plane_size_max as usize;
     shape.check(plane_size)?;
     if seqs == 0 {
         return Ok(());
     }
     let qn = seqs * shape.n_heads * shape.head_dim;
-    if q.len < qn
+    if q_stride < shape.n_heads * shape.head_dim
+        || q.len < (seqs - 1) * q_stride + shape.n_heads * shape.head_dim
         || out.len < qn
         || block_table.len < seqs * shape.max_blocks
         || seq_lens.len < seqs
@@ -526,6 +604,7 @@ pub fn paged_decode_attention<R: Runtime, KV: Float + CubeElement>(
             shape.max_blocks,
             shape.window,
             plane_size,
+            q_stride,
         )
     };
     Ok(())

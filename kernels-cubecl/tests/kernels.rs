@@ -309,3 +309,190 @@ fn paged_attention_rejects_bad_shapes() {
     let err = paged_decode_attention::<_, f32>(&client, bad_dim, 1, &a, &a, &a, &u, &u, &a, &a).unwrap_err();
     assert!(err.to_string().contains("head_dim 12"), "{err}");
 }
+
+/// Decode-step kernels: f32 accumulation in another order (and f32 sin/cos on the device).
+const STEP_TOL: f32 = 2e-5;
+
+fn assert_close(got: &[f32], want: &[f32], tol: f32, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let scale = want.iter().fold(1f32, |m, x| m.max(x.abs()));
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!((g - w).abs() <= tol * scale, "{what}: [{i}] = {g}, reference {w}");
+    }
+}
+
+fn rand_vec(rng: &mut StdRng, n: usize, r: f32) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(-r..r)).collect()
+}
+
+#[test]
+fn decode_step_kernels_match_reference() {
+    use half::f16;
+    use kernels_cubecl::step::*;
+    let client = client();
+    let mut rng = StdRng::seed_from_u64(99);
+    let up = |v: &[f32]| DeviceArray::from_slice(&client, v);
+    let (hidden, vocab) = (96, 50);
+    for tokens in [1usize, 3, 16] {
+        let meta = DeviceArray::from_slice(&client, &[tokens as u32]);
+        // Embedding.
+        let table: Vec<f16> =
+            rand_vec(&mut rng, vocab * hidden, 1.0).into_iter().map(f16::from_f32).collect();
+        let ids: Vec<u32> = (0..tokens).map(|_| rng.random_range(0..vocab as u32)).collect();
+        let h = DeviceArray::empty::<WgpuRuntime, f32>(&client, tokens * hidden);
+        embed(
+            &client,
+            tokens,
+            hidden,
+            &DeviceArray::from_slice(&client, &ids),
+            &DeviceArray::from_slice(&client, &table),
+            &up(&[2.0]),
+            &h,
+        )
+        .unwrap();
+        let want_h = embed_reference(&ids, &table, hidden, 2.0);
+        assert_close(&read_f32(&client, &h).unwrap(), &want_h, 0.0, "embed");
+
+        // RMSNorm, plain and 1 + w.
+        let w = rand_vec(&mut rng, hidden, 1.0);
+        for off in [0.0f32, 1.0] {
+            let out = DeviceArray::empty::<WgpuRuntime, f32>(&client, tokens * hidden);
+            rms_norm(&client, tokens, hidden, &h, &up(&w), &up(&[1e-5, off]), &out).unwrap();
+            assert_close(
+                &read_f32(&client, &out).unwrap(),
+                &rms_norm_reference(&want_h, &w, 1e-5, off),
+                STEP_TOL,
+                "rms_norm",
+            );
+        }
+
+        // Dense GEMM with bias, and accumulating into a residual.
+        for (bias, accumulate) in [(false, false), (true, true)] {
+            let g = DenseGemm { n: 70, k: hidden, bias, accumulate };
+            let wt: Vec<f16> = rand_vec(&mut rng, g.n * g.k, 0.5).into_iter().map(f16::from_f32).collect();
+            let b = rand_vec(&mut rng, g.n, 1.0);
+            let y0 = rand_vec(&mut rng, tokens * g.n, 1.0);
+            let y = up(&y0);
+            dense_gemm(&client, g, tokens, &meta, &h, &DeviceArray::from_slice(&client, &wt), &up(&b), &y)
+                .unwrap();
+            let mut want = y0.clone();
+            dense_gemm_reference(g, &want_h, &wt, &b, &mut want);
+            assert_close(&read_f32(&client, &y).unwrap(), &want, STEP_TOL, "dense_gemm");
+        }
+
+        // RoPE on 3 of 4 heads of a row, partial rotary (16 of 32 dims).
+        let r = Rope { stride: 4 * 32, heads: 3, head_dim: 32, rot_dim: 16 };
+        let mut qk = rand_vec(&mut rng, tokens * r.stride, 1.0);
+        let pos: Vec<u32> = (0..tokens as u32).map(|t| 5 + 7 * t).collect();
+        let inv: Vec<f32> = (0..8).map(|i| 10000f32.powf(-(2.0 * i as f32) / 32.0)).collect();
+        let qkd = up(&qk);
+        rope(&client, r, tokens, &qkd, &DeviceArray::from_slice(&client, &pos), &up(&inv)).unwrap();
+        rope_reference(r, &mut qk, &pos, &inv);
+        assert_close(&read_f32(&client, &qkd).unwrap(), &qk, 1e-5, "rope");
+    }
+}
+
+/// A routed MoE layer: two chained GEMMs (the second over SiLU(gate)·up of the first) and a
+/// weighted sum, each in f32 in another order than the CPU.
+const MOE_TOL: f32 = 1e-4;
+
+/// A whole MoE layer's expert work on the device (route → gather → gate_up → down with SiLU·up →
+/// combine) against the CPU: routing reference, then the grouped GEMM reference per expert.
+#[test]
+fn routed_moe_matches_reference() {
+    use kernels_cubecl::step::*;
+    let client = client();
+    let mut rng = StdRng::seed_from_u64(7);
+    let shape = MoeShape { experts: 6, k: 2, renormalize: true, hidden: 64, inter: 48 };
+    let (h, i) = (shape.hidden, shape.inter);
+    let mut pool = PoolImage::default();
+    let slots: Vec<(PoolSlot, PoolSlot)> = (0..shape.experts)
+        .map(|e| {
+            let gu = pool.push(&random_block(&mut rng, 2 * i, h), 3 + (e % 6) as u8);
+            let dn = pool.push(&random_block(&mut rng, h, i), 8 - (e % 6) as u8);
+            (gu, dn)
+        })
+        .collect();
+    let planes = DeviceArray::from_slice(&client, &pool.planes);
+    let luts = DeviceArray::from_slice(&client, &pool.luts);
+    let slot_words = DeviceArray::from_slice(&client, &expert_slot_words(shape, &slots).unwrap());
+    let cfg = GemmConfig::for_client(&client);
+    let bufs = RouteBuffers::new(&client, shape);
+    for tokens in [1usize, 5, 16] {
+        let meta = DeviceArray::from_slice(&client, &[tokens as u32]);
+        let x = rand_vec(&mut rng, tokens * h, 1.0);
+        let logits = rand_vec(&mut rng, tokens * shape.experts, 3.0);
+        let hres = rand_vec(&mut rng, tokens * h, 1.0);
+        let (xd, hd) = (DeviceArray::from_slice(&client, &x), DeviceArray::from_slice(&client, &hres));
+        let xg = DeviceArray::empty::<WgpuRuntime, f32>(&client, tokens * shape.k * h);
+        let gu = DeviceArray::empty::<WgpuRuntime, f32>(&client, tokens * shape.k * 2 * i);
+        let dn = DeviceArray::empty::<WgpuRuntime, f32>(&client, tokens * shape.k * h);
+        moe_route(
+            &client,
+            shape,
+            tokens,
+            &meta,
+            &DeviceArray::from_slice(&client, &logits),
+            &slot_words,
+            &bufs,
+        )
+        .unwrap();
+        gather_rows(&client, tokens, shape.k, h, &meta, &xd, &bufs.gather, &xg).unwrap();
+        ap_gemm_routed(
+            &client,
+            cfg,
+            &planes,
+            &luts,
+            &bufs.desc_gate_up,
+            shape.experts,
+            2 * i,
+            tokens,
+            &xg,
+            &gu,
+            Activation::None,
+        )
+        .unwrap();
+        ap_gemm_routed(
+            &client,
+            cfg,
+            &planes,
+            &luts,
+            &bufs.desc_down,
+            shape.experts,
+            h,
+            tokens,
+            &gu,
+            &dn,
+            Activation::SiluMul,
+        )
+        .unwrap();
+        moe_combine(&client, tokens, shape.k, h, &dn, &bufs.pos, &bufs.weights, &hd).unwrap();
+
+        let (sel, wts) = route_reference(shape, &logits);
+        assert_close(
+            &read_f32(&client, &bufs.weights).unwrap()[..tokens * shape.k],
+            &wts,
+            1e-6,
+            "route weights",
+        );
+        let mut want = hres.clone();
+        for t in 0..tokens {
+            for j in 0..shape.k {
+                let (gs, ds) = slots[sel[t * shape.k + j] as usize];
+                let mut g = vec![0f32; 2 * i];
+                ap_gemm_reference(&pool, &[gs.item(0, 0, 1)], &x[t * h..][..h], &mut g, Activation::None);
+                let mut d = vec![0f32; h];
+                ap_gemm_reference(&pool, &[ds.item(0, 0, 1)], &g, &mut d, Activation::SiluMul);
+                for c in 0..h {
+                    want[t * h + c] += wts[t * shape.k + j] * d[c];
+                }
+            }
+        }
+        assert_close(
+            &read_f32(&client, &hd).unwrap(),
+            &want,
+            MOE_TOL,
+            &format!("moe layer, {tokens} tokens"),
+        );
+    }
+}

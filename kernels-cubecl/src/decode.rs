@@ -1,0 +1,290 @@
+//! The small fused kernels of a decode step (everything but attention and the grouped expert
+//! GEMM): embedding lookup, RMSNorm, dense f16 skinny GEMM with bias and residual add, rotary
+//! embedding, on-device routing that writes the grouped kernel's descriptor table, row gather
+//! and the weighted combine. Every launch reads its token count from `meta[0]`, so one compiled
+//! kernel serves every batch size up to its `max_tokens` bucket and the host never needs a
+//! round trip inside a layer.
+
+use cubecl::prelude::*;
+use half::f16;
+
+/// `h[t] = table[ids[t]]` widened to f32 (times `scale`, e.g. Gemma's √hidden). Grid `(tokens)`.
+#[cube(launch_unchecked)]
+pub fn embed_kernel(
+    ids: &Array<u32>,
+    table: &Array<f16>,
+    params: &Array<f32>,
+    h: &mut Array<f32>,
+    #[comptime] hidden: usize,
+) {
+    let t = CUBE_POS_X as usize;
+    let row = ids[t] as usize * hidden;
+    let scale = params[0];
+    for c in range_stepped(UNIT_POS as usize, hidden, CUBE_DIM as usize) {
+        h[t * hidden + c] = f32::cast_from(table[row + c]) * scale;
+    }
+}
+
+/// `out[t] = x[t] / rms(x[t]) · (w + offset)`; `params = [eps, offset]` (offset 1 for
+/// Gemma-style `1 + w` norms). Grid `(tokens)`, cube: one plane.
+#[cube(launch_unchecked)]
+pub fn rms_norm_kernel(
+    x: &Array<f32>,
+    w: &Array<f32>,
+    params: &Array<f32>,
+    out: &mut Array<f32>,
+    #[comptime] hidden: usize,
+) {
+    let t = CUBE_POS_X as usize;
+    let base = t * hidden;
+    let mut ss = 0.0f32;
+    for c in range_stepped(UNIT_POS as usize, hidden, CUBE_DIM as usize) {
+        let v = x[base + c];
+        ss += v * v;
+    }
+    let total = plane_sum(ss);
+    let inv = (total / f32::cast_from(hidden) + params[0]).sqrt();
+    let off = params[1];
+    for c in range_stepped(UNIT_POS as usize, hidden, CUBE_DIM as usize) {
+        out[base + c] = x[base + c] / inv * (w[c] + off);
+    }
+}
+
+/// `y[t, r] (+)= Σ_c x[t, c] · W[r, c] (+ bias[r])` for `t < meta[0]`, `W` f16 row-major
+/// `[n, k]` as PyTorch stores it. Grid `(ceil(n / warps))`, cube `warps` planes; a plane owns a
+/// row, its lanes stride the columns (coalesced), one `plane_sum` per token.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn dense_gemm_kernel(
+    x: &Array<f32>,
+    w: &Array<f16>,
+    bias: &Array<f32>,
+    meta: &Array<u32>,
+    y: &mut Array<f32>,
+    #[comptime] n: usize,
+    #[comptime] k: usize,
+    #[comptime] max_tokens: usize,
+    #[comptime] plane_size: usize,
+    #[comptime] warps: usize,
+    #[comptime] has_bias: bool,
+    #[comptime] accumulate: bool,
+) {
+    let lane = UNIT_POS as usize % plane_size;
+    let row = CUBE_POS_X as usize * warps + UNIT_POS as usize / plane_size;
+    let tokens = meta[0] as usize;
+    if row >= n {
+        terminate!();
+    }
+    let mut acc = Array::<f32>::new(max_tokens);
+    #[unroll]
+    for t in 0..max_tokens {
+        acc[t] = 0.0;
+    }
+    let wrow = row * k;
+    for c in range_stepped(lane, k, plane_size) {
+        let wv = f32::cast_from(w[wrow + c]);
+        #[unroll]
+        for t in 0..max_tokens {
+            if t < tokens {
+                acc[t] += wv * x[t * k + c];
+            }
+        }
+    }
+    #[unroll]
+    for t in 0..max_tokens {
+        let mut s = plane_sum(acc[t]);
+        if comptime![has_bias] {
+            s += bias[row];
+        }
+        if lane == 0 && t < tokens {
+            if comptime![accumulate] {
+                y[t * n + row] += s;
+            } else {
+                y[t * n + row] = s;
+            }
+        }
+    }
+}
+
+/// Rotate-half rotary embedding in place on the first `heads` heads of each row of `qk`
+/// (`[tokens, stride]`), rotating the first `rot_dim` dimensions of each `head_dim`:
+/// angle `pos[t] · inv_freq[i]`. Grid `(tokens)`.
+#[cube(launch_unchecked)]
+pub fn rope_kernel(
+    qk: &mut Array<f32>,
+    pos: &Array<u32>,
+    inv_freq: &Array<f32>,
+    #[comptime] stride: usize,
+    #[comptime] heads: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] rot_dim: usize,
+) {
+    let t = CUBE_POS_X as usize;
+    let half_rot = comptime![rot_dim / 2];
+    let p = f32::cast_from(pos[t]);
+    for u in range_stepped(UNIT_POS as usize, heads * half_rot, CUBE_DIM as usize) {
+        let hd = u / half_rot;
+        let i = u % half_rot;
+        let a = p * inv_freq[i];
+        let (s, c) = (a.sin(), a.cos());
+        let b = t * stride + hd * head_dim + i;
+        let x1 = qk[b];
+        let x2 = qk[b + half_rot];
+        qk[b] = x1 * c - x2 * s;
+        qk[b + half_rot] = x2 * c + x1 * s;
+    }
+}
+
+/// Routing and grouping in one cube of `experts` units (at least `max_tokens`):
+/// 1. unit `t < meta[0]`: softmax over `logits[t]`, top-`k` (ties: lower expert first),
+///    optional renormalisation → `weights[t, j]`;
+/// 2. unit `e`: its tokens in token order get consecutive gathered rows after every lower
+///    expert's; writes `gather[row] = t`, `pos[t, j] = row` and the two work items of expert `e`
+///    (gate_up: `[2I, H]`, down: `[H, I]`, from `slots[e] = (gate_up plane_off, lut_off, bits,
+///    down plane_off, lut_off, bits)`) so the grouped GEMM runs with no host round trip.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn moe_route_kernel(
+    logits: &Array<f32>,
+    slots: &Array<u32>,
+    meta: &Array<u32>,
+    weights: &mut Array<f32>,
+    gather: &mut Array<u32>,
+    pos: &mut Array<u32>,
+    desc_gate_up: &mut Array<u32>,
+    desc_down: &mut Array<u32>,
+    #[comptime] experts: usize,
+    #[comptime] k: usize,
+    #[comptime] max_tokens: usize,
+    #[comptime] renormalize: bool,
+    #[comptime] hidden: usize,
+    #[comptime] inter: usize,
+) {
+    let u = UNIT_POS as usize;
+    let tokens = meta[0] as usize;
+    let mut sel = SharedMemory::<u32>::new(max_tokens * k);
+    if u < tokens {
+        let base = u * experts;
+        let mut m = logits[base];
+        for e in 1..experts {
+            m = max(m, logits[base + e]);
+        }
+        let mut z = 0.0f32;
+        for e in 0..experts {
+            z += (logits[base + e] - m).exp();
+        }
+        // Selection sort of the k largest; `taken` marks chosen experts (experts ≤ 32·4).
+        let mut taken = Array::<u32>::new(4usize);
+        #[unroll]
+        for i in 0..4usize {
+            taken[i] = 0u32;
+        }
+        let mut sum = 0.0f32;
+        #[unroll]
+        for j in 0..k {
+            let mut best = 0usize;
+            let mut bv = f32::new(-1.0e30);
+            for e in 0..experts {
+                let free = ((taken[e / 32usize] >> (e % 32usize) as u32) & 1u32) == 0u32;
+                let v = logits[base + e];
+                if free && v > bv {
+                    bv = v;
+                    best = e;
+                }
+            }
+            taken[best / 32usize] |= 1u32 << (best % 32usize) as u32;
+            sel[u * k + j] = best as u32;
+            let p = (bv - m).exp() / z;
+            weights[u * k + j] = p;
+            sum += p;
+        }
+        if comptime![renormalize] {
+            #[unroll]
+            for j in 0..k {
+                weights[u * k + j] = weights[u * k + j] / sum;
+            }
+        }
+    }
+    sync_cube();
+    if u < experts {
+        let mut before = 0u32;
+        let mut count = 0u32;
+        for i in 0..tokens * k {
+            let s = sel[i] as usize;
+            if s < u {
+                before += 1u32;
+            }
+            if s == u {
+                count += 1u32;
+            }
+        }
+        let mut row = before;
+        for i in 0..tokens * k {
+            if sel[i] as usize == u {
+                gather[row as usize] = (i / k) as u32;
+                pos[i] = row;
+                row += 1u32;
+            }
+        }
+        let s = u * 6usize;
+        let d = u * 8usize;
+        desc_gate_up[d] = slots[s];
+        desc_gate_up[d + 1] = slots[s + 1];
+        desc_gate_up[d + 2] = comptime![2 * inter] as u32;
+        desc_gate_up[d + 3] = hidden as u32;
+        desc_gate_up[d + 4] = slots[s + 2];
+        desc_gate_up[d + 5] = before * hidden as u32;
+        desc_gate_up[d + 6] = before * comptime![2 * inter] as u32;
+        desc_gate_up[d + 7] = count;
+        desc_down[d] = slots[s + 3];
+        desc_down[d + 1] = slots[s + 4];
+        desc_down[d + 2] = hidden as u32;
+        desc_down[d + 3] = inter as u32;
+        desc_down[d + 4] = slots[s + 5];
+        desc_down[d + 5] = before * comptime![2 * inter] as u32;
+        desc_down[d + 6] = before * hidden as u32;
+        desc_down[d + 7] = count;
+    }
+}
+
+/// `out[row] = x[gather[row]]` for `row < meta[0] · k`. Grid `(max rows)`.
+#[cube(launch_unchecked)]
+pub fn gather_rows_kernel(
+    x: &Array<f32>,
+    gather: &Array<u32>,
+    meta: &Array<u32>,
+    out: &mut Array<f32>,
+    #[comptime] k: usize,
+    #[comptime] width: usize,
+) {
+    let row = CUBE_POS_X as usize;
+    if row >= meta[0] as usize * k {
+        terminate!();
+    }
+    let src = gather[row] as usize * width;
+    for c in range_stepped(UNIT_POS as usize, width, CUBE_DIM as usize) {
+        out[row * width + c] = x[src + c];
+    }
+}
+
+/// `h[t] += Σ_j weights[t, j] · y[pos[t, j]]` (the experts' outputs back into the residual
+/// stream, in a fixed order). Grid `(tokens)`.
+#[cube(launch_unchecked)]
+pub fn moe_combine_kernel(
+    y: &Array<f32>,
+    pos: &Array<u32>,
+    weights: &Array<f32>,
+    h: &mut Array<f32>,
+    #[comptime] k: usize,
+    #[comptime] hidden: usize,
+) {
+    let t = CUBE_POS_X as usize;
+    for c in range_stepped(UNIT_POS as usize, hidden, CUBE_DIM as usize) {
+        let mut acc = 0.0f32;
+        #[unroll]
+        for j in 0..k {
+            acc += weights[t * k + j] * y[pos[t * k + j] as usize * hidden + c];
+        }
+        h[t * hidden + c] += acc;
+    }
+}

@@ -1,0 +1,511 @@
+//! Host launchers and CPU references of the decode-step kernels in [`crate::decode`].
+//!
+//! The host knows each step's token count `T` (it built the batch) and sizes grids with it;
+//! kernels read `T` from a one-word `meta` buffer so that one compiled variant per
+//! `max_tokens` bucket serves every batch size.
+
+use cubecl::prelude::*;
+use half::f16;
+
+use crate::{DeviceArray, KernelError, MAX_TOKENS, PoolSlot, decode, gemm, token_bucket};
+
+fn bad(reason: String) -> KernelError {
+    KernelError::BadItem { item: 0, reason }
+}
+
+fn need(what: &str, a: &DeviceArray, n: usize) -> Result<(), KernelError> {
+    if a.len < n { Err(bad(format!("{what}: {} elements, needs {n}", a.len))) } else { Ok(()) }
+}
+
+fn cube_1d(width: usize) -> CubeDim {
+    CubeDim::new_1d(width.clamp(1, 256) as u32)
+}
+
+/// Embedding lookup: `h[t] = table[ids[t]] · params[0]`.
+///
+/// # Shapes
+/// - `ids`: `[tokens]`; `table`: `[vocab, hidden]` f16; `h`: `[tokens, hidden]`
+pub fn embed<R: Runtime>(
+    client: &ComputeClient<R>,
+    tokens: usize,
+    hidden: usize,
+    ids: &DeviceArray,
+    table: &DeviceArray,
+    params: &DeviceArray,
+    h: &DeviceArray,
+) -> Result<(), KernelError> {
+    need("embed ids", ids, tokens)?;
+    need("embed out", h, tokens * hidden)?;
+    if tokens == 0 {
+        return Ok(());
+    }
+    // SAFETY: ids are checked against the vocabulary by the caller (the tokenizer's ids); the
+    // output was checked above.
+    unsafe {
+        decode::embed_kernel::launch_unchecked::<R>(
+            client,
+            CubeCount::Static(tokens as u32, 1, 1),
+            cube_1d(hidden),
+            ids.arg(),
+            table.arg(),
+            params.arg(),
+            h.arg(),
+            hidden,
+        )
+    };
+    Ok(())
+}
+
+/// CPU reference of [`embed`].
+pub fn embed_reference(ids: &[u32], table: &[f16], hidden: usize, scale: f32) -> Vec<f32> {
+    ids.iter()
+        .flat_map(|&i| table[i as usize * hidden..][..hidden].iter().map(move |w| w.to_f32() * scale))
+        .collect()
+}
+
+/// RMSNorm of each row: `x / sqrt(mean(x²) + eps) · (w + offset)`, `params = [eps, offset]`.
+///
+/// # Shapes
+/// - `x`, `out`: `[tokens, hidden]`; `w`: `[hidden]`
+pub fn rms_norm<R: Runtime>(
+    client: &ComputeClient<R>,
+    tokens: usize,
+    hidden: usize,
+    x: &DeviceArray,
+    w: &DeviceArray,
+    params: &DeviceArray,
+    out: &DeviceArray,
+) -> Result<(), KernelError> {
+    need("rms_norm x", x, tokens * hidden)?;
+    need("rms_norm out", out, tokens * hidden)?;
+    need("rms_norm weight", w, hidden)?;
+    need("rms_norm params", params, 2)?;
+    if tokens == 0 {
+        return Ok(());
+    }
+    let plane = client.properties().hardware.plane_size_max;
+    // SAFETY: sizes checked above.
+    unsafe {
+        decode::rms_norm_kernel::launch_unchecked::<R>(
+            client,
+            CubeCount::Static(tokens as u32, 1, 1),
+            CubeDim::new_1d(plane),
+            x.arg(),
+            w.arg(),
+            params.arg(),
+            out.arg(),
+            hidden,
+        )
+    };
+    Ok(())
+}
+
+/// CPU reference of [`rms_norm`].
+pub fn rms_norm_reference(x: &[f32], w: &[f32], eps: f32, offset: f32) -> Vec<f32> {
+    let hidden = w.len();
+    x.chunks(hidden)
+        .flat_map(|row| {
+            let ms = row.iter().map(|v| v * v).sum::<f32>() / hidden as f32;
+            let inv = (ms + eps).sqrt();
+            row.iter().zip(w).map(move |(v, g)| v / inv * (g + offset))
+        })
+        .collect()
+}
+
+/// Options of a dense skinny GEMM launch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DenseGemm {
+    /// Output features (rows of `W`).
+    pub n: usize,
+    /// Input features.
+    pub k: usize,
+    /// Add `bias` (f32 `[n]`).
+    pub bias: bool,
+    /// `y += x·Wᵀ` (a residual add) instead of `y = x·Wᵀ`.
+    pub accumulate: bool,
+}
+
+/// `y (+)= x · Wᵀ (+ bias)` with `W` f16 `[n, k]` row-major; `meta[0]` = tokens (≤ 16).
+///
+/// # Shapes
+/// - `x`: `[tokens, k]`; `w`: `[n, k]`; `y`: `[tokens, n]`
+#[allow(clippy::too_many_arguments)]
+pub fn dense_gemm<R: Runtime>(
+    client: &ComputeClient<R>,
+    g: DenseGemm,
+    tokens: usize,
+    meta: &DeviceArray,
+    x: &DeviceArray,
+    w: &DeviceArray,
+    bias: &DeviceArray,
+    y: &DeviceArray,
+) -> Result<(), KernelError> {
+    if tokens > MAX_TOKENS {
+        return Err(bad(format!("dense_gemm: {tokens} tokens, at most {MAX_TOKENS}")));
+    }
+    need("dense_gemm x", x, tokens * g.k)?;
+    need("dense_gemm w", w, g.n * g.k)?;
+    need("dense_gemm y", y, tokens * g.n)?;
+    if g.bias {
+        need("dense_gemm bias", bias, g.n)?;
+    }
+    if tokens == 0 {
+        return Ok(());
+    }
+    let plane = client.properties().hardware.plane_size_max as usize;
+    let warps = 8;
+    // SAFETY: sizes checked above; the kernel reads `meta[0] ≤ tokens` rows.
+    unsafe {
+        decode::dense_gemm_kernel::launch_unchecked::<R>(
+            client,
+            CubeCount::Static(g.n.div_ceil(warps) as u32, 1, 1),
+            CubeDim::new_1d((warps * plane) as u32),
+            x.arg(),
+            w.arg(),
+            bias.arg(),
+            meta.arg(),
+            y.arg(),
+            g.n,
+            g.k,
+            token_bucket(tokens),
+            plane,
+            warps,
+            g.bias,
+            g.accumulate,
+        )
+    };
+    Ok(())
+}
+
+/// CPU reference of [`dense_gemm`]; updates `y` in place.
+pub fn dense_gemm_reference(g: DenseGemm, x: &[f32], w: &[f16], bias: &[f32], y: &mut [f32]) {
+    for (t, xr) in x.chunks(g.k).enumerate() {
+        for r in 0..g.n {
+            let mut s: f32 = w[r * g.k..][..g.k].iter().zip(xr).map(|(a, b)| a.to_f32() * b).sum();
+            if g.bias {
+                s += bias[r];
+            }
+            let o = &mut y[t * g.n + r];
+            *o = if g.accumulate { *o + s } else { s };
+        }
+    }
+}
+
+/// Where the heads to rotate sit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Rope {
+    /// Elements per row of the buffer.
+    pub stride: usize,
+    /// Heads to rotate, from the start of each row (query heads then key heads).
+    pub heads: usize,
+    /// Head dimension.
+    pub head_dim: usize,
+    /// Rotated dimensions per head (partial rotary); `inv_freq` has `rot_dim / 2` entries.
+    pub rot_dim: usize,
+}
+
+/// Rotate-half RoPE in place at positions `pos`.
+///
+/// # Shapes
+/// - `qk`: `[tokens, stride]`; `pos`: `[tokens]`; `inv_freq`: `[rot_dim / 2]`
+pub fn rope<R: Runtime>(
+    client: &ComputeClient<R>,
+    r: Rope,
+    tokens: usize,
+    qk: &DeviceArray,
+    pos: &DeviceArray,
+    inv_freq: &DeviceArray,
+) -> Result<(), KernelError> {
+    if r.rot_dim > r.head_dim || !r.rot_dim.is_multiple_of(2) || r.heads * r.head_dim > r.stride {
+        return Err(bad(format!("rope: bad geometry {r:?}")));
+    }
+    need("rope qk", qk, tokens * r.stride)?;
+    need("rope pos", pos, tokens)?;
+    need("rope inv_freq", inv_freq, r.rot_dim / 2)?;
+    if tokens == 0 {
+        return Ok(());
+    }
+    // SAFETY: geometry and sizes checked above.
+    unsafe {
+        decode::rope_kernel::launch_unchecked::<R>(
+            client,
+            CubeCount::Static(tokens as u32, 1, 1),
+            cube_1d(r.heads * r.rot_dim / 2),
+            qk.arg(),
+            pos.arg(),
+            inv_freq.arg(),
+            r.stride,
+            r.heads,
+            r.head_dim,
+            r.rot_dim,
+        )
+    };
+    Ok(())
+}
+
+/// CPU reference of [`rope`]; rotates `qk` in place.
+pub fn rope_reference(r: Rope, qk: &mut [f32], pos: &[u32], inv_freq: &[f32]) {
+    let half = r.rot_dim / 2;
+    for (t, &p) in pos.iter().enumerate() {
+        for h in 0..r.heads {
+            for (i, f) in inv_freq[..half].iter().enumerate() {
+                let a = p as f32 * f;
+                let b = t * r.stride + h * r.head_dim + i;
+                let (x1, x2) = (qk[b], qk[b + half]);
+                qk[b] = x1 * a.cos() - x2 * a.sin();
+                qk[b + half] = x2 * a.cos() + x1 * a.sin();
+            }
+        }
+    }
+}
+
+/// Geometry of one MoE layer for routing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MoeShape {
+    /// Routed experts (≤ 128).
+    pub experts: usize,
+    /// Experts per token.
+    pub k: usize,
+    /// Renormalise the top-k probabilities.
+    pub renormalize: bool,
+    /// Model width H.
+    pub hidden: usize,
+    /// Expert width I.
+    pub inter: usize,
+}
+
+/// The committed pages of one layer's experts: per expert its gate_up (`[2I, H]`) and down
+/// (`[H, I]`) slot in the weight pool. Flattened to the 6 words per expert the routing kernel
+/// copies into descriptors.
+pub fn expert_slot_words(shape: MoeShape, slots: &[(PoolSlot, PoolSlot)]) -> Result<Vec<u32>, KernelError> {
+    if slots.len() != shape.experts {
+        return Err(bad(format!("{} expert slots for {} experts", slots.len(), shape.experts)));
+    }
+    let mut out = Vec::with_capacity(6 * slots.len());
+    for (e, (gu, dn)) in slots.iter().enumerate() {
+        if (gu.rows, gu.cols) != (2 * shape.inter as u32, shape.hidden as u32)
+            || (dn.rows, dn.cols) != (shape.hidden as u32, shape.inter as u32)
+        {
+            return Err(bad(format!("expert {e}: slot shapes {gu:?} / {dn:?} do not match {shape:?}")));
+        }
+        out.extend([gu.plane_off, gu.lut_off, gu.bits, dn.plane_off, dn.lut_off, dn.bits]);
+    }
+    Ok(out)
+}
+
+/// Output buffers of [`moe_route`].
+#[derive(Debug, Clone)]
+pub struct RouteBuffers {
+    /// `[tokens, k]` routing weights.
+    pub weights: DeviceArray,
+    /// `[tokens · k]` source token of each gathered row.
+    pub gather: DeviceArray,
+    /// `[tokens, k]` gathered row of each choice.
+    pub pos: DeviceArray,
+    /// `[experts · 8]` gate_up work items.
+    pub desc_gate_up: DeviceArray,
+    /// `[experts · 8]` down work items.
+    pub desc_down: DeviceArray,
+}
+
+impl RouteBuffers {
+    /// Buffers for up to `MAX_TOKENS` tokens.
+    pub fn new<R: Runtime>(client: &ComputeClient<R>, shape: MoeShape) -> Self {
+        let n = MAX_TOKENS * shape.k;
+        Self {
+            weights: DeviceArray::empty::<R, f32>(client, n),
+            gather: DeviceArray::empty::<R, u32>(client, n),
+            pos: DeviceArray::empty::<R, u32>(client, n),
+            desc_gate_up: DeviceArray::empty::<R, u32>(client, shape.experts * gemm::DESC_WORDS),
+            desc_down: DeviceArray::empty::<R, u32>(client, shape.experts * gemm::DESC_WORDS),
+        }
+    }
+}
+
+/// Softmax → top-k routing of `logits` and the grouped kernel's work items, on the device.
+/// `slots` comes from [`expert_slot_words`] over slots inside the weight pool.
+///
+/// # Shapes
+/// - `logits`: `[tokens, experts]`; `slots`: `[experts · 6]`
+pub fn moe_route<R: Runtime>(
+    client: &ComputeClient<R>,
+    shape: MoeShape,
+    tokens: usize,
+    meta: &DeviceArray,
+    logits: &DeviceArray,
+    slots: &DeviceArray,
+    out: &RouteBuffers,
+) -> Result<(), KernelError> {
+    if shape.experts > 128 || shape.k == 0 || shape.k > shape.experts {
+        return Err(bad(format!("moe_route: unsupported {shape:?} (at most 128 experts, 1 ≤ k ≤ experts)")));
+    }
+    if tokens > MAX_TOKENS {
+        return Err(bad(format!("moe_route: {tokens} tokens, at most {MAX_TOKENS}")));
+    }
+    need("moe_route logits", logits, tokens * shape.experts)?;
+    need("moe_route slots", slots, shape.experts * 6)?;
+    if tokens == 0 {
+        return Ok(());
+    }
+    let units = shape.experts.max(MAX_TOKENS);
+    // SAFETY: sizes checked above; outputs were sized for MAX_TOKENS tokens by RouteBuffers.
+    unsafe {
+        decode::moe_route_kernel::launch_unchecked::<R>(
+            client,
+            CubeCount::Static(1, 1, 1),
+            CubeDim::new_1d(units as u32),
+            logits.arg(),
+            slots.arg(),
+            meta.arg(),
+            out.weights.arg(),
+            out.gather.arg(),
+            out.pos.arg(),
+            out.desc_gate_up.arg(),
+            out.desc_down.arg(),
+            shape.experts,
+            shape.k,
+            MAX_TOKENS,
+            shape.renormalize,
+            shape.hidden,
+            shape.inter,
+        )
+    };
+    Ok(())
+}
+
+/// CPU routing: per token the top-k experts (descending probability, lower index first on
+/// ties) and their weights.
+pub fn route_reference(shape: MoeShape, logits: &[f32]) -> (Vec<u32>, Vec<f32>) {
+    let (mut sel, mut wts) = (vec![], vec![]);
+    for row in logits.chunks(shape.experts) {
+        let m = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+        let z: f32 = row.iter().map(|v| (v - m).exp()).sum();
+        let mut order: Vec<usize> = (0..shape.experts).collect();
+        order.sort_by(|&a, &b| row[b].partial_cmp(&row[a]).unwrap().then(a.cmp(&b)));
+        let p: Vec<f32> = order[..shape.k].iter().map(|&e| (row[e] - m).exp() / z).collect();
+        let s: f32 = p.iter().sum();
+        for (j, &e) in order[..shape.k].iter().enumerate() {
+            sel.push(e as u32);
+            wts.push(if shape.renormalize { p[j] / s } else { p[j] });
+        }
+    }
+    (sel, wts)
+}
+
+/// Gathers `x` rows into expert order: `out[row] = x[gather[row]]`.
+///
+/// # Shapes
+/// - `x`: `[tokens, width]`; `out`: `[tokens · k, width]`
+#[allow(clippy::too_many_arguments)]
+pub fn gather_rows<R: Runtime>(
+    client: &ComputeClient<R>,
+    tokens: usize,
+    k: usize,
+    width: usize,
+    meta: &DeviceArray,
+    x: &DeviceArray,
+    gather: &DeviceArray,
+    out: &DeviceArray,
+) -> Result<(), KernelError> {
+    need("gather x", x, tokens * width)?;
+    need("gather out", out, tokens * k * width)?;
+    need("gather index", gather, tokens * k)?;
+    if tokens == 0 {
+        return Ok(());
+    }
+    // SAFETY: sizes checked above; indices come from `moe_route`, below `tokens`.
+    unsafe {
+        decode::gather_rows_kernel::launch_unchecked::<R>(
+            client,
+            CubeCount::Static((tokens * k) as u32, 1, 1),
+            cube_1d(width),
+            x.arg(),
+            gather.arg(),
+            meta.arg(),
+            out.arg(),
+            k,
+            width,
+        )
+    };
+    Ok(())
+}
+
+/// `h[t] += Σ_j weights[t, j] · y[pos[t, j]]`.
+///
+/// # Shapes
+/// - `y`: `[tokens · k, hidden]`; `pos`, `weights`: `[tokens, k]`; `h`: `[tokens, hidden]`
+#[allow(clippy::too_many_arguments)]
+pub fn moe_combine<R: Runtime>(
+    client: &ComputeClient<R>,
+    tokens: usize,
+    k: usize,
+    hidden: usize,
+    y: &DeviceArray,
+    pos: &DeviceArray,
+    weights: &DeviceArray,
+    h: &DeviceArray,
+) -> Result<(), KernelError> {
+    need("combine y", y, tokens * k * hidden)?;
+    need("combine h", h, tokens * hidden)?;
+    if tokens == 0 {
+        return Ok(());
+    }
+    // SAFETY: sizes checked above; positions come from `moe_route`, below `tokens · k`.
+    unsafe {
+        decode::moe_combine_kernel::launch_unchecked::<R>(
+            client,
+            CubeCount::Static(tokens as u32, 1, 1),
+            cube_1d(hidden),
+            y.arg(),
+            pos.arg(),
+            weights.arg(),
+            h.arg(),
+            k,
+            hidden,
+        )
+    };
+    Ok(())
+}
+
+/// The grouped expert GEMM over a descriptor table built on the device by [`moe_route`]
+/// (`experts` items, each at most `tokens` tokens and `max_rows` rows).
+#[allow(clippy::too_many_arguments)]
+pub fn ap_gemm_routed<R: Runtime>(
+    client: &ComputeClient<R>,
+    cfg: crate::GemmConfig,
+    planes: &DeviceArray,
+    luts: &DeviceArray,
+    desc: &DeviceArray,
+    experts: usize,
+    max_rows: usize,
+    tokens: usize,
+    x: &DeviceArray,
+    y: &DeviceArray,
+    act: crate::Activation,
+) -> Result<(), KernelError> {
+    need("routed gemm descriptors", desc, experts * gemm::DESC_WORDS)?;
+    if tokens == 0 {
+        return Ok(());
+    }
+    let tiles = max_rows.div_ceil(cfg.warps * cfg.rows_per_warp) as u32;
+    // SAFETY: descriptors are written by `moe_route` from slot words validated by
+    // `expert_slot_words` against the layer's shapes; `x`/`y` hold `tokens · k` rows.
+    unsafe {
+        gemm::ap_gemm_kernel::launch_unchecked::<R>(
+            client,
+            CubeCount::Static(tiles, experts as u32, 1),
+            CubeDim::new_1d((cfg.warps * cfg.plane_size) as u32),
+            planes.arg(),
+            luts.arg(),
+            desc.arg(),
+            x.arg(),
+            y.arg(),
+            token_bucket(tokens),
+            cfg.plane_size,
+            cfg.warps,
+            cfg.rows_per_warp,
+            act.code(),
+        )
+    };
+    Ok(())
+}
