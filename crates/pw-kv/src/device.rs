@@ -43,6 +43,17 @@ impl<R: Runtime> DevicePools<R> {
         Self { geometry: geometry.clone(), capacity, layers, _runtime: std::marker::PhantomData }
     }
 
+    /// The cache geometry.
+    pub fn geometry(&self) -> &KvGeometry {
+        &self.geometry
+    }
+
+    /// Layer `i`'s K and V pools (for fused kernels that append and attend themselves).
+    pub fn layer(&self, i: usize) -> (&DeviceArray, &DeviceArray) {
+        let (k, v) = &self.layers[i];
+        (k, v)
+    }
+
     /// Blocks the pools hold.
     pub fn capacity(&self) -> usize {
         self.capacity

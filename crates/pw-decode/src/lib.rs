@@ -1,0 +1,48 @@
+//! The fast decode path: one decode step of a batch of sequences runs as a fixed handful of
+//! CubeCL launches per layer, straight on the compute client (no Burn tensor ops, no host round
+//! trip inside a layer):
+//!
+//! 1. RMSNorm → fused QKV projection (one f16 GEMM) → RoPE on Q and K in place;
+//! 2. K/V append into the paged cache → paged decode attention;
+//! 3. O projection added into the residual → RMSNorm → router logits;
+//! 4. on-device softmax/top-k routing that writes the grouped kernel's descriptors → row gather →
+//!    grouped bit-plane GEMM for gate_up → grouped GEMM for down with SiLU(gate)·up fused into its
+//!    input → weighted combine into the residual.
+//!
+//! The host uploads the step's ids, positions and block tables once, and reads back the logits
+//! once. A new sequence's prompt goes through the same kernels token by token (prefill).
+//! The Burn-ops models in `pw-models` stay the reference the tests compare against.
+
+mod mixtral;
+
+pub use mixtral::{DecodeConfig, ExpertBlocks, MixtralDecoder};
+
+/// Why loading or a step failed.
+#[derive(Debug, thiserror::Error)]
+pub enum DecodeError {
+    /// Reading the checkpoint or its config failed.
+    #[error(transparent)]
+    Hf(#[from] pw_hf::HfError),
+    /// The model family or a setting is not supported by this path.
+    #[error("{0}")]
+    Unsupported(String),
+    /// A tensor has the wrong shape.
+    #[error("tensor `{name}` has shape {got:?}, expected {expected:?}")]
+    Shape {
+        /// The tensor.
+        name: String,
+        /// Expected shape.
+        expected: Vec<usize>,
+        /// Stored shape.
+        got: Vec<usize>,
+    },
+    /// Quantizing an expert failed.
+    #[error(transparent)]
+    Format(#[from] pw_format::FormatError),
+    /// The KV cache refused.
+    #[error(transparent)]
+    Kv(#[from] pw_kv::KvError),
+    /// A kernel launch failed.
+    #[error(transparent)]
+    Kernel(#[from] kernels_cubecl::KernelError),
+}
