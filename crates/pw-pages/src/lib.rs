@@ -1,0 +1,87 @@
+//! The weight page table of PagedWeight.
+//!
+//! - [`Accountant`]: one byte budget shared by weight pages and the KV cache;
+//!   every byte is a [`Lease`], and a lease past the budget is refused.
+//! - [`PagedWeights`]: one page per (layer, expert, gate_up|down) with desired
+//!   bits d and committed bits q; the host keeps each page's max-bit parent,
+//!   the GPU the planes `0..q` and the LUT of width q in arena extents.
+//! - The commit protocol ([`PagedWeights::boundary`]): lowerings commit at
+//!   once (lower q, then free the dropped planes and the LUT's tail), raisings
+//!   copy planes + LUT in first and commit at the first boundary after their
+//!   transfer finished; the kernels' descriptor table changes only there.
+//! - [`Mover`]: copies into the device arenas. [`CubePool`] on any CubeCL
+//!   runtime (copies ordered on the client's queue), [`HostPool`] on the CPU,
+//!   [`ManualMover`] finishing transfers only when told (tests).
+
+mod accountant;
+mod cube;
+mod extent;
+mod mover;
+mod table;
+
+pub use accountant::{Accountant, BudgetError, Lease, MemoryUsage, Use};
+pub use cube::CubePool;
+pub use extent::{Extent, ExtentAllocator};
+pub use mover::{HostPool, ManualMover, MoveError, Mover, POISON_WORD, Ticket, Write};
+pub use table::{
+    CommitReport, DeferReason, Deferred, Group, Location, PageId, PageInfo, PageKey, PagedWeights,
+};
+
+/// Errors of the page table.
+#[derive(Debug, thiserror::Error)]
+pub enum PageError {
+    /// Two blocks claim the same page.
+    #[error("block {name}: {key} appears twice")]
+    DuplicatePage {
+        /// The page.
+        key: PageKey,
+        /// The second block's name.
+        name: String,
+    },
+    /// A block cannot be paged.
+    #[error("block {name}: {reason}")]
+    BadBlock {
+        /// Block name.
+        name: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// No such page.
+    #[error("no page for {key}")]
+    UnknownPage {
+        /// The key asked for.
+        key: PageKey,
+    },
+    /// A page id out of range.
+    #[error("page id {id} out of range ({pages} pages)")]
+    BadPageId {
+        /// The id.
+        id: usize,
+        /// Pages in the table.
+        pages: usize,
+    },
+    /// A bit-width the block does not store.
+    #[error("block {name}: {bits} bits outside its range {min}..={max}")]
+    BitsOutOfRange {
+        /// Block name.
+        name: String,
+        /// Bits asked for.
+        bits: u8,
+        /// Lowest stored.
+        min: u8,
+        /// Highest stored.
+        max: u8,
+    },
+    /// A launch needs a page that has no committed state on the GPU.
+    #[error("{key} is not resident on the GPU")]
+    NotResident {
+        /// The page.
+        key: PageKey,
+    },
+    /// Reading the checkpoint failed.
+    #[error(transparent)]
+    Format(#[from] pw_format::FormatError),
+    /// A transfer failed.
+    #[error(transparent)]
+    Move(#[from] MoveError),
+}

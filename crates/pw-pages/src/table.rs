@@ -1,0 +1,690 @@
+//! The weight page table and its commit protocol.
+
+use crate::PageError;
+use crate::accountant::{Accountant, BudgetError, Lease, MemoryUsage, Use};
+use crate::extent::{Extent, ExtentAllocator};
+use crate::mover::{Mover, Ticket, Write};
+use kernels_cubecl::{PoolSlot, WorkItem};
+use pw_format::{ApBlock, BlockKind, Checkpoint};
+use std::collections::HashMap;
+use std::fmt;
+
+/// Bytes of one plane word and one LUT entry.
+const WORD_BYTES: usize = 4;
+const LUT_BYTES: usize = 2;
+
+/// Which page: (layer, expert, block).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PageKey {
+    /// Decoder layer.
+    pub layer: usize,
+    /// Expert within the layer.
+    pub expert: usize,
+    /// gate_up or down.
+    pub kind: BlockKind,
+}
+
+impl fmt::Display for PageKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let kind = match self.kind {
+            BlockKind::GateUp => "gate_up",
+            BlockKind::Down => "down",
+        };
+        write!(f, "layer {} expert {} {kind}", self.layer, self.expert)
+    }
+}
+
+/// Index of a page in its table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct PageId(pub usize);
+
+/// Where a plane or LUT of a page lives. The host always has every plane and
+/// LUT (the max-bit parent); this says whether the GPU has it too.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Location {
+    /// On the GPU and part of the committed state.
+    Gpu,
+    /// Being copied to the GPU; not yet readable by kernels.
+    InTransfer,
+    /// Only on the host.
+    Host,
+}
+
+/// Why a raising did not start at a boundary (it is retried at the next one).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DeferReason {
+    /// Its planes + LUT would exceed the memory budget.
+    Budget(BudgetError),
+    /// No free run of the arena is long enough (fragmentation or a full arena).
+    Fragmented {
+        /// "plane" or "LUT".
+        arena: &'static str,
+        /// Elements needed in one run.
+        needed: usize,
+        /// Longest free run.
+        largest_free: usize,
+    },
+    /// A cancelled raising of this page is still in flight; its memory is
+    /// released when it finishes.
+    InFlight,
+}
+
+impl fmt::Display for DeferReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DeferReason::Budget(e) => write!(f, "{e}"),
+            DeferReason::Fragmented { arena, needed, largest_free } => write!(
+                f,
+                "no free run of {needed} elements in the {arena} arena (longest free run {largest_free})"
+            ),
+            DeferReason::InFlight => f.write_str("a cancelled transfer of this page is still in flight"),
+        }
+    }
+}
+
+/// A raising that could not start.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Deferred {
+    /// The page.
+    pub page: PageId,
+    /// Bits it asked for.
+    pub target: u8,
+    /// Why not now.
+    pub reason: DeferReason,
+}
+
+/// What one [`PagedWeights::boundary`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CommitReport {
+    /// Pages whose raising was committed.
+    pub raised: Vec<PageId>,
+    /// Pages lowered (committed at once).
+    pub lowered: Vec<PageId>,
+    /// Pages whose raising transfer started (committed at a later boundary,
+    /// or at this one if it already finished).
+    pub started: Vec<PageId>,
+    /// Raisings that could not start, with the reason.
+    pub deferred: Vec<Deferred>,
+    /// Cancelled raisings whose transfer finished and whose memory was freed.
+    pub reclaimed: Vec<PageId>,
+    /// Whether the descriptor table changed (and was published).
+    pub published: bool,
+}
+
+/// A page's state, for inspection.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PageInfo {
+    /// Which page.
+    pub key: PageKey,
+    /// Block name in the checkpoint.
+    pub name: String,
+    /// Output rows.
+    pub rows: usize,
+    /// Input columns.
+    pub cols: usize,
+    /// Lowest stored bit-width.
+    pub min_bits: u8,
+    /// Highest stored bit-width (host parent).
+    pub max_bits: u8,
+    /// Desired bits d (0 = not asked for yet).
+    pub desired: u8,
+    /// Committed bits q (0 = not resident).
+    pub committed: u8,
+    /// Target of the raising in flight, if any (and not cancelled).
+    pub raising_to: Option<u8>,
+    /// GPU bytes of the committed state (planes + LUT).
+    pub gpu_bytes: usize,
+}
+
+struct Raise {
+    target: u8,
+    ticket: Ticket,
+    /// New planes: `q..target` right after the committed extent (in place),
+    /// or `0..target` elsewhere (relocation).
+    planes: Extent,
+    in_place: bool,
+    lut: Extent,
+    leases: (Lease, Lease),
+    cancelled: bool,
+}
+
+struct Page {
+    key: PageKey,
+    name: String,
+    parent: ApBlock,
+    desired: u8,
+    committed: u8,
+    /// Planes `0..committed`, contiguous, as the kernel reads them.
+    planes: Option<(Extent, Lease)>,
+    /// The LUT of width `committed`.
+    lut: Option<(Extent, Lease)>,
+    raise: Option<Raise>,
+}
+
+impl Page {
+    fn plane_words(&self) -> usize {
+        self.parent.rows * self.parent.words_per_row()
+    }
+
+    fn lut_len(&self, bits: u8) -> usize {
+        self.parent.rows << bits
+    }
+
+    fn slot(&self) -> PoolSlot {
+        let (plane_off, lut_off) = match (&self.planes, &self.lut) {
+            (Some((p, _)), Some((l, _))) => (p.off as u32, l.off as u32),
+            _ => (0, 0),
+        };
+        PoolSlot {
+            plane_off,
+            lut_off,
+            rows: self.parent.rows as u32,
+            cols: self.parent.cols as u32,
+            bits: self.committed as u32,
+        }
+    }
+}
+
+/// One token group of a grouped launch: `tokens` rows of `x` at `x_off`
+/// through the page of `expert`, output at `y_off`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Group {
+    /// Expert.
+    pub expert: usize,
+    /// First element of the group's `x` rows.
+    pub x_off: u32,
+    /// First element of the group's `y` rows.
+    pub y_off: u32,
+    /// Tokens (at most [`kernels_cubecl::MAX_TOKENS`]).
+    pub tokens: u32,
+}
+
+/// The weight page table over a [`Mover`]'s arenas.
+///
+/// One page per (layer, expert, gate_up|down). The host keeps every page's
+/// full max-bit parent; the GPU holds planes `0..q` and the LUT of width `q`
+/// of each resident page, in arena extents leased from the [`Accountant`].
+/// The descriptor table the kernels read changes only in [`Self::boundary`].
+pub struct PagedWeights<M> {
+    pages: Vec<Page>,
+    index: HashMap<PageKey, PageId>,
+    plane_arena: ExtentAllocator,
+    lut_arena: ExtentAllocator,
+    accountant: Accountant,
+    mover: M,
+    table: Vec<PoolSlot>,
+    generation: u64,
+}
+
+impl<M: Mover> PagedWeights<M> {
+    /// A table over `blocks` (name, key, host parent), none resident yet.
+    pub fn new(
+        blocks: Vec<(String, PageKey, ApBlock)>,
+        accountant: Accountant,
+        mover: M,
+    ) -> Result<Self, PageError> {
+        let (plane_cap, lut_cap) = mover.capacity();
+        let mut index = HashMap::new();
+        let mut pages = Vec::with_capacity(blocks.len());
+        for (name, key, parent) in blocks {
+            if index.insert(key, PageId(pages.len())).is_some() {
+                return Err(PageError::DuplicatePage { key, name });
+            }
+            if parent.rows == 0 || parent.cols == 0 {
+                return Err(PageError::BadBlock { name, reason: "empty block".into() });
+            }
+            pages.push(Page {
+                key,
+                name,
+                parent,
+                desired: 0,
+                committed: 0,
+                planes: None,
+                lut: None,
+                raise: None,
+            });
+        }
+        let table = pages.iter().map(Page::slot).collect();
+        Ok(Self {
+            pages,
+            index,
+            plane_arena: ExtentAllocator::new(plane_cap),
+            lut_arena: ExtentAllocator::new(lut_cap),
+            accountant,
+            mover,
+            table,
+            generation: 0,
+        })
+    }
+
+    /// A table over every block of a quantized checkpoint (each block's
+    /// max-bit parent is read into host memory).
+    pub fn from_checkpoint(ckpt: &Checkpoint, accountant: Accountant, mover: M) -> Result<Self, PageError> {
+        let mut blocks = Vec::with_capacity(ckpt.manifest().blocks.len());
+        for e in &ckpt.manifest().blocks {
+            let block = ckpt.block(&e.name)?;
+            blocks.push((e.name.clone(), PageKey { layer: e.layer, expert: e.expert, kind: e.kind }, block));
+        }
+        Self::new(blocks, accountant, mover)
+    }
+
+    /// Arena sizes (plane words, LUT entries) that hold every block of a
+    /// checkpoint at `bits` (clamped to each block's range) at once.
+    pub fn arena_size_for(ckpt: &Checkpoint, bits: u8) -> (usize, usize) {
+        ckpt.manifest().blocks.iter().fold((0, 0), |(p, l), e| {
+            let b = bits.clamp(e.min_bits, e.max_bits);
+            let (pb, lb) = e.bytes_at(b);
+            (p + pb / WORD_BYTES, l + lb / LUT_BYTES)
+        })
+    }
+
+    /// Number of pages.
+    pub fn len(&self) -> usize {
+        self.pages.len()
+    }
+
+    /// Whether there are no pages.
+    pub fn is_empty(&self) -> bool {
+        self.pages.is_empty()
+    }
+
+    /// The page of `key`.
+    pub fn page(&self, key: PageKey) -> Result<PageId, PageError> {
+        self.index.get(&key).copied().ok_or(PageError::UnknownPage { key })
+    }
+
+    /// Every page id.
+    pub fn ids(&self) -> impl Iterator<Item = PageId> + use<M> {
+        (0..self.pages.len()).map(PageId)
+    }
+
+    fn get(&self, id: PageId) -> Result<&Page, PageError> {
+        self.pages.get(id.0).ok_or(PageError::BadPageId { id: id.0, pages: self.pages.len() })
+    }
+
+    /// The host parent of a page (all planes and LUTs).
+    pub fn parent(&self, id: PageId) -> Result<&ApBlock, PageError> {
+        Ok(&self.get(id)?.parent)
+    }
+
+    /// A page's state.
+    pub fn info(&self, id: PageId) -> Result<PageInfo, PageError> {
+        let p = self.get(id)?;
+        Ok(PageInfo {
+            key: p.key,
+            name: p.name.clone(),
+            rows: p.parent.rows,
+            cols: p.parent.cols,
+            min_bits: p.parent.min_bits,
+            max_bits: p.parent.max_bits,
+            desired: p.desired,
+            committed: p.committed,
+            raising_to: p.raise.as_ref().filter(|r| !r.cancelled).map(|r| r.target),
+            gpu_bytes: if p.committed == 0 {
+                0
+            } else {
+                let (a, b) = p.parent.bytes_at(p.committed);
+                a + b
+            },
+        })
+    }
+
+    /// Where plane `plane` (0 = most significant) of a page lives.
+    pub fn plane_location(&self, id: PageId, plane: u8) -> Result<Location, PageError> {
+        let p = self.get(id)?;
+        if plane >= p.parent.max_bits {
+            return Err(PageError::BitsOutOfRange {
+                name: p.name.clone(),
+                bits: plane + 1,
+                min: 1,
+                max: p.parent.max_bits,
+            });
+        }
+        Ok(if plane < p.committed {
+            Location::Gpu
+        } else if p.raise.as_ref().is_some_and(|r| !r.cancelled && plane < r.target) {
+            Location::InTransfer
+        } else {
+            Location::Host
+        })
+    }
+
+    /// Where the LUT of width `bits` of a page lives.
+    pub fn lut_location(&self, id: PageId, bits: u8) -> Result<Location, PageError> {
+        let p = self.get(id)?;
+        check_bits(p, bits)?;
+        Ok(if bits == p.committed {
+            Location::Gpu
+        } else if p.raise.as_ref().is_some_and(|r| !r.cancelled && r.target == bits) {
+            Location::InTransfer
+        } else {
+            Location::Host
+        })
+    }
+
+    /// Asks for `bits` on a page; takes effect at the next [`Self::boundary`].
+    pub fn set_desired(&mut self, id: PageId, bits: u8) -> Result<(), PageError> {
+        let n = self.pages.len();
+        let p = self.pages.get_mut(id.0).ok_or(PageError::BadPageId { id: id.0, pages: n })?;
+        check_bits(p, bits)?;
+        p.desired = bits;
+        Ok(())
+    }
+
+    /// Asks for `bits` on every page (clamped to each page's range).
+    pub fn set_desired_all(&mut self, bits: u8) {
+        for p in &mut self.pages {
+            p.desired = bits.clamp(p.parent.min_bits, p.parent.max_bits);
+        }
+    }
+
+    /// The committed descriptor table: one slot per page (`bits == 0`: not resident).
+    pub fn table(&self) -> &[PoolSlot] {
+        &self.table
+    }
+
+    /// How many commits changed the table.
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// The accountant.
+    pub fn accountant(&self) -> &Accountant {
+        &self.accountant
+    }
+
+    /// Memory usage of the shared budget.
+    pub fn usage(&self) -> MemoryUsage {
+        self.accountant.usage()
+    }
+
+    /// Bytes the arenas have allocated (committed and in-flight extents).
+    pub fn held_bytes(&self) -> usize {
+        self.plane_arena.used() * WORD_BYTES + self.lut_arena.used() * LUT_BYTES
+    }
+
+    /// The mover.
+    pub fn mover(&self) -> &M {
+        &self.mover
+    }
+
+    /// The mover, mutably (to poll or complete transfers of a test mover).
+    pub fn mover_mut(&mut self) -> &mut M {
+        &mut self.mover
+    }
+
+    /// Work items of one grouped launch over the committed table.
+    pub fn items(&self, layer: usize, kind: BlockKind, groups: &[Group]) -> Result<Vec<WorkItem>, PageError> {
+        groups
+            .iter()
+            .map(|g| {
+                let key = PageKey { layer, expert: g.expert, kind };
+                let id = self.page(key)?;
+                let slot = self.table[id.0];
+                if slot.bits == 0 {
+                    return Err(PageError::NotResident { key });
+                }
+                Ok(slot.item(g.x_off, g.y_off, g.tokens))
+            })
+            .collect()
+    }
+
+    /// The safe point between decode steps: commits finished raisings, commits
+    /// every lowering at once, starts the raisings that fit (deferring the
+    /// others with a reason), commits those already finished, and publishes the
+    /// table if it changed. Never waits for a transfer.
+    pub fn boundary(&mut self) -> Result<CommitReport, PageError> {
+        let mut report = CommitReport::default();
+        let mut changed = self.commit_finished(&mut report)?;
+        for i in 0..self.pages.len() {
+            let p = &self.pages[i];
+            if p.desired != 0 && p.desired < p.committed {
+                self.lower(i)?;
+                report.lowered.push(PageId(i));
+                changed = true;
+            }
+        }
+        for i in 0..self.pages.len() {
+            let p = &self.pages[i];
+            if p.desired <= p.committed {
+                continue;
+            }
+            let target = p.desired;
+            match &p.raise {
+                Some(r) if r.cancelled => {
+                    report.deferred.push(Deferred { page: PageId(i), target, reason: DeferReason::InFlight })
+                }
+                // Committed when it finishes; a different desire is handled then.
+                Some(_) => {}
+                None => match self.start_raise(i)? {
+                    Ok(()) => report.started.push(PageId(i)),
+                    Err(reason) => report.deferred.push(Deferred { page: PageId(i), target, reason }),
+                },
+            }
+        }
+        changed |= self.commit_finished(&mut report)?;
+        if changed {
+            self.table = self.pages.iter().map(Page::slot).collect();
+            self.generation += 1;
+            self.mover.publish(&self.table)?;
+            report.published = true;
+        }
+        Ok(report)
+    }
+
+    /// Commits (or reclaims, if cancelled) every raising whose transfer finished.
+    fn commit_finished(&mut self, report: &mut CommitReport) -> Result<bool, PageError> {
+        let mut changed = false;
+        for i in 0..self.pages.len() {
+            let Some(ticket) = self.pages[i].raise.as_ref().map(|r| r.ticket) else { continue };
+            if !self.mover.finished(ticket)? {
+                continue;
+            }
+            let page = &mut self.pages[i];
+            let r = page.raise.take().expect("checked above");
+            if r.cancelled {
+                self.plane_arena.free(r.planes);
+                self.lut_arena.free(r.lut);
+                report.reclaimed.push(PageId(i));
+                continue;
+            }
+            let (plane_lease, lut_lease) = r.leases;
+            if r.in_place {
+                let (ext, lease) = page.planes.as_mut().expect("in-place raise of a resident page");
+                ext.len += r.planes.len;
+                lease.absorb(plane_lease);
+            } else if let Some((old, _)) = page.planes.replace((r.planes, plane_lease)) {
+                self.plane_arena.free(old);
+            }
+            if let Some((old, _)) = page.lut.replace((r.lut, lut_lease)) {
+                self.lut_arena.free(old);
+            }
+            page.committed = r.target;
+            report.raised.push(PageId(i));
+            changed = true;
+        }
+        Ok(changed)
+    }
+
+    /// Lowers page `i` to its desired bits: the smaller LUT is written over the
+    /// head of the current one with an ordered write (kernels launched before
+    /// still read the old LUT, those after the new), then the dropped planes and
+    /// the LUT's tail are freed. Needs no extra memory, so it cannot fail for
+    /// lack of budget.
+    fn lower(&mut self, i: usize) -> Result<(), PageError> {
+        let page = &mut self.pages[i];
+        let (q, d) = (page.committed, page.desired);
+        if let Some(r) = page.raise.as_mut() {
+            // Its planes were to follow planes 0..q; they no longer will.
+            r.cancelled = true;
+        }
+        let pw = page.plane_words();
+        let (lut_new, lut_old) = (page.lut_len(d), page.lut_len(q));
+        let (lut_ext, lut_lease) = page.lut.as_mut().expect("a lowered page is resident");
+        self.mover.write_ordered(&[Write::Lut { off: lut_ext.off, data: page.parent.lut(d) }])?;
+        self.lut_arena.free(Extent { off: lut_ext.off + lut_new, len: lut_old - lut_new });
+        lut_ext.len = lut_new;
+        lut_lease.shrink(((lut_old - lut_new) * LUT_BYTES) as u64);
+        let (plane_ext, plane_lease) = page.planes.as_mut().expect("a lowered page is resident");
+        let dropped = (q - d) as usize * pw;
+        self.plane_arena.free(Extent { off: plane_ext.off + d as usize * pw, len: dropped });
+        plane_ext.len -= dropped;
+        plane_lease.shrink((dropped * WORD_BYTES) as u64);
+        page.committed = d;
+        Ok(())
+    }
+
+    /// Starts raising page `i` to its desired bits, or says why not.
+    fn start_raise(&mut self, i: usize) -> Result<Result<(), DeferReason>, PageError> {
+        let page = &self.pages[i];
+        let (q, t) = (page.committed, page.desired);
+        let pw = page.plane_words();
+        let lut_len = page.lut_len(t);
+        // Grow in place when the run after the committed planes is free.
+        let grown =
+            page.planes.as_ref().and_then(|(e, _)| self.plane_arena.alloc_at(e.end(), (t - q) as usize * pw));
+        let (planes, in_place) = match grown {
+            Some(e) => (e, true),
+            None => match self.plane_arena.alloc(t as usize * pw) {
+                Some(e) => (e, false),
+                None => {
+                    return Ok(Err(DeferReason::Fragmented {
+                        arena: "plane",
+                        needed: t as usize * pw,
+                        largest_free: self.plane_arena.largest_free(),
+                    }));
+                }
+            },
+        };
+        let Some(lut) = self.lut_arena.alloc(lut_len) else {
+            self.plane_arena.free(planes);
+            return Ok(Err(DeferReason::Fragmented {
+                arena: "LUT",
+                needed: lut_len,
+                largest_free: self.lut_arena.largest_free(),
+            }));
+        };
+        let leases = self
+            .accountant
+            .lease(Use::Weights, (planes.len * WORD_BYTES + lut.len * LUT_BYTES) as u64)
+            .map(|mut all| {
+                // Split so that the plane part can be merged on an in-place commit.
+                let lut_bytes = (lut.len * LUT_BYTES) as u64;
+                all.shrink(lut_bytes);
+                (all, self.accountant.lease(Use::Weights, lut_bytes).expect("just released"))
+            });
+        let leases = match leases {
+            Ok(l) => l,
+            Err(e) => {
+                self.plane_arena.free(planes);
+                self.lut_arena.free(lut);
+                return Ok(Err(DeferReason::Budget(e)));
+            }
+        };
+        let first = if in_place { q as usize } else { 0 };
+        let src = &page.parent.planes[first * pw..t as usize * pw];
+        let writes = [
+            Write::Planes { off: planes.off, data: src },
+            Write::Lut { off: lut.off, data: page.parent.lut(t) },
+        ];
+        let ticket = match self.mover.start(&writes) {
+            Ok(t) => t,
+            Err(e) => {
+                self.plane_arena.free(planes);
+                self.lut_arena.free(lut);
+                return Err(e.into());
+            }
+        };
+        self.pages[i].raise =
+            Some(Raise { target: t, ticket, planes, in_place, lut, leases, cancelled: false });
+        Ok(Ok(()))
+    }
+
+    /// Checks the table's internal consistency: extents of all pages (committed
+    /// and in flight) are disjoint and allocated, committed extents match the
+    /// committed bits, the published table is the committed state, and the
+    /// bytes leased for weights equal the bytes the arenas hold. Returns the
+    /// first violation found.
+    pub fn audit(&self) -> Result<(), String> {
+        let mut plane_exts = Vec::new();
+        let mut lut_exts = Vec::new();
+        let mut leased = 0u64;
+        for (i, p) in self.pages.iter().enumerate() {
+            let pw = p.plane_words();
+            match (&p.planes, &p.lut) {
+                (Some((pe, pl)), Some((le, ll))) => {
+                    if pe.len != p.committed as usize * pw || le.len != p.lut_len(p.committed) {
+                        return Err(format!("page {i}: extents do not match q = {}", p.committed));
+                    }
+                    if pl.bytes() != (pe.len * WORD_BYTES) as u64 || ll.bytes() != (le.len * LUT_BYTES) as u64
+                    {
+                        return Err(format!("page {i}: leases do not match extents"));
+                    }
+                    leased += pl.bytes() + ll.bytes();
+                    plane_exts.push((*pe, i));
+                    lut_exts.push((*le, i));
+                }
+                (None, None) if p.committed == 0 => {}
+                _ => return Err(format!("page {i}: half-resident")),
+            }
+            if let Some(r) = &p.raise {
+                leased += r.leases.0.bytes() + r.leases.1.bytes();
+                if r.leases.0.bytes() != (r.planes.len * WORD_BYTES) as u64 {
+                    return Err(format!("page {i}: raise plane lease does not match its extent"));
+                }
+                plane_exts.push((r.planes, i));
+                lut_exts.push((r.lut, i));
+                if !r.cancelled && r.in_place {
+                    let end = p.planes.as_ref().map(|(e, _)| e.end());
+                    if end != Some(r.planes.off) {
+                        return Err(format!("page {i}: in-place raise not adjacent to its planes"));
+                    }
+                }
+            }
+            if self.table[i] != p.slot() {
+                return Err(format!("page {i}: published slot {:?} is not the committed one", self.table[i]));
+            }
+        }
+        for (name, exts, arena) in
+            [("plane", &mut plane_exts, &self.plane_arena), ("LUT", &mut lut_exts, &self.lut_arena)]
+        {
+            exts.sort_by_key(|(e, _)| e.off);
+            for w in exts.windows(2) {
+                if w[0].0.end() > w[1].0.off {
+                    return Err(format!("{name} extents of pages {} and {} overlap", w[0].1, w[1].1));
+                }
+            }
+            let total: usize = exts.iter().map(|(e, _)| e.len).sum();
+            if total != arena.used() {
+                return Err(format!("{name} arena holds {} elements, pages {total}", arena.used()));
+            }
+            for (e, i) in exts.iter() {
+                if arena.free_runs().any(|f| f.off < e.end() && e.off < f.end()) {
+                    return Err(format!("page {i} references a freed {name} range {e:?}"));
+                }
+            }
+        }
+        if leased != self.held_bytes() as u64 {
+            return Err(format!("pages lease {leased} bytes, arenas hold {}", self.held_bytes()));
+        }
+        if self.accountant.usage().weights != leased {
+            return Err(format!(
+                "accountant counts {} weight bytes, pages lease {leased}",
+                self.usage().weights
+            ));
+        }
+        Ok(())
+    }
+}
+
+fn check_bits(p: &Page, bits: u8) -> Result<(), PageError> {
+    if !(p.parent.min_bits..=p.parent.max_bits).contains(&bits) {
+        return Err(PageError::BitsOutOfRange {
+            name: p.name.clone(),
+            bits,
+            min: p.parent.min_bits,
+            max: p.parent.max_bits,
+        });
+    }
+    Ok(())
+}
