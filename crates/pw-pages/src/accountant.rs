@@ -113,7 +113,7 @@ impl Accountant {
 
     /// Leases `blocks` KV-cache blocks of `block_bytes` each, all or nothing.
     pub fn lease_kv_blocks(&self, blocks: u64, block_bytes: u64) -> Result<Lease, BudgetError> {
-        let bytes = blocks.checked_mul(block_bytes).unwrap_or(u64::MAX);
+        let bytes = blocks.saturating_mul(block_bytes);
         self.lease(Use::Kv, bytes)
     }
 
