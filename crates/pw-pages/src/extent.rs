@@ -10,6 +10,12 @@
 //! the sizes other pages of that shape need, and first fit reuses them. When no
 //! run is long enough the raising is deferred with that reason (it is retried
 //! at the next boundary), never forced.
+//!
+//! LUTs vary in size 32× between 3 and 8 bits, so the page table takes the
+//! LUT of a page's top width from the low end (first fit) and every smaller
+//! one from the high end ([`ExtentAllocator::alloc_high`]); a lowering moves
+//! its small LUT there and frees the whole large one, so the hole it leaves
+//! is exactly what raising it back needs.
 
 use std::collections::BTreeMap;
 
@@ -73,6 +79,17 @@ impl ExtentAllocator {
         assert!(len > 0, "zero-length extent");
         let (&off, &run) = self.free.iter().find(|&(_, &run)| run >= len)?;
         self.take(off, run, off, len);
+        Some(Extent { off, len })
+    }
+
+    /// Allocates `len > 0` elements at the top of the highest run that fits
+    /// (last fit). Short-lived or small extents taken from the top keep the
+    /// low end's runs long for the large ones.
+    pub fn alloc_high(&mut self, len: usize) -> Option<Extent> {
+        assert!(len > 0, "zero-length extent");
+        let (&start, &run) = self.free.iter().rev().find(|&(_, &run)| run >= len)?;
+        let off = start + run - len;
+        self.take(start, run, off, len);
         Some(Extent { off, len })
     }
 
@@ -142,6 +159,8 @@ mod tests {
         let z = a.alloc(30).unwrap();
         assert_eq!((x.off, y.off, z.off), (0, 30, 60));
         assert!(a.alloc(11).is_none());
+        assert_eq!(a.alloc_high(10), Some(Extent { off: 90, len: 10 }));
+        a.free(Extent { off: 90, len: 10 });
         a.free(y);
         assert_eq!(a.largest_free(), 30);
         // Growing x into y's old place.

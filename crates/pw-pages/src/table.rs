@@ -64,8 +64,8 @@ pub enum DeferReason {
         /// Longest free run.
         largest_free: usize,
     },
-    /// A cancelled raising of this page is still in flight; its memory is
-    /// released when it finishes.
+    /// Another transfer of this page (a cancelled raising, or a relocation)
+    /// is still in flight; the raising starts after it finished.
     InFlight,
 }
 
@@ -77,7 +77,7 @@ impl fmt::Display for DeferReason {
                 f,
                 "no free run of {needed} elements in the {arena} arena (longest free run {largest_free})"
             ),
-            DeferReason::InFlight => f.write_str("a cancelled transfer of this page is still in flight"),
+            DeferReason::InFlight => f.write_str("another transfer of this page is still in flight"),
         }
     }
 }
@@ -107,6 +107,10 @@ pub struct CommitReport {
     pub deferred: Vec<Deferred>,
     /// Cancelled raisings whose transfer finished and whose memory was freed.
     pub reclaimed: Vec<PageId>,
+    /// Pages whose relocation (to merge free runs of a fragmented arena) started.
+    pub relocating: Vec<PageId>,
+    /// Pages whose relocation was committed.
+    pub relocated: Vec<PageId>,
     /// Whether the descriptor table changed (and was published).
     pub published: bool,
 }
@@ -136,16 +140,31 @@ pub struct PageInfo {
     pub gpu_bytes: usize,
 }
 
-struct Raise {
+/// A transfer in flight for a page: a raising (new planes and LUT) or a
+/// relocation (planes or LUT copied at the committed bits into a new extent,
+/// to merge free runs).
+struct Transfer {
     target: u8,
     ticket: Ticket,
-    /// New planes: `q..target` right after the committed extent (in place),
-    /// or `0..target` elsewhere (relocation).
-    planes: Extent,
-    in_place: bool,
-    lut: Extent,
-    leases: (Lease, Lease),
+    /// New planes: `q..target` right after the committed extent (`true`: in
+    /// place) or `0..target` elsewhere.
+    planes: Option<(Extent, bool, Lease)>,
+    /// The new LUT of width `target`.
+    lut: Option<(Extent, Lease)>,
     cancelled: bool,
+}
+
+impl Transfer {
+    fn raising(&self) -> Option<u8> {
+        Some(self.target).filter(|_| !self.cancelled && self.lut.is_some() && self.planes.is_some())
+    }
+}
+
+/// The two arenas.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Arena {
+    Planes,
+    Luts,
 }
 
 struct Page {
@@ -158,7 +177,7 @@ struct Page {
     planes: Option<(Extent, Lease)>,
     /// The LUT of width `committed`.
     lut: Option<(Extent, Lease)>,
-    raise: Option<Raise>,
+    raise: Option<Transfer>,
 }
 
 impl Page {
@@ -319,7 +338,7 @@ impl<M: Mover> PagedWeights<M> {
             max_bits: p.parent.max_bits,
             desired: p.desired,
             committed: p.committed,
-            raising_to: p.raise.as_ref().filter(|r| !r.cancelled).map(|r| r.target),
+            raising_to: p.raise.as_ref().and_then(Transfer::raising).filter(|&t| t > p.committed),
             gpu_bytes: if p.committed == 0 {
                 0
             } else {
@@ -342,7 +361,7 @@ impl<M: Mover> PagedWeights<M> {
         }
         Ok(if plane < p.committed {
             Location::Gpu
-        } else if p.raise.as_ref().is_some_and(|r| !r.cancelled && plane < r.target) {
+        } else if p.raise.as_ref().and_then(Transfer::raising).is_some_and(|t| plane < t) {
             Location::InTransfer
         } else {
             Location::Host
@@ -355,7 +374,7 @@ impl<M: Mover> PagedWeights<M> {
         check_bits(p, bits)?;
         Ok(if bits == p.committed {
             Location::Gpu
-        } else if p.raise.as_ref().is_some_and(|r| !r.cancelled && r.target == bits) {
+        } else if p.raise.as_ref().and_then(Transfer::raising) == Some(bits) {
             Location::InTransfer
         } else {
             Location::Host
@@ -451,7 +470,7 @@ impl<M: Mover> PagedWeights<M> {
             }
             let target = p.desired;
             match &p.raise {
-                Some(r) if r.cancelled => {
+                Some(r) if r.raising().is_none() => {
                     report.deferred.push(Deferred { page: PageId(i), target, reason: DeferReason::InFlight })
                 }
                 // Committed when it finishes; a different desire is handled then.
@@ -460,6 +479,18 @@ impl<M: Mover> PagedWeights<M> {
                     Ok(()) => report.started.push(PageId(i)),
                     Err(reason) => report.deferred.push(Deferred { page: PageId(i), target, reason }),
                 },
+            }
+        }
+        // A raising blocked only by fragmentation: relocate one page per arena
+        // so that a longer free run forms (the raising is retried later).
+        for arena in [Arena::Planes, Arena::Luts] {
+            let name = if arena == Arena::Planes { "plane" } else { "LUT" };
+            let blocked = report
+                .deferred
+                .iter()
+                .any(|d| matches!(d.reason, DeferReason::Fragmented { arena: a, .. } if a == name));
+            if blocked && let Some(id) = self.start_relocation(arena)? {
+                report.relocating.push(id);
             }
         }
         changed |= self.commit_finished(&mut report)?;
@@ -483,48 +514,80 @@ impl<M: Mover> PagedWeights<M> {
             let page = &mut self.pages[i];
             let r = page.raise.take().expect("checked above");
             if r.cancelled {
-                self.plane_arena.free(r.planes);
-                self.lut_arena.free(r.lut);
+                if let Some((e, _, _)) = r.planes {
+                    self.plane_arena.free(e);
+                }
+                if let Some((e, _)) = r.lut {
+                    self.lut_arena.free(e);
+                }
                 report.reclaimed.push(PageId(i));
                 continue;
             }
-            let (plane_lease, lut_lease) = r.leases;
-            if r.in_place {
-                let (ext, lease) = page.planes.as_mut().expect("in-place raise of a resident page");
-                ext.len += r.planes.len;
-                lease.absorb(plane_lease);
-            } else if let Some((old, _)) = page.planes.replace((r.planes, plane_lease)) {
-                self.plane_arena.free(old);
+            let relocation = r.target == page.committed;
+            match r.planes {
+                Some((new, true, lease)) => {
+                    let (ext, held) = page.planes.as_mut().expect("in-place raise of a resident page");
+                    ext.len += new.len;
+                    held.absorb(lease);
+                }
+                Some((new, false, lease)) => {
+                    if let Some((old, _)) = page.planes.replace((new, lease)) {
+                        self.plane_arena.free(old);
+                    }
+                }
+                None => {}
             }
-            if let Some((old, _)) = page.lut.replace((r.lut, lut_lease)) {
+            if let Some((new, lease)) = r.lut
+                && let Some((old, _)) = page.lut.replace((new, lease))
+            {
                 self.lut_arena.free(old);
             }
             page.committed = r.target;
-            report.raised.push(PageId(i));
+            if relocation {
+                report.relocated.push(PageId(i));
+            } else {
+                report.raised.push(PageId(i));
+            }
             changed = true;
         }
         Ok(changed)
     }
 
-    /// Lowers page `i` to its desired bits: the smaller LUT is written over the
-    /// head of the current one with an ordered write (kernels launched before
-    /// still read the old LUT, those after the new), then the dropped planes and
-    /// the LUT's tail are freed. Needs no extra memory, so it cannot fail for
-    /// lack of budget.
+    /// Lowers page `i` to its desired bits, committed at once: the smaller
+    /// LUT goes to a fresh extent at the arena's high end (or, when none is
+    /// free, over the head of the current one) with an ordered write, so
+    /// kernels launched before still read the old LUT and those after the new;
+    /// then the dropped planes and the old LUT (or its tail) are freed. The
+    /// fallback needs no extra memory, so a lowering never fails for lack of
+    /// budget or space.
     fn lower(&mut self, i: usize) -> Result<(), PageError> {
         let page = &mut self.pages[i];
         let (q, d) = (page.committed, page.desired);
         if let Some(r) = page.raise.as_mut() {
-            // Its planes were to follow planes 0..q; they no longer will.
+            // Its planes were to follow planes 0..q (or copy q planes); they no longer will.
             r.cancelled = true;
         }
         let pw = page.plane_words();
         let (lut_new, lut_old) = (page.lut_len(d), page.lut_len(q));
-        let (lut_ext, lut_lease) = page.lut.as_mut().expect("a lowered page is resident");
-        self.mover.write_ordered(&[Write::Lut { off: lut_ext.off, data: page.parent.lut(d) }])?;
-        self.lut_arena.free(Extent { off: lut_ext.off + lut_new, len: lut_old - lut_new });
-        lut_ext.len = lut_new;
-        lut_lease.shrink(((lut_old - lut_new) * LUT_BYTES) as u64);
+        let moved = self
+            .accountant
+            .lease(Use::Weights, (lut_new * LUT_BYTES) as u64)
+            .ok()
+            .and_then(|lease| self.lut_arena.alloc_high(lut_new).map(|e| (e, lease)));
+        match moved {
+            Some((ext, lease)) => {
+                self.mover.write_ordered(&[Write::Lut { off: ext.off, data: page.parent.lut(d) }])?;
+                let (old, _) = page.lut.replace((ext, lease)).expect("a lowered page is resident");
+                self.lut_arena.free(old);
+            }
+            None => {
+                let (lut_ext, lut_lease) = page.lut.as_mut().expect("a lowered page is resident");
+                self.mover.write_ordered(&[Write::Lut { off: lut_ext.off, data: page.parent.lut(d) }])?;
+                self.lut_arena.free(Extent { off: lut_ext.off + lut_new, len: lut_old - lut_new });
+                lut_ext.len = lut_new;
+                lut_lease.shrink(((lut_old - lut_new) * LUT_BYTES) as u64);
+            }
+        }
         let (plane_ext, plane_lease) = page.planes.as_mut().expect("a lowered page is resident");
         let dropped = (q - d) as usize * pw;
         self.plane_arena.free(Extent { off: plane_ext.off + d as usize * pw, len: dropped });
@@ -556,7 +619,12 @@ impl<M: Mover> PagedWeights<M> {
                 }
             },
         };
-        let Some(lut) = self.lut_arena.alloc(lut_len) else {
+        let lut = if t == page.parent.max_bits {
+            self.lut_arena.alloc(lut_len)
+        } else {
+            self.lut_arena.alloc_high(lut_len)
+        };
+        let Some(lut) = lut else {
             self.plane_arena.free(planes);
             return Ok(Err(DeferReason::Fragmented {
                 arena: "LUT",
@@ -595,9 +663,80 @@ impl<M: Mover> PagedWeights<M> {
                 return Err(e.into());
             }
         };
-        self.pages[i].raise =
-            Some(Raise { target: t, ticket, planes, in_place, lut, leases, cancelled: false });
+        let (plane_lease, lut_lease) = leases;
+        self.pages[i].raise = Some(Transfer {
+            target: t,
+            ticket,
+            planes: Some((planes, in_place, plane_lease)),
+            lut: Some((lut, lut_lease)),
+            cancelled: false,
+        });
         Ok(Ok(()))
+    }
+
+    /// Compaction step for a fragmented arena: picks the committed extent whose
+    /// release would form the longest free run (its free neighbours plus
+    /// itself), if that run is longer than any now and the extent fits in
+    /// another free run, and starts copying the page's data there from the host
+    /// parent. The move commits like a raising (the copy first, then the
+    /// descriptor), and its old extent is freed then.
+    fn start_relocation(&mut self, arena: Arena) -> Result<Option<PageId>, PageError> {
+        let alloc = match arena {
+            Arena::Planes => &self.plane_arena,
+            Arena::Luts => &self.lut_arena,
+        };
+        let runs: Vec<Extent> = alloc.free_runs().collect();
+        let largest = alloc.largest_free();
+        // (merged run, page, its extent, destination)
+        let mut best: Option<(usize, usize, Extent, Extent)> = None;
+        for (i, p) in self.pages.iter().enumerate() {
+            if p.raise.is_some() {
+                continue;
+            }
+            let ext = match (arena, &p.planes, &p.lut) {
+                (Arena::Planes, Some((e, _)), _) => *e,
+                (Arena::Luts, _, Some((e, _))) => *e,
+                _ => continue,
+            };
+            let left = runs.iter().find(|r| r.end() == ext.off).map_or(0, |r| r.len);
+            let right = runs.iter().find(|r| r.off == ext.end()).map_or(0, |r| r.len);
+            let merged = left + ext.len + right;
+            let dest = runs.iter().find(|r| r.end() != ext.off && r.off != ext.end() && r.len >= ext.len);
+            if let Some(dest) = dest
+                && merged > largest
+                && best.is_none_or(|b| merged > b.0)
+            {
+                best = Some((merged, i, ext, Extent { off: dest.off, len: ext.len }));
+            }
+        }
+        let Some((_, i, ext, dest)) = best else { return Ok(None) };
+        let elem = if arena == Arena::Planes { WORD_BYTES } else { LUT_BYTES };
+        let Ok(lease) = self.accountant.lease(Use::Weights, (ext.len * elem) as u64) else { return Ok(None) };
+        let page = &self.pages[i];
+        let q = page.committed;
+        let (write, planes, lut) = match arena {
+            Arena::Planes => {
+                let e = self.plane_arena.alloc_at(dest.off, dest.len).expect("a free run");
+                let data = &page.parent.planes[..q as usize * page.plane_words()];
+                (Write::Planes { off: e.off, data }, Some((e, false, lease)), None)
+            }
+            Arena::Luts => {
+                let e = self.lut_arena.alloc_at(dest.off, dest.len).expect("a free run");
+                (Write::Lut { off: e.off, data: page.parent.lut(q) }, None, Some((e, lease)))
+            }
+        };
+        let ticket = match self.mover.start(&[write]) {
+            Ok(t) => t,
+            Err(e) => {
+                match arena {
+                    Arena::Planes => self.plane_arena.free(dest),
+                    Arena::Luts => self.lut_arena.free(dest),
+                }
+                return Err(e.into());
+            }
+        };
+        self.pages[i].raise = Some(Transfer { target: q, ticket, planes, lut, cancelled: false });
+        Ok(Some(PageId(i)))
     }
 
     /// Checks the table's internal consistency: extents of all pages (committed
@@ -628,17 +767,23 @@ impl<M: Mover> PagedWeights<M> {
                 _ => return Err(format!("page {i}: half-resident")),
             }
             if let Some(r) = &p.raise {
-                leased += r.leases.0.bytes() + r.leases.1.bytes();
-                if r.leases.0.bytes() != (r.planes.len * WORD_BYTES) as u64 {
-                    return Err(format!("page {i}: raise plane lease does not match its extent"));
-                }
-                plane_exts.push((r.planes, i));
-                lut_exts.push((r.lut, i));
-                if !r.cancelled && r.in_place {
+                if let Some((e, in_place, l)) = &r.planes {
+                    leased += l.bytes();
+                    if l.bytes() != (e.len * WORD_BYTES) as u64 {
+                        return Err(format!("page {i}: transfer plane lease does not match its extent"));
+                    }
+                    plane_exts.push((*e, i));
                     let end = p.planes.as_ref().map(|(e, _)| e.end());
-                    if end != Some(r.planes.off) {
+                    if !r.cancelled && *in_place && end != Some(e.off) {
                         return Err(format!("page {i}: in-place raise not adjacent to its planes"));
                     }
+                }
+                if let Some((e, l)) = &r.lut {
+                    leased += l.bytes();
+                    if l.bytes() != (e.len * LUT_BYTES) as u64 {
+                        return Err(format!("page {i}: transfer LUT lease does not match its extent"));
+                    }
+                    lut_exts.push((*e, i));
                 }
             }
             if self.table[i] != p.slot() {
