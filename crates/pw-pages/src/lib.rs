@@ -10,17 +10,23 @@
 //!   copy planes + LUT in first and commit at the first boundary after their
 //!   transfer finished; the kernels' descriptor table changes only there.
 //! - [`Mover`]: copies into the device arenas. [`CubePool`] on any CubeCL
-//!   runtime (copies ordered on the client's queue), [`HostPool`] on the CPU,
-//!   [`ManualMover`] finishing transfers only when told (tests).
+//!   runtime (copies ordered on the client's queue), `CudaMover` (feature
+//!   `cuda`: asynchronous pinned copies on a stream of their own, polled by
+//!   event), [`HostPool`] on the CPU, [`ManualMover`] finishing transfers only
+//!   when told (tests).
 
 mod accountant;
 mod cube;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod extent;
 mod mover;
 mod table;
 
 pub use accountant::{Accountant, BudgetError, Lease, MemoryUsage, Use};
 pub use cube::CubePool;
+#[cfg(feature = "cuda")]
+pub use cuda::CudaMover;
 pub use extent::{Extent, ExtentAllocator};
 pub use mover::{HostPool, ManualMover, MoveError, Mover, POISON_WORD, Ticket, Write};
 pub use table::{
