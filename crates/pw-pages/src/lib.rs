@@ -15,6 +15,27 @@
 //!   event), [`HostPool`] on the CPU, [`ManualMover`] finishing transfers only
 //!   when told (tests).
 
+//!
+//! # Memory model
+//! The arenas are two device buffers sized when the mover is built (see
+//! [`PagedWeights::arena_size_for`]); CubeCL 0.10 has no virtual memory
+//! mapping, so they are physically allocated at that size. The budget that
+//! matters is the accountant's: every extent a page holds (committed or in
+//! flight) is leased from it, and the KV cache leases from the same budget, so
+//! weights + KV never exceed it. Give the arenas some slack above the weight
+//! share of the budget: a raising holds its new LUT (and, when it cannot grow
+//! in place, its new planes) beside the committed ones until it commits.
+//!
+//! # Fragmentation
+//! A page's planes `0..q` are one extent (the kernel reads them contiguously).
+//! Lowering frees the extent's tail; raising grows it in place when the run
+//! after it is free, else copies the page into a new extent. LUTs of a page's
+//! top width come from the arena's low end, smaller ones from its high end. A
+//! raising that finds no long enough run is deferred with
+//! [`DeferReason::Fragmented`], and the boundary starts one relocation per
+//! arena (a page copied from its host parent into another free run, committed
+//! like a raising) that lengthens the longest free run.
+
 mod accountant;
 mod cube;
 #[cfg(feature = "cuda")]
