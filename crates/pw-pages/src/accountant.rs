@@ -123,7 +123,8 @@ impl Accountant {
     }
 
     /// Lowers or raises the budget. Lowering below the bytes in use is refused
-    /// (free memory first): the budget can never be exceeded.
+    /// (free memory first): the budget can never be exceeded. The error's
+    /// `requested` is the bytes in use, `budget` the budget asked for.
     pub fn set_budget(&self, budget: u64) -> Result<(), BudgetError> {
         let mut g = self.lock();
         if budget < g.used() {
