@@ -1,6 +1,7 @@
 //! The asynchronous mover on CUDA: raising transfers are cudarc copies from
-//! reused pinned host buffers into the raw device pointers of the CubeCL
-//! arenas, on a stream of their own, each closed by an event that
+//! the host parents (page-locked in place when large, see [`Mover::pin_host`])
+//! or else from reused pinned staging buffers, into the raw device pointers of
+//! the CubeCL arenas, on a stream of their own, each closed by an event that
 //! [`Mover::finished`] polls. Measured on the H200 (`shared/notes/
 //! cubecl-0.10-on-h200.md`): 55 GB/s this way against 0.4–0.6 GB/s through
 //! CubeCL's `create`, without slowing the kernel stream.
@@ -46,6 +47,8 @@ pub struct CudaMover {
     /// CubeCL never reuses the memory behind the raw pointers.
     _resources: Vec<Box<dyn Any>>,
     pinned: Vec<Pinned>,
+    /// Host ranges page-locked in place by [`Mover::pin_host`]: (start, len).
+    registered: Vec<(usize, usize)>,
     in_flight: BTreeMap<Ticket, (sys::CUevent, Vec<usize>)>,
     next: u64,
 }
@@ -84,6 +87,7 @@ impl CudaMover {
             ptrs: (ptrs[0], ptrs[1]),
             _resources: resources,
             pinned: Vec::new(),
+            registered: Vec::new(),
             in_flight: BTreeMap::new(),
             next: 0,
         })
@@ -109,6 +113,12 @@ impl CudaMover {
     }
 
     fn copy(&mut self, dst: u64, src: &[u8], used: &mut Vec<usize>) -> Result<(), MoveError> {
+        let (a, b) = (src.as_ptr() as usize, src.as_ptr() as usize + src.len());
+        if self.registered.iter().any(|&(s, l)| s <= a && b <= s + l) {
+            // SAFETY: `src` is page-locked and, per `pin_host`'s contract, stays
+            // alive and unchanged while the mover lives; `dst` lies in an arena.
+            return unsafe { cu::memcpy_htod_async(dst, src, self.stream) }.map_err(|e| err("copy", e));
+        }
         let i = self.pinned(src.len())?;
         used.push(i);
         let p = &self.pinned[i];
@@ -197,6 +207,24 @@ impl Mover for CudaMover {
     fn publish(&mut self, table: &[PoolSlot]) -> Result<(), MoveError> {
         self.pool.publish(table)
     }
+
+    fn pin_host(&mut self, data: &[u8]) {
+        // Small ranges are not worth a registration (and share OS pages with
+        // other allocations); a failed one (e.g. a page already registered by
+        // a neighbour) leaves the range to the staging path.
+        if data.len() < 1 << 20 {
+            return;
+        }
+        // SAFETY: `ctx` is retained; the range is live host memory that outlives
+        // the registration (unregistered in Drop, before the parents are freed).
+        let ok = unsafe {
+            cu::ctx::set_current(self.ctx).is_ok()
+                && sys::cuMemHostRegister_v2(data.as_ptr() as *mut _, data.len(), 0).result().is_ok()
+        };
+        if ok {
+            self.registered.push((data.as_ptr() as usize, data.len()));
+        }
+    }
 }
 
 impl Drop for CudaMover {
@@ -207,6 +235,9 @@ impl Drop for CudaMover {
             let _ = cu::stream::synchronize(self.stream);
             for (_, (event, _)) in std::mem::take(&mut self.in_flight) {
                 let _ = cu::event::destroy(event);
+            }
+            for &(start, _) in &self.registered {
+                let _ = sys::cuMemHostUnregister(start as *mut std::ffi::c_void);
             }
             for p in &self.pinned {
                 let _ = cu::free_host(p.ptr as *mut std::ffi::c_void);

@@ -94,6 +94,12 @@ pub trait Mover {
     /// Publishes the committed descriptor table (one slot per page; `bits == 0`
     /// for a page not resident). Called only at a commit.
     fn publish(&mut self, table: &[PoolSlot]) -> Result<(), MoveError>;
+
+    /// Announces host memory that later transfers copy from (a page's parent
+    /// planes). It stays at this address, unchanged, for the mover's life, so
+    /// a mover may page-lock it in place for direct asynchronous copies. Best
+    /// effort: the default does nothing.
+    fn pin_host(&mut self, _data: &[u8]) {}
 }
 
 /// A mover over host memory: the arenas are a [`PoolImage`] of fixed size, so
@@ -241,5 +247,9 @@ impl<M: Mover> Mover for ManualMover<M> {
 
     fn publish(&mut self, table: &[PoolSlot]) -> Result<(), MoveError> {
         self.inner.publish(table)
+    }
+
+    fn pin_host(&mut self, data: &[u8]) {
+        self.inner.pin_host(data)
     }
 }

@@ -225,12 +225,13 @@ pub struct Group {
 /// of each resident page, in arena extents leased from the [`Accountant`].
 /// The descriptor table the kernels read changes only in [`Self::boundary`].
 pub struct PagedWeights<M> {
+    // Dropped before `pages`: a mover may have pinned the parents' memory.
+    mover: M,
     pages: Vec<Page>,
     index: HashMap<PageKey, PageId>,
     plane_arena: ExtentAllocator,
     lut_arena: ExtentAllocator,
     accountant: Accountant,
-    mover: M,
     table: Vec<PoolSlot>,
     generation: u64,
 }
@@ -262,6 +263,10 @@ impl<M: Mover> PagedWeights<M> {
                 lut: None,
                 raise: None,
             });
+        }
+        let mut mover = mover;
+        for p in &pages {
+            mover.pin_host(bytes_of(&p.parent.planes));
         }
         let table = pages.iter().map(Page::slot).collect();
         Ok(Self {
@@ -820,6 +825,11 @@ impl<M: Mover> PagedWeights<M> {
         }
         Ok(())
     }
+}
+
+fn bytes_of(words: &[u32]) -> &[u8] {
+    // SAFETY: u32 has no padding and every byte pattern is a valid u8.
+    unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), std::mem::size_of_val(words)) }
 }
 
 fn check_bits(p: &Page, bits: u8) -> Result<(), PageError> {
