@@ -1,6 +1,7 @@
 //! The `pagedweight` command-line tool: one binary, one subcommand per job.
 
 mod bench;
+mod bench_decode;
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
@@ -52,6 +53,9 @@ enum Command {
     /// grouped layers, bits 3..8), against the streaming read bandwidth
     /// measured in the same run. Writes JSON records to --out.
     BenchKernels(bench::BenchKernelsArgs),
+    /// GPU benchmark of the fused decode step (pw-decode) of a Mixtral-8x7B-shaped model with
+    /// synthetic weights at several batch sizes, against bytes read / measured bandwidth.
+    BenchDecode(bench_decode::BenchDecodeArgs),
 }
 
 #[derive(clap::Args)]
@@ -84,6 +88,7 @@ fn main() -> Result<()> {
         Command::Logits(args) => models_cmd::logits(&args),
         Command::Generate(args) => models_cmd::generate(&args),
         Command::BenchKernels(args) => bench::bench_kernels(&args),
+        Command::BenchDecode(args) => bench_decode::bench_decode(&args),
     }
 }
 

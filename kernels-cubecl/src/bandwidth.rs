@@ -25,3 +25,18 @@ pub fn stream_read_kernel(data: &Array<u32>, out: &mut Array<u32>, #[comptime] u
     }
     out[ABSOLUTE_POS] = acc;
 }
+
+/// Fills `out` with a hash of each index and `seed` (random-looking plane words for
+/// benchmarks, generated on the device instead of uploaded).
+#[cube(launch_unchecked)]
+pub fn fill_hash_kernel(out: &mut Array<u32>, seed: &Array<u32>) {
+    let total = CUBE_COUNT * CUBE_DIM as usize;
+    let mut i = ABSOLUTE_POS;
+    while i < out.len() {
+        let mut z = (i as u32) ^ seed[0];
+        z = (z ^ (z >> 16u32)) * 0x7feb_352du32;
+        z = (z ^ (z >> 15u32)) * 0x846c_a68bu32;
+        out[i] = z ^ (z >> 16u32);
+        i += total;
+    }
+}

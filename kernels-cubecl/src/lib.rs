@@ -336,6 +336,34 @@ pub fn stream_read<R: Runtime>(client: &ComputeClient<R>, data: &DeviceArray, ou
     };
 }
 
+/// Fills `out` (u32 words) with a hash of each index and `seed`, on the device. Does not
+/// synchronise.
+pub fn fill_hash<R: Runtime>(client: &ComputeClient<R>, out: &DeviceArray, seed: u32) {
+    let seed = DeviceArray::from_slice(client, &[seed]);
+    // SAFETY: the kernel writes only indices below `out.len`.
+    unsafe {
+        bandwidth::fill_hash_kernel::launch_unchecked::<R>(
+            client,
+            CubeCount::Static(1024, 1, 1),
+            CubeDim::new_1d(256),
+            out.arg(),
+            seed.arg(),
+        )
+    };
+}
+
+/// CPU reference of [`fill_hash`].
+pub fn fill_hash_reference(len: usize, seed: u32) -> Vec<u32> {
+    (0..len as u32)
+        .map(|i| {
+            let mut z = i ^ seed;
+            z = (z ^ (z >> 16)).wrapping_mul(0x7feb_352d);
+            z = (z ^ (z >> 15)).wrapping_mul(0x846c_a68b);
+            z ^ (z >> 16)
+        })
+        .collect()
+}
+
 /// CPU reference of [`stream_read`]: the XOR of all words, which equals the
 /// XOR of the kernel's outputs.
 pub fn stream_read_reference(data: &[u32]) -> u32 {

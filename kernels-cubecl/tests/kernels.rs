@@ -496,3 +496,11 @@ fn routed_moe_matches_reference() {
         );
     }
 }
+
+#[test]
+fn fill_hash_matches_reference() {
+    let client = client();
+    let out = DeviceArray::empty::<WgpuRuntime, u32>(&client, 300_001);
+    fill_hash(&client, &out, 42);
+    assert_eq!(read_u32(&client, &out).unwrap(), fill_hash_reference(300_001, 42));
+}

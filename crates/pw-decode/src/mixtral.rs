@@ -10,7 +10,7 @@ use kernels_cubecl::step::{
     gather_rows, moe_combine, moe_route, rms_norm, rope,
 };
 use kernels_cubecl::{
-    Activation, DeviceArray, GemmConfig, MAX_TOKENS, PoolImage, RowLayout, kv_append_rows,
+    Activation, DeviceArray, GemmConfig, MAX_TOKENS, PoolImage, PoolSlot, RowLayout, kv_append_rows,
     paged_decode_attention_strided, read_f32,
 };
 use pw_format::ApBlock;
@@ -161,6 +161,10 @@ struct Layer {
     post_norm: DeviceArray,
     router: DeviceArray,
     slots: DeviceArray,
+    /// This layer's expert pool: plane words and f16 LUT entries (one pool per layer keeps
+    /// offsets within u32 even for Mixtral-8x7B).
+    planes: DeviceArray,
+    luts: DeviceArray,
 }
 
 /// Per-step scratch buffers, sized for `MAX_TOKENS` tokens.
@@ -190,8 +194,6 @@ pub struct MixtralDecoder<R: Runtime, KV: Float + CubeElement> {
     final_norm: DeviceArray,
     lm_head: DeviceArray,
     layers: Vec<Layer>,
-    planes: DeviceArray,
-    luts: DeviceArray,
     gemm: GemmConfig,
     kv: DevicePools<R>,
     tables: BlockTables,
@@ -236,9 +238,9 @@ impl<R: Runtime, KV: Float + CubeElement> MixtralDecoder<R, KV> {
                 cfg.layers
             )));
         }
-        let mut pool = PoolImage::default();
         let mut layers = Vec::with_capacity(cfg.layers);
         for l in 0..cfg.layers {
+            let mut pool = PoolImage::default();
             let p = format!("model.layers.{l}");
             let mut wqkv = read(&ckpt, &format!("{p}.self_attn.q_proj.weight"), &[cfg.heads * hd, h])?;
             wqkv.extend(read(&ckpt, &format!("{p}.self_attn.k_proj.weight"), &[cfg.kv_heads * hd, h])?);
@@ -257,8 +259,114 @@ impl<R: Runtime, KV: Float + CubeElement> MixtralDecoder<R, KV> {
                 router: up16(&format!("{p}.block_sparse_moe.gate.weight"), &[cfg.experts, h])
                     .or_else(|_| up16(&format!("{p}.mlp.gate.weight"), &[cfg.experts, h]))?,
                 slots: DeviceArray::from_slice(client, &words),
+                planes: DeviceArray::from_slice(client, &pool.planes),
+                luts: DeviceArray::from_slice(client, &pool.luts),
             });
         }
+        let embed = up16("model.embed_tokens.weight", &[cfg.vocab, h])?;
+        let final_norm = up32("model.norm.weight", &[h])?;
+        let lm_head = up16("lm_head.weight", &[cfg.vocab, h])?;
+        Ok(Self::assemble(
+            client,
+            cfg,
+            embed,
+            final_norm,
+            lm_head,
+            layers,
+            kv_blocks,
+            block_size,
+            max_seq_len,
+        ))
+    }
+
+    /// A model of `cfg`'s shapes with random weights made on the device side where they are
+    /// large (expert planes: hashed words; LUTs, dense weights: small uniform values), every
+    /// expert committed at `bits`: for speed measurements of full-size models that are not
+    /// available offline.
+    pub fn synthetic(
+        client: &ComputeClient<R>,
+        cfg: DecodeConfig,
+        bits: u8,
+        kv_blocks: usize,
+        block_size: usize,
+        max_seq_len: usize,
+    ) -> Result<Self, DecodeError> {
+        if !(3..=8).contains(&bits) {
+            return Err(DecodeError::Unsupported(format!("bits {bits} outside 3..=8")));
+        }
+        let (h, hd, i) = (cfg.hidden, cfg.head_dim, cfg.inter);
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut rand16 = |n: usize, a: f32| -> DeviceArray {
+            let v: Vec<f16> = (0..n)
+                .map(|_| {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    f16::from_f32(((state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * a)
+                })
+                .collect();
+            DeviceArray::from_slice(client, &v)
+        };
+        let ones = |n: usize| DeviceArray::from_slice(client, &vec![1.0f32; n]);
+        let wscale = (h as f32).powf(-0.5);
+        let (gu_words, dn_words) = (2 * i * h.div_ceil(32), h * i.div_ceil(32));
+        let (gu_lut, dn_lut) = (2 * i << bits, h << bits);
+        let mut layers = Vec::with_capacity(cfg.layers);
+        for l in 0..cfg.layers {
+            let per_expert = (gu_words + dn_words) * bits as usize;
+            let planes = DeviceArray::empty::<R, u32>(client, cfg.experts * per_expert);
+            kernels_cubecl::fill_hash(client, &planes, l as u32);
+            let slots: Vec<_> = (0..cfg.experts)
+                .map(|e| {
+                    let p0 = (e * per_expert) as u32;
+                    let l0 = (e * (gu_lut + dn_lut)) as u32;
+                    let gu = PoolSlot {
+                        plane_off: p0,
+                        lut_off: l0,
+                        rows: 2 * i as u32,
+                        cols: h as u32,
+                        bits: bits as u32,
+                    };
+                    let dn = PoolSlot {
+                        plane_off: p0 + (gu_words * bits as usize) as u32,
+                        lut_off: l0 + gu_lut as u32,
+                        rows: h as u32,
+                        cols: i as u32,
+                        bits: bits as u32,
+                    };
+                    (gu, dn)
+                })
+                .collect();
+            let words = expert_slot_words(moe_shape(&cfg), &slots)?;
+            layers.push(Layer {
+                input_norm: ones(h),
+                wqkv: rand16(cfg.qkv_width() * h, wscale),
+                wo: rand16(h * cfg.heads * hd, wscale),
+                post_norm: ones(h),
+                router: rand16(cfg.experts * h, 4.0 * wscale),
+                slots: DeviceArray::from_slice(client, &words),
+                planes,
+                luts: rand16(cfg.experts * (gu_lut + dn_lut), 0.05),
+            });
+        }
+        let embed = rand16(cfg.vocab * h, 1.0);
+        let lm_head = rand16(cfg.vocab * h, wscale);
+        Ok(Self::assemble(client, cfg, embed, ones(h), lm_head, layers, kv_blocks, block_size, max_seq_len))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn assemble(
+        client: &ComputeClient<R>,
+        cfg: DecodeConfig,
+        embed: DeviceArray,
+        final_norm: DeviceArray,
+        lm_head: DeviceArray,
+        layers: Vec<Layer>,
+        kv_blocks: usize,
+        block_size: usize,
+        max_seq_len: usize,
+    ) -> Self {
+        let (h, hd) = (cfg.hidden, cfg.head_dim);
         let geometry = cfg.kv_geometry(block_size, size_of::<KV>(), max_seq_len);
         let t = MAX_TOKENS;
         let scratch = |n: usize| DeviceArray::empty::<R, f32>(client, n);
@@ -278,21 +386,19 @@ impl<R: Runtime, KV: Float + CubeElement> MixtralDecoder<R, KV> {
             scale: DeviceArray::from_slice(client, &[(hd as f32).powf(-0.5)]),
             none: DeviceArray::from_slice(client, &[0.0f32]),
         };
-        Ok(Self {
+        Self {
             client: client.clone(),
-            embed: up16("model.embed_tokens.weight", &[cfg.vocab, h])?,
-            final_norm: up32("model.norm.weight", &[h])?,
-            lm_head: up16("lm_head.weight", &[cfg.vocab, h])?,
+            embed,
+            final_norm,
+            lm_head,
             layers,
-            planes: DeviceArray::from_slice(client, &pool.planes),
-            luts: DeviceArray::from_slice(client, &pool.luts),
             gemm: GemmConfig::for_client(client),
             kv: DevicePools::new::<KV>(client, &geometry, kv_blocks),
             tables: BlockTables::new(&geometry, kv_blocks),
             s,
             cfg,
             _kv: std::marker::PhantomData,
-        })
+        }
     }
 
     /// The model's shapes.
@@ -307,7 +413,23 @@ impl<R: Runtime, KV: Float + CubeElement> MixtralDecoder<R, KV> {
 
     /// Device bytes of the expert pool (planes + LUTs).
     pub fn expert_bytes(&self) -> usize {
-        self.planes.len * 4 + self.luts.len * 2
+        self.layers.iter().map(|l| l.planes.len * 4 + l.luts.len * 2).sum()
+    }
+
+    /// Device bytes of the dense weights (embedding, attention, routers, norms, head).
+    pub fn dense_bytes(&self) -> usize {
+        let per_layer: usize = self
+            .layers
+            .iter()
+            .map(|l| (l.wqkv.len + l.wo.len + l.router.len) * 2 + (l.input_norm.len + l.post_norm.len) * 4)
+            .sum();
+        per_layer + (self.embed.len + self.lm_head.len) * 2 + self.final_norm.len * 4
+    }
+
+    /// Bytes of one layer's gate_up and down pages of one expert at the committed width.
+    pub fn expert_page_bytes(&self) -> usize {
+        let l = &self.layers[0];
+        (l.planes.len * 4 + l.luts.len * 2) / self.cfg.experts.max(1)
     }
 
     /// Starts a sequence.
@@ -403,8 +525,8 @@ impl<R: Runtime, KV: Float + CubeElement> MixtralDecoder<R, KV> {
             ap_gemm_routed(
                 c,
                 self.gemm,
-                &self.planes,
-                &self.luts,
+                &layer.planes,
+                &layer.luts,
                 &s.route.desc_gate_up,
                 e,
                 2 * i,
@@ -416,8 +538,8 @@ impl<R: Runtime, KV: Float + CubeElement> MixtralDecoder<R, KV> {
             ap_gemm_routed(
                 c,
                 self.gemm,
-                &self.planes,
-                &self.luts,
+                &layer.planes,
+                &layer.luts,
                 &s.route.desc_down,
                 e,
                 h,
