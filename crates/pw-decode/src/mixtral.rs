@@ -310,7 +310,7 @@ impl<R: Runtime, KV: Float + CubeElement> MixtralDecoder<R, KV> {
         let ones = |n: usize| DeviceArray::from_slice(client, &vec![1.0f32; n]);
         let wscale = (h as f32).powf(-0.5);
         let (gu_words, dn_words) = (2 * i * h.div_ceil(32), h * i.div_ceil(32));
-        let (gu_lut, dn_lut) = (2 * i << bits, h << bits);
+        let (gu_lut, dn_lut) = ((2 * i) << bits, h << bits);
         let mut layers = Vec::with_capacity(cfg.layers);
         for l in 0..cfg.layers {
             let per_expert = (gu_words + dn_words) * bits as usize;
