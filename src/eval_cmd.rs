@@ -29,6 +29,9 @@ pub struct EvalPplArgs {
     /// Bit-width of every expert (quantized checkpoints only; default: the highest stored).
     #[arg(long)]
     pub bits: Option<u8>,
+    /// Evaluate only the first N tokens of the text (default: all).
+    #[arg(long)]
+    pub max_tokens: Option<usize>,
     /// Windows per forward pass: the same result from fewer, larger operations. It measured
     /// no faster on the CPU backend (hence 1); on a GPU it cuts per-operation overhead.
     #[arg(long, default_value_t = 1)]
@@ -67,7 +70,10 @@ fn eval_on<B: Backend>(args: &EvalPplArgs, device: &B::Device) -> Result<()> {
     if args.ctx < 2 {
         bail!("--ctx {}: a window needs at least 2 tokens", args.ctx);
     }
-    let ids = tokenize_text_file(&args.model, &args.text)?;
+    let mut ids = tokenize_text_file(&args.model, &args.text)?;
+    if let Some(n) = args.max_tokens {
+        ids.truncate(n);
+    }
     if ids.len() < 2 {
         bail!("{} has {} tokens; at least 2 are needed", args.text.display(), ids.len());
     }
