@@ -8,7 +8,9 @@ use clap::{Parser, Subcommand};
 use pw_format::{ApBlock, Checkpoint, MANIFEST_FILE, StFile};
 use std::path::{Path, PathBuf};
 
+mod eval_cmd;
 mod models_cmd;
+mod quantize_cmd;
 
 /// What every `--model` defaults to: the small Mixtral-architecture MoE shipped in the repository
 /// (trained by `scripts/train_tiny_moe.py`, see its model card), relative to the repository root.
@@ -48,6 +50,13 @@ enum Command {
     Logits(models_cmd::LogitsArgs),
     /// Stream a completion of a prompt from a Hugging Face MoE checkpoint.
     Generate(models_cmd::GenerateArgs),
+    /// Quantize a Hugging Face MoE checkpoint (Mixtral, Qwen2-MoE, Gemma-4) into a PagedWeight
+    /// checkpoint: expert blocks become any-precision blocks weighted by a diagonal Fisher
+    /// estimate over calibration text; every other tensor is copied unchanged.
+    Quantize(quantize_cmd::QuantizeArgs),
+    /// Token perplexity over a text file in disjoint windows; prints
+    /// {"ppl":…,"tokens":…,"expert_bytes":…}. Accepts quantized checkpoints (--bits).
+    EvalPpl(eval_cmd::EvalPplArgs),
     /// GPU benchmark of the bit-plane kernels on the expert shapes of Mixtral,
     /// Qwen1.5-MoE and Gemma-4 (single blocks at 1..16 tokens and whole
     /// grouped layers, bits 3..8), against the streaming read bandwidth
@@ -89,6 +98,8 @@ fn main() -> Result<()> {
         Command::Generate(args) => models_cmd::generate(&args),
         Command::BenchKernels(args) => bench::bench_kernels(&args),
         Command::BenchDecode(args) => bench_decode::bench_decode(&args),
+        Command::Quantize(args) => quantize_cmd::quantize(&args),
+        Command::EvalPpl(args) => eval_cmd::eval_ppl(&args),
     }
 }
 

@@ -95,6 +95,8 @@ macro_rules! on_device {
     };
 }
 
+pub(crate) use on_device;
+
 /// Writes the logits of one forward pass over the prompt.
 pub fn logits(args: &LogitsArgs) -> Result<()> {
     on_device!(args.device, logits_on, args)
@@ -109,7 +111,7 @@ fn load_model<B: Backend>(dir: &Path, device: &B::Device) -> Result<AnyModel<B>>
     AnyModel::<B>::load(dir, device).with_context(|| format!("loading the model in {}", dir.display()))
 }
 
-fn load_tokenizer(dir: &Path) -> Result<Tokenizer> {
+pub(crate) fn load_tokenizer(dir: &Path) -> Result<Tokenizer> {
     let path = dir.join("tokenizer.json");
     Tokenizer::from_file(&path).map_err(|e| anyhow::anyhow!("cannot load {}: {e}", path.display()))
 }

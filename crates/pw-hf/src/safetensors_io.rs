@@ -62,6 +62,7 @@ pub struct HostTensor {
 struct Entry {
     shard: usize,
     dtype: DType,
+    raw_dtype: safetensors::Dtype,
     shape: Vec<usize>,
     /// Byte range inside the shard's mapped file.
     start: usize,
@@ -160,6 +161,7 @@ impl Checkpoint {
                     Entry {
                         shard: shards.len(),
                         dtype: dtype_of(info.dtype),
+                        raw_dtype: info.dtype,
                         shape: info.shape.clone(),
                         start: base + s,
                         end: base + e,
@@ -196,6 +198,13 @@ impl Checkpoint {
     pub fn info(&self, name: &str) -> Result<(DType, &[usize])> {
         let e = self.entry(name)?;
         Ok((e.dtype, &e.shape))
+    }
+
+    /// A tensor exactly as stored: safetensors dtype, shape and little-endian bytes (for
+    /// copying it unchanged into another file).
+    pub fn raw(&self, name: &str) -> Result<(safetensors::Dtype, &[usize], &[u8])> {
+        let e = self.entry(name)?;
+        Ok((e.raw_dtype, &e.shape, &self.shards[e.shard].map[e.start..e.end]))
     }
 
     /// Reads a floating-point tensor (f32, f16 or bf16) as `f32`.
@@ -280,6 +289,9 @@ mod tests {
             assert_eq!(ck.read_f32(name).unwrap().data, vals, "{name}");
         }
         assert_eq!(ck.read_i64("ids").unwrap().1, vec![7, -1]);
+        let (dtype, shape, bytes) = ck.raw("b").unwrap();
+        assert_eq!((dtype, shape, bytes.len()), (D::F16, &[4usize][..], 8));
+        assert_eq!(bytes[..2], f16::from_f32(1.5).to_le_bytes());
         let e = ck.read_f32("ids").unwrap_err().to_string();
         assert!(e.contains("`ids`") && e.contains("I64"), "{e}");
         let e = ck.read_f32("nope").unwrap_err().to_string();

@@ -14,7 +14,10 @@ pub mod source;
 pub use attention::{Attention, AttentionConfig, KvCache};
 pub use linear::{Embedding, Linear};
 pub use mlp::{Act, GatedMlp, GatedMlpConfig};
-pub use moe::{DenseExperts, ExpertKeys, Experts, Router, RouterConfig, Routing, SharedExpert, SparseMoe};
+pub use moe::{
+    DenseExperts, ExpertKeys, ExpertLayout, ExpertRows, Experts, Router, RouterConfig, Routing, SharedExpert,
+    SparseMoe,
+};
 pub use norm::{NormKind, RmsNorm};
 pub use rope::Rope;
 pub use source::{LoadError, RandomInit, WeightSource};

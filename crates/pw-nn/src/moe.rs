@@ -138,6 +138,115 @@ pub struct ExpertKeys {
     pub per_expert: Vec<(String, [&'static str; 3])>,
 }
 
+/// Which of the [`ExpertKeys`] layouts a checkpoint uses, resolved against a [`WeightSource`].
+///
+/// Everything that maps an expert bank to checkpoint tensors (dense loading, the quantizer,
+/// the quantized checkpoint) goes through this one resolution, so they cannot disagree.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ExpertLayout {
+    /// `{prefix}.gate_up_proj [E, 2I, H]` and `{prefix}.down_proj [E, H, I]`.
+    Fused {
+        /// Tensor prefix, e.g. `model.layers.0.mlp.experts`.
+        prefix: String,
+    },
+    /// `{prefix}.{e}.{gate|up|down}.weight`.
+    PerExpert {
+        /// Tensor prefix, e.g. `model.layers.0.block_sparse_moe.experts`.
+        prefix: String,
+        /// Gate, up and down projection names, e.g. `["w1", "w3", "w2"]`.
+        names: [&'static str; 3],
+    },
+}
+
+impl ExpertKeys {
+    /// The first layout whose tensors `src` has: fused (`{p}.gate_up_proj`), then per expert
+    /// (`{p}.0.{gate}.weight`).
+    pub fn resolve<B: Backend>(&self, src: &impl WeightSource<B>) -> Result<ExpertLayout, LoadError> {
+        if let Some(p) = self.fused.iter().find(|p| src.has(&format!("{p}.gate_up_proj"))) {
+            return Ok(ExpertLayout::Fused { prefix: p.clone() });
+        }
+        if let Some((p, names)) =
+            self.per_expert.iter().find(|(p, [g, _, _])| src.has(&format!("{p}.0.{g}.weight")))
+        {
+            return Ok(ExpertLayout::PerExpert { prefix: p.clone(), names: *names });
+        }
+        let mut tried: Vec<String> = self.fused.iter().map(|p| format!("{p}.gate_up_proj")).collect();
+        tried.extend(self.per_expert.iter().map(|(p, [g, _, _])| format!("{p}.0.{g}.weight")));
+        Err(LoadError::Missing { name: tried.join(" or ") })
+    }
+}
+
+impl ExpertLayout {
+    /// The tensor prefix of the bank.
+    pub fn prefix(&self) -> &str {
+        match self {
+            Self::Fused { prefix } | Self::PerExpert { prefix, .. } => prefix,
+        }
+    }
+
+    /// Every checkpoint tensor the bank of `num_experts` experts is read from.
+    pub fn tensor_names(&self, num_experts: usize) -> Vec<String> {
+        match self {
+            Self::Fused { prefix } => vec![format!("{prefix}.gate_up_proj"), format!("{prefix}.down_proj")],
+            Self::PerExpert { prefix, names } => (0..num_experts)
+                .flat_map(|e| names.iter().map(move |n| format!("{prefix}.{e}.{n}.weight")))
+                .collect(),
+        }
+    }
+
+    /// The checkpoint tensors expert `e`'s gate+up and down projections come from.
+    pub fn expert_sources(&self, e: usize) -> (Vec<String>, Vec<String>) {
+        match self {
+            Self::Fused { prefix } => {
+                (vec![format!("{prefix}.gate_up_proj")], vec![format!("{prefix}.down_proj")])
+            }
+            Self::PerExpert { prefix, names: [g, u, d] } => (
+                vec![format!("{prefix}.{e}.{g}.weight"), format!("{prefix}.{e}.{u}.weight")],
+                vec![format!("{prefix}.{e}.{d}.weight")],
+            ),
+        }
+    }
+
+    /// Reads every expert in the checkpoint's own (output-major) layout: per expert the
+    /// gate+up matrix `[2I, H]` (gate rows first) and the down matrix `[H, I]`.
+    pub fn read_rows<B: Backend>(
+        &self,
+        src: &impl WeightSource<B>,
+        num_experts: usize,
+        cfg: GatedMlpConfig,
+    ) -> Result<ExpertRows, LoadError> {
+        let (e, h, i) = (num_experts, cfg.hidden, cfg.intermediate);
+        let mut rows = ExpertRows { gate_up: Vec::with_capacity(e), down: Vec::with_capacity(e) };
+        match self {
+            Self::Fused { prefix } => {
+                let gu = src.read(&format!("{prefix}.gate_up_proj"), &[e, 2 * i, h])?;
+                let dn = src.read(&format!("{prefix}.down_proj"), &[e, h, i])?;
+                rows.gate_up.extend(gu.chunks_exact(2 * i * h).map(<[f32]>::to_vec));
+                rows.down.extend(dn.chunks_exact(h * i).map(<[f32]>::to_vec));
+            }
+            Self::PerExpert { prefix, names: [g, u, d] } => {
+                for x in 0..e {
+                    let mut both = src.read(&format!("{prefix}.{x}.{g}.weight"), &[i, h])?;
+                    both.extend(src.read(&format!("{prefix}.{x}.{u}.weight"), &[i, h])?);
+                    rows.gate_up.push(both);
+                    rows.down.push(src.read(&format!("{prefix}.{x}.{d}.weight"), &[h, i])?);
+                }
+            }
+        }
+        Ok(rows)
+    }
+}
+
+/// Host copies of an expert bank in checkpoint (output-major) layout, the layout of the
+/// quantized blocks: rows are outputs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExpertRows {
+    /// Per expert `[2 · intermediate, hidden]`: gate rows, then up rows.
+    pub gate_up: Vec<Vec<f32>>,
+    /// Per expert `[hidden, intermediate]`.
+    pub down: Vec<Vec<f32>>,
+}
+
 /// Every expert of a layer as full-precision matrices, one pair per expert (the unit a paged
 /// bank moves around).
 #[derive(Module, Debug)]
@@ -158,6 +267,22 @@ pub enum Experts<B: Backend> {
     Dense(DenseExperts<B>),
 }
 
+impl<B: Backend> DenseExperts<B> {
+    /// Builds the bank from checkpoint-layout matrices (see [`ExpertRows`]), transposing them
+    /// to the `[in, out]` layout the forward multiplies by.
+    pub fn from_rows(rows: ExpertRows, cfg: GatedMlpConfig, device: &B::Device) -> Self {
+        let (h, i) = (cfg.hidden, cfg.intermediate);
+        let param = |m: Vec<f32>, r: usize, c: usize| {
+            Param::from_tensor(Tensor::from_data(TensorData::new(transpose(&m, r, c), [c, r]), device))
+        };
+        Self {
+            gate_up: rows.gate_up.into_iter().map(|m| param(m, 2 * i, h)).collect(),
+            down: rows.down.into_iter().map(|m| param(m, h, i)).collect(),
+            act: cfg.act,
+        }
+    }
+}
+
 impl<B: Backend> Experts<B> {
     /// Loads a dense bank of `num_experts` SwiGLU/GeGLU experts from either layout.
     pub fn load_dense(
@@ -166,52 +291,9 @@ impl<B: Backend> Experts<B> {
         num_experts: usize,
         cfg: GatedMlpConfig,
     ) -> Result<Self, LoadError> {
-        let (e, h, i) = (num_experts, cfg.hidden, cfg.intermediate);
-        let mut gate_up = Vec::with_capacity(e * h * 2 * i);
-        let mut down = Vec::with_capacity(e * i * h);
-        if let Some(p) = keys.fused.iter().find(|p| src.has(&format!("{p}.gate_up_proj"))) {
-            let gu = src.read(&format!("{p}.gate_up_proj"), &[e, 2 * i, h])?;
-            let dn = src.read(&format!("{p}.down_proj"), &[e, h, i])?;
-            for x in 0..e {
-                gate_up.extend(transpose(&gu[x * 2 * i * h..(x + 1) * 2 * i * h], 2 * i, h));
-                down.extend(transpose(&dn[x * h * i..(x + 1) * h * i], h, i));
-            }
-        } else if let Some((p, [g, u, d])) =
-            keys.per_expert.iter().find(|(p, [g, _, _])| src.has(&format!("{p}.0.{g}.weight")))
-        {
-            for x in 0..e {
-                let gw = src.read(&format!("{p}.{x}.{g}.weight"), &[i, h])?;
-                let uw = src.read(&format!("{p}.{x}.{u}.weight"), &[i, h])?;
-                let dw = src.read(&format!("{p}.{x}.{d}.weight"), &[h, i])?;
-                // Rows of the fused [2I, H] matrix: gate rows, then up rows.
-                let mut both = gw;
-                both.extend(uw);
-                gate_up.extend(transpose(&both, 2 * i, h));
-                down.extend(transpose(&dw, h, i));
-            }
-        } else {
-            let mut tried: Vec<String> = keys.fused.iter().map(|p| format!("{p}.gate_up_proj")).collect();
-            tried.extend(keys.per_expert.iter().map(|(p, [g, _, _])| format!("{p}.0.{g}.weight")));
-            return Err(LoadError::Missing { name: tried.join(" or ") });
-        }
-        let device = src.device();
+        let rows = keys.resolve(src)?.read_rows(src, num_experts, cfg)?;
         // One matrix pair per expert: the unit a paged bank will move and re-quantize.
-        let (gu_n, dn_n) = (h * 2 * i, i * h);
-        Ok(Experts::Dense(DenseExperts {
-            gate_up: (0..e)
-                .map(|x| {
-                    let m = gate_up[x * gu_n..(x + 1) * gu_n].to_vec();
-                    Param::from_tensor(Tensor::from_data(TensorData::new(m, [h, 2 * i]), &device))
-                })
-                .collect(),
-            down: (0..e)
-                .map(|x| {
-                    let m = down[x * dn_n..(x + 1) * dn_n].to_vec();
-                    Param::from_tensor(Tensor::from_data(TensorData::new(m, [i, h]), &device))
-                })
-                .collect(),
-            act: cfg.act,
-        }))
+        Ok(Experts::Dense(DenseExperts::from_rows(rows, cfg, &src.device())))
     }
 
     /// Number of experts.

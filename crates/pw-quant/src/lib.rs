@@ -16,7 +16,7 @@
 //!
 //! Importance is a non-negative weight per matrix element (a Fisher diagonal,
 //! or all ones). A row whose importance is all zero falls back to uniform
-//! weights. The result is deterministic and independent of the thread count.
+//! weights for its codebook; its importance-weighted error stays zero. The result is deterministic and independent of the thread count.
 //!
 //! ```
 //! let w: Vec<f32> = (0..64).map(|i| ((i * 37) % 64) as f32 / 64.0 - 0.5).collect();
@@ -308,6 +308,13 @@ pub fn quantize_row_with(
         luts.push(level.iter().map(|c| f16::from_f64(c.centroid)).collect::<Vec<_>>());
         sse[(bits - MIN_BITS) as usize] =
             level.iter().map(|c| cluster_error(s, c.lo, c.hi, c.centroid)).sum();
+    }
+
+    if uniform && importance.is_some() {
+        // The importance given is zero everywhere (e.g. an expert no calibration token was
+        // routed to): uniform weights only chose the codebook, the importance-weighted error
+        // is zero, and reporting the unweighted one would put this row on another scale.
+        sse = [0.0; NUM_WIDTHS];
     }
 
     // Map distinct values to their 8-bit cluster, then every element.

@@ -234,6 +234,9 @@ fn zero_importance_row_falls_back_to_uniform() {
     let ones = quantize_row(&x, None).unwrap();
     assert_eq!(zero.indices, ones.indices);
     assert_eq!(zero.luts, ones.luts);
+    // ...but its importance-weighted error is zero, not the unweighted one.
+    assert_eq!(zero.sse, [0.0; NUM_WIDTHS]);
+    assert!(ones.sse[0] > 0.0);
     // Partially zero importance still gives sane, finite centroids.
     let imp: Vec<f32> = (0..200).map(|i| if i % 2 == 0 { 0.0 } else { 1.0 }).collect();
     let part = quantize_row(&x, Some(&imp)).unwrap();

@@ -1,9 +1,14 @@
+use std::cell::RefCell;
 use std::path::Path;
 
 use burn::tensor::{Int, Tensor, backend::Backend};
+use pw_format::{FormatError, MANIFEST_FILE};
 use pw_hf::{Activation, Checkpoint, HfError, ModelConfig};
-use pw_nn::{Act, KvCache, LoadError, Routing, WeightSource};
+use pw_nn::{
+    Act, ExpertKeys, ExpertLayout, Experts, GatedMlpConfig, KvCache, LoadError, Routing, WeightSource,
+};
 
+use crate::quantized::PwSource;
 use crate::{Gemma4, Mixtral, Qwen2Moe};
 
 /// Why a model could not be loaded.
@@ -19,6 +24,19 @@ pub enum ModelError {
         dir: String,
         /// The cause.
         source: LoadError,
+    },
+    /// The quantized checkpoint (`pagedweight.json` and its shards) is invalid.
+    #[error(transparent)]
+    Format(#[from] FormatError),
+    /// The requested bit-width is not stored by the checkpoint.
+    #[error("{dir}: bit-width {bits} requested, but the checkpoint stores {range}")]
+    Bits {
+        /// The model directory.
+        dir: String,
+        /// The requested bit-width.
+        bits: u8,
+        /// What is stored.
+        range: String,
     },
 }
 
@@ -67,6 +85,153 @@ pub(crate) fn act(a: Activation) -> Act {
         Activation::Silu => Act::Silu,
         Activation::GeluTanh => Act::GeluTanh,
         Activation::Gelu => Act::Gelu,
+    }
+}
+
+/// One MoE layer's expert bank, as the model loader built it.
+#[derive(Debug, Clone)]
+pub struct ExpertBank<B: Backend> {
+    /// Decoder layer index.
+    pub layer: usize,
+    /// Where the bank's weights live in the source checkpoint.
+    pub layout: ExpertLayout,
+    /// Routed experts.
+    pub num_experts: usize,
+    /// Shape and activation of each expert.
+    pub cfg: GatedMlpConfig,
+    /// The bank itself: shares its parameters (and, under autodiff, their gradients) with the
+    /// model's.
+    pub experts: Experts<B>,
+}
+
+/// The decoder layer named in a tensor prefix such as `model.layers.3.mlp.experts`.
+fn layer_of(prefix: &str) -> Option<usize> {
+    let mut parts = prefix.split('.');
+    while let Some(p) = parts.next() {
+        if p == "layers" {
+            return parts.next()?.parse().ok();
+        }
+    }
+    None
+}
+
+/// Wraps a source and records every expert bank built through it, in load order.
+struct Recording<'s, B: Backend, S> {
+    inner: &'s S,
+    banks: RefCell<Vec<ExpertBank<B>>>,
+}
+
+impl<B: Backend, S: WeightSource<B>> WeightSource<B> for Recording<'_, B, S> {
+    fn device(&self) -> B::Device {
+        self.inner.device()
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.inner.has(name)
+    }
+
+    fn read(&self, name: &str, expected: &[usize]) -> Result<Vec<f32>, LoadError> {
+        self.inner.read(name, expected)
+    }
+
+    fn experts(
+        &self,
+        keys: &ExpertKeys,
+        num_experts: usize,
+        cfg: GatedMlpConfig,
+    ) -> Result<Experts<B>, LoadError> {
+        let layout = keys.resolve(self.inner)?;
+        let layer = layer_of(layout.prefix()).ok_or_else(|| {
+            LoadError::Source(format!("expert bank `{}`: no `layers.N` in its name", layout.prefix()))
+        })?;
+        let experts = self.inner.experts(keys, num_experts, cfg)?;
+        self.banks.borrow_mut().push(ExpertBank {
+            layer,
+            layout,
+            num_experts,
+            cfg,
+            experts: experts.clone(),
+        });
+        Ok(experts)
+    }
+}
+
+/// True when `dir` holds a quantized PagedWeight checkpoint (`pagedweight.json`).
+pub fn is_quantized_dir(dir: impl AsRef<Path>) -> bool {
+    dir.as_ref().join(MANIFEST_FILE).is_file()
+}
+
+/// A model loaded from a Hugging Face or a quantized checkpoint directory, with what the
+/// loader learned about its experts.
+#[derive(Debug)]
+pub struct LoadedModel<B: Backend> {
+    /// The model.
+    pub model: AnyModel<B>,
+    /// Its parsed `config.json`.
+    pub config: ModelConfig,
+    /// Every MoE layer's expert bank, in layer order.
+    pub banks: Vec<ExpertBank<B>>,
+    /// Bytes the expert weights occupy as stored: for a Hugging Face checkpoint the expert
+    /// tensors' bytes (parameters × element size); for a quantized one the planes and LUTs
+    /// of every block at [`Self::bits`].
+    pub expert_bytes: u64,
+    /// Bit-width the experts were dequantized at (`None` for a Hugging Face checkpoint).
+    pub bits: Option<u8>,
+}
+
+impl<B: Backend> LoadedModel<B> {
+    /// Loads `dir`: a quantized checkpoint when it holds `pagedweight.json` (experts at `bits`,
+    /// default the highest stored), else a Hugging Face checkpoint (`bits` must be `None`).
+    pub fn load(dir: impl AsRef<Path>, bits: Option<u8>, device: &B::Device) -> Result<Self, ModelError> {
+        let dir = dir.as_ref();
+        let config = ModelConfig::from_dir(dir)?;
+        let wrap = |source| ModelError::Load { dir: dir.display().to_string(), source };
+        if is_quantized_dir(dir) {
+            let ckpt = pw_format::Checkpoint::open(dir)?;
+            let Some((lo, hi)) = ckpt.manifest().bit_range() else {
+                return Err(ModelError::Format(FormatError::Manifest {
+                    path: dir.join(MANIFEST_FILE),
+                    reason: "no expert blocks".into(),
+                }));
+            };
+            let bits = bits.unwrap_or(hi);
+            if !(lo..=hi).contains(&bits) {
+                let range = format!("bits {lo}..={hi}");
+                return Err(ModelError::Bits { dir: dir.display().to_string(), bits, range });
+            }
+            let src = PwSource::<B>::new(&ckpt, bits, device);
+            let (model, banks) = Self::build(&config, &src).map_err(wrap)?;
+            let expert_bytes =
+                ckpt.manifest().blocks.iter().map(|b| b.bytes_at(bits)).map(|(p, l)| (p + l) as u64).sum();
+            Ok(Self { model, config, banks, expert_bytes, bits: Some(bits) })
+        } else {
+            if let Some(b) = bits {
+                return Err(ModelError::Bits {
+                    dir: dir.display().to_string(),
+                    bits: b,
+                    range: format!("unquantized weights (no {MANIFEST_FILE})"),
+                });
+            }
+            let ckpt = Checkpoint::open(dir)?;
+            let src = HfSource::<B>::new(&ckpt, device);
+            let (model, banks) = Self::build(&config, &src).map_err(wrap)?;
+            let mut expert_bytes = 0u64;
+            for bank in &banks {
+                for name in bank.layout.tensor_names(bank.num_experts) {
+                    expert_bytes += ckpt.raw(&name)?.2.len() as u64;
+                }
+            }
+            Ok(Self { model, config, banks, expert_bytes, bits: None })
+        }
+    }
+
+    fn build(
+        config: &ModelConfig,
+        src: &impl WeightSource<B>,
+    ) -> Result<(AnyModel<B>, Vec<ExpertBank<B>>), LoadError> {
+        let rec = Recording { inner: src, banks: RefCell::new(Vec::new()) };
+        let model = AnyModel::from_source(config, &rec)?;
+        Ok((model, rec.banks.into_inner()))
     }
 }
 
@@ -153,12 +318,19 @@ pub enum AnyModel<B: Backend> {
 }
 
 impl<B: Backend> AnyModel<B> {
-    /// Loads `dir/config.json` and its safetensors onto `device`.
+    /// Loads `dir/config.json` and its weights onto `device`: a Hugging Face checkpoint, or a
+    /// quantized one (`pagedweight.json`) with its experts at the highest stored bit-width.
     pub fn load(dir: impl AsRef<Path>, device: &B::Device) -> Result<Self, ModelError> {
-        let dir = dir.as_ref();
-        let config = ModelConfig::from_dir(dir)?;
-        let ckpt = Checkpoint::open(dir)?;
-        Self::from_checkpoint(&config, &ckpt, device)
+        Ok(LoadedModel::load(dir, None, device)?.model)
+    }
+
+    /// Builds the model of `config` from any weight source.
+    pub fn from_source(config: &ModelConfig, src: &impl WeightSource<B>) -> Result<Self, LoadError> {
+        Ok(match config {
+            ModelConfig::Mixtral(c) => Self::Mixtral(Mixtral::load(c, src)?),
+            ModelConfig::Qwen2Moe(c) => Self::Qwen2Moe(Qwen2Moe::load(c, src)?),
+            ModelConfig::Gemma4(c) => Self::Gemma4(Gemma4::load(c, src)?),
+        })
     }
 
     /// Builds the model of `config` from an opened checkpoint.
@@ -168,12 +340,8 @@ impl<B: Backend> AnyModel<B> {
         device: &B::Device,
     ) -> Result<Self, ModelError> {
         let src = HfSource::<B>::new(ckpt, device);
-        let wrap = |source| ModelError::Load { dir: ckpt.dir().display().to_string(), source };
-        Ok(match config {
-            ModelConfig::Mixtral(c) => Self::Mixtral(Mixtral::load(c, &src).map_err(wrap)?),
-            ModelConfig::Qwen2Moe(c) => Self::Qwen2Moe(Qwen2Moe::load(c, &src).map_err(wrap)?),
-            ModelConfig::Gemma4(c) => Self::Gemma4(Gemma4::load(c, &src).map_err(wrap)?),
-        })
+        Self::from_source(config, &src)
+            .map_err(|source| ModelError::Load { dir: ckpt.dir().display().to_string(), source })
     }
 }
 

@@ -5,13 +5,18 @@
 //! live in `pw-nn`, checkpoint parsing in `pw-hf`.
 
 mod common;
+pub mod eval;
 pub mod gemma4;
 pub mod generate;
 pub mod mixtral;
+pub mod quantized;
 pub mod qwen2_moe;
 
-pub use common::{AnyModel, CausalLm, HfSource, ModelCache, ModelError, Trace};
+pub use common::{
+    AnyModel, CausalLm, ExpertBank, HfSource, LoadedModel, ModelCache, ModelError, Trace, is_quantized_dir,
+};
 pub use gemma4::Gemma4;
 pub use generate::{Sampler, SamplingConfig, generate};
 pub use mixtral::Mixtral;
+pub use quantized::{PwSource, expert_block_name};
 pub use qwen2_moe::Qwen2Moe;

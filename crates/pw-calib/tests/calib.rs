@@ -1,0 +1,288 @@
+//! The Fisher accumulation, and whole-model quantization of the tiny transformers fixtures
+//! (all three families, both expert layouts, f32/f16/bf16, sharded).
+
+mod common;
+
+use std::path::Path;
+
+use burn::backend::Autodiff;
+use burn::tensor::backend::Backend;
+use burn_ndarray::NdArray;
+use common::{calib_ids, fixture};
+use pw_calib::{CalibError, FisherPass, QuantizeConfig, Stage, expert_gradients, quantize_model};
+use pw_format::{BlockKind, Checkpoint};
+use pw_models::eval::token_windows;
+use pw_models::{AnyModel, CausalLm, LoadedModel, Trace};
+
+type Cpu = NdArray<f32>;
+type Ad = Autodiff<Cpu>;
+
+/// 8-bit experts vs the original model: largest logit difference relative to the largest
+/// logit magnitude. The LUTs are f16, so even a lossless codebook leaves ~5e-4 relative error
+/// per weight; observed 3e-4 (Mixtral, Qwen) and 5.1e-3 (Gemma-4, whose six sandwich-normed
+/// layers amplify it) — the computation is deterministic, so 2x headroom suffices.
+const Q8_LOGIT_TOL: f32 = 1e-2;
+
+fn small_config() -> QuantizeConfig {
+    QuantizeConfig { min_bits: 3, max_bits: 8, ctx: 16, calib_tokens: 96 }
+}
+
+fn logits<B: Backend>(model: &AnyModel<B>, ids: &[u32], device: &B::Device) -> Vec<f32> {
+    let mut cache = model.new_cache();
+    let out = model.forward(pw_models::generate::ids_tensor::<B>(ids, device), &mut cache, None);
+    out.into_data().convert::<f32>().to_vec::<f32>().unwrap()
+}
+
+fn rel_err(got: &[f32], want: &[f32]) -> f32 {
+    let scale = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+    got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max) / scale
+}
+
+/// Quantizes `name`, reopens the result, and checks blocks, copied tensors and logits.
+fn quantize_and_check(name: &str) {
+    let dir = fixture(name);
+    let out = tempfile::tempdir().unwrap();
+    let ids = calib_ids(200, 96, 1);
+    let mut stages = Vec::new();
+    let report = quantize_model::<Ad>(&dir, out.path(), &ids, &small_config(), &Default::default(), |p| {
+        if stages.last() != Some(&p.stage) {
+            stages.push(p.stage);
+        }
+    })
+    .unwrap();
+    assert_eq!(stages, [Stage::Loading, Stage::Gradients, Stage::Quantizing, Stage::Copying], "{name}");
+    // 96 calibration tokens in windows of 16.
+    assert_eq!((report.tokens, report.windows), (96, 6), "{name}");
+
+    let ck = Checkpoint::open(out.path()).unwrap();
+    let m = ck.manifest();
+    assert_eq!(m, &report.manifest);
+    let device = Default::default();
+    let original = LoadedModel::<Cpu>::load(&dir, None, &device).unwrap();
+    let n_blocks: usize = original.banks.iter().map(|b| 2 * b.num_experts).sum();
+    assert_eq!(m.blocks.len(), n_blocks, "{name}");
+    assert_eq!(m.bit_range(), Some((3, 8)));
+    // Every block lists its source tensors, and the blocks plus the dense tensors account for
+    // every tensor of the source checkpoint exactly once.
+    let hf = pw_hf::Checkpoint::open(&dir).unwrap();
+    let mut covered: Vec<String> = m.blocks.iter().flat_map(|b| b.sources.clone()).collect();
+    covered.sort();
+    covered.dedup();
+    covered.extend(m.dense.keys().cloned());
+    covered.sort();
+    assert_eq!(covered, hf.names().map(str::to_string).collect::<Vec<_>>(), "{name}");
+    for t in m.dense.keys() {
+        assert_eq!(ck.dense(t).unwrap().data(), hf.raw(t).unwrap().2, "{name}: `{t}` copied unchanged");
+    }
+    for b in &m.blocks {
+        let bank = original.banks.iter().find(|k| k.layer == b.layer).unwrap();
+        let (h, i) = (bank.cfg.hidden, bank.cfg.intermediate);
+        let shape = match b.kind {
+            BlockKind::GateUp => (2 * i, h),
+            BlockKind::Down => (h, i),
+        };
+        assert_eq!((b.rows, b.cols), shape, "{name}: {}", b.name);
+        assert!(b.sensitivity.windows(2).all(|s| s[1] <= s[0]), "{name}: {} {:?}", b.name, b.sensitivity);
+    }
+    for f in ["config.json", "generation_config.json"] {
+        assert_eq!(out.path().join(f).exists(), dir.join(f).exists(), "{name}: {f}");
+    }
+
+    // 8-bit logits close to the original, 3-bit ones further away.
+    let probe = calib_ids(24, 96, 7);
+    let want = logits(&original.model, &probe, &device);
+    let err_at = |bits| {
+        let q = LoadedModel::<Cpu>::load(out.path(), Some(bits), &device).unwrap();
+        assert_eq!(q.bits, Some(bits));
+        rel_err(&logits(&q.model, &probe, &device), &want)
+    };
+    let (e8, e3) = (err_at(8), err_at(3));
+    if std::env::var_os("PW_SHOW_ERR").is_some() {
+        eprintln!("{name}: logits error at 8 bits {e8:e}, at 3 bits {e3:e}");
+    }
+    assert!(e8 <= Q8_LOGIT_TOL, "{name}: 8-bit logits error {e8:e} > {Q8_LOGIT_TOL:e}");
+    assert!(e3 > e8, "{name}: 3-bit error {e3:e} should exceed 8-bit error {e8:e}");
+    // The default bit-width of a quantized directory is the highest stored.
+    let default = AnyModel::<Cpu>::load(out.path(), &device).unwrap();
+    assert_eq!(rel_err(&logits(&default, &probe, &device), &want), e8);
+}
+
+#[test]
+fn quantizes_mixtral() {
+    quantize_and_check("mixtral");
+}
+
+#[test]
+fn quantizes_mixtral_fused_layout() {
+    quantize_and_check("mixtral_fused");
+}
+
+#[test]
+fn quantizes_mixtral_f16() {
+    quantize_and_check("mixtral_f16");
+}
+
+#[test]
+fn quantizes_qwen2_moe_with_a_dense_layer() {
+    quantize_and_check("qwen2_moe");
+}
+
+#[test]
+fn quantizes_sharded_bf16_qwen2_moe() {
+    quantize_and_check("qwen2_moe_bf16");
+}
+
+#[test]
+fn quantizes_gemma4() {
+    quantize_and_check("gemma4");
+}
+
+#[test]
+fn quantizes_gemma4_multimodal_layout() {
+    quantize_and_check("gemma4_mm");
+}
+
+#[test]
+fn fisher_is_the_sum_of_squared_gradients_and_nonzero_exactly_for_routed_experts() {
+    let dir = fixture("qwen2_moe");
+    let device = Default::default();
+    let loaded = LoadedModel::<Ad>::load(&dir, None, &device).unwrap();
+    let ids = calib_ids(24, 96, 5);
+    let windows = token_windows(&ids, 8);
+    let mut fisher = FisherPass::new(&loaded.banks);
+    // Expected: Σ over windows of squared gradients, and which experts saw tokens.
+    let mut want: Vec<Vec<(Vec<f64>, Vec<f64>)>> = loaded
+        .banks
+        .iter()
+        .map(|b| {
+            let (h, i) = (b.cfg.hidden, b.cfg.intermediate);
+            vec![(vec![0.0; 2 * i * h], vec![0.0; h * i]); b.num_experts]
+        })
+        .collect();
+    // Per bank and expert: chosen for some token, and chosen for a token whose output reaches
+    // the loss (every position but a window's last, whose prediction has no target).
+    let mut routed: Vec<Vec<bool>> = loaded.banks.iter().map(|b| vec![false; b.num_experts]).collect();
+    let mut in_loss = routed.clone();
+    let plain = LoadedModel::<Cpu>::load(&dir, None, &device).unwrap();
+    for w in &windows {
+        fisher.add_window(&loaded.model, &loaded.banks, w, &device);
+        let (_, grads) = expert_gradients(&loaded.model, &loaded.banks, w, &device);
+        for (bank, g) in want.iter_mut().zip(grads) {
+            for ((gu, dn), g) in bank.iter_mut().zip(g) {
+                if let Some(g) = g {
+                    let (a, b) = g.to_rows();
+                    gu.iter_mut().zip(a).for_each(|(s, x)| *s += (x as f64).powi(2));
+                    dn.iter_mut().zip(b).for_each(|(s, x)| *s += (x as f64).powi(2));
+                }
+            }
+        }
+        let mut trace = Trace::default();
+        let mut cache = plain.model.new_cache();
+        plain.model.forward(pw_models::generate::ids_tensor::<Cpu>(w, &device), &mut cache, Some(&mut trace));
+        let moe_routes = trace.routing.iter().flatten();
+        for ((r, l), routing) in routed.iter_mut().zip(&mut in_loss).zip(moe_routes) {
+            for (slot, &e) in routing.indices.iter().enumerate() {
+                r[e] = true;
+                l[e] |= slot / routing.k + 1 < w.len();
+            }
+        }
+    }
+    let imp = fisher.finish(&loaded.banks);
+    assert_eq!(imp.len(), loaded.banks.len());
+    for (l, (bank, want)) in imp.iter().zip(&want).enumerate() {
+        for e in 0..bank.gate_up.len() {
+            let nonzero = bank.gate_up[e].iter().chain(&bank.down[e]).any(|&x| x > 0.0);
+            assert_eq!(
+                nonzero, in_loss[l][e],
+                "bank {l} expert {e}: importance nonzero iff it shaped the loss"
+            );
+            assert_eq!(bank.routed_windows[e] > 0, routed[l][e], "bank {l} expert {e}");
+            let got = bank.gate_up[e].iter().chain(&bank.down[e]);
+            for (got, want) in got.zip(want[e].0.iter().chain(&want[e].1)) {
+                let ok = (*got as f64 - want).abs() <= 1e-5 * want.abs() + 1e-30;
+                assert!(ok, "bank {l} expert {e}: {got} vs {want}");
+            }
+        }
+    }
+}
+
+#[test]
+fn never_routed_experts_quantize_with_zero_sensitivity() {
+    // Two tokens: one prediction, at most top-k experts per layer see them.
+    let dir = fixture("mixtral");
+    let out = tempfile::tempdir().unwrap();
+    let cfg = QuantizeConfig { ctx: 2, calib_tokens: 2, ..small_config() };
+    let report =
+        quantize_model::<Ad>(&dir, out.path(), &calib_ids(2, 96, 9), &cfg, &Default::default(), |_| {})
+            .unwrap();
+    let m = &report.manifest;
+    // Mixtral fixture: 4 experts, top-2, 2 tokens in one window: per layer at most 4 routed
+    // (token, slot) pairs; every layer where fewer than 4 distinct experts were chosen has
+    // an expert with zero importance, hence zero sensitivity at every bit-width.
+    let zero = m.blocks.iter().filter(|b| b.sensitivity.iter().all(|&s| s == 0.0)).count();
+    let positive = m.blocks.iter().filter(|b| b.sensitivity[0] > 0.0).count();
+    assert!(zero > 0 && positive > 0, "zero {zero}, positive {positive}");
+    assert_eq!(zero + positive, m.blocks.len());
+    // Their blocks are still real codebooks: 8-bit weights close to the original.
+    let ck = Checkpoint::open(out.path()).unwrap();
+    let b = m.blocks.iter().find(|b| b.sensitivity[0] == 0.0).unwrap();
+    let block = ck.block(&b.name).unwrap();
+    let deq = block.dequantize_reference(8);
+    assert!(deq.iter().any(|&x| x != 0.0));
+}
+
+#[test]
+fn bad_inputs_are_named() {
+    let device = Default::default();
+    let ids = calib_ids(64, 96, 2);
+    let run = |dir: &Path, out: &Path, ids: &[u32], cfg: &QuantizeConfig| {
+        quantize_model::<Ad>(dir, out, ids, cfg, &device, |_| {}).unwrap_err()
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+
+    // A non-MoE model type.
+    let llama = tmp.path().join("llama");
+    std::fs::create_dir(&llama).unwrap();
+    let cfg_text = std::fs::read_to_string(fixture("mixtral").join("config.json")).unwrap();
+    std::fs::write(llama.join("config.json"), cfg_text.replace("\"mixtral\"", "\"llama\"")).unwrap();
+    let e = run(&llama, &out, &ids, &small_config()).to_string();
+    assert!(e.contains("config.json") && e.contains("model_type") && e.contains("llama"), "{e}");
+
+    // Gemma-4 with its MoE block disabled: a dense model, nothing to quantize.
+    let dense = tmp.path().join("dense");
+    std::fs::create_dir(&dense).unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixture("gemma4").join(f), dense.join(f)).unwrap();
+    }
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dense.join("config.json")).unwrap()).unwrap();
+    cfg["enable_moe_block"] = false.into();
+    std::fs::write(dense.join("config.json"), cfg.to_string()).unwrap();
+    let e = run(&dense, &out, &ids, &small_config());
+    assert!(matches!(e, CalibError::NoExperts { .. }), "{e:?}");
+    assert!(e.to_string().contains("dense") && e.to_string().contains("no MoE expert layers"), "{e}");
+
+    let mix = fixture("mixtral");
+    let e = run(&mix, &out, &ids[..1], &small_config()).to_string();
+    assert!(e.contains("1 tokens"), "{e}");
+    let e = run(&mix, &out, &[1, 2, 500], &small_config()).to_string();
+    assert!(e.contains("500") && e.contains("vocabulary of 96"), "{e}");
+    let e = run(&mix, &out, &ids, &QuantizeConfig { min_bits: 2, ..small_config() }).to_string();
+    assert!(e.contains("min_bits = 2"), "{e}");
+    let e = run(&mix, &out, &ids, &QuantizeConfig { min_bits: 5, max_bits: 4, ..small_config() }).to_string();
+    assert!(e.contains("max_bits = 4"), "{e}");
+    let e = run(&mix, &mix, &ids, &small_config()).to_string();
+    assert!(e.contains("is the model directory"), "{e}");
+
+    // Quantizing a quantized checkpoint.
+    let q = tmp.path().join("q");
+    quantize_model::<Ad>(&mix, &q, &ids, &small_config(), &device, |_| {}).unwrap();
+    let e = run(&q, &out, &ids, &small_config()).to_string();
+    assert!(e.contains("already a quantized"), "{e}");
+    // ...and asking a quantized checkpoint for a bit-width it does not store.
+    let e = LoadedModel::<Cpu>::load(&q, Some(2), &device).unwrap_err().to_string();
+    assert!(e.contains("bit-width 2") && e.contains("3..=8"), "{e}");
+    let e = LoadedModel::<Cpu>::load(&mix, Some(4), &device).unwrap_err().to_string();
+    assert!(e.contains("no pagedweight.json"), "{e}");
+}

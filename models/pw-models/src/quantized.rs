@@ -1,0 +1,121 @@
+//! Models over a quantized PagedWeight checkpoint directory (`pagedweight.json`).
+//!
+//! Non-expert tensors are stored unchanged and served as they are; every expert block is an
+//! any-precision block that [`PwSource`] dequantizes at one bit-width into the dense
+//! [`Experts`] bank (the paged bank that keeps planes on the device comes later and will
+//! override [`WeightSource::experts`] the same way).
+
+use std::collections::HashSet;
+
+use burn::tensor::backend::Backend;
+use pw_format::{BlockKind, Checkpoint, FormatError, view_to_f32};
+use pw_nn::{DenseExperts, ExpertKeys, ExpertRows, Experts, GatedMlpConfig, LoadError, WeightSource};
+
+/// Name of the block holding expert `expert`'s `kind` projection of the bank at `prefix`
+/// (the bank's checkpoint prefix, e.g. `model.layers.0.block_sparse_moe.experts`):
+/// `{prefix}.{expert}.gate_up` or `{prefix}.{expert}.down`. The quantizer writes these names and
+/// [`PwSource`] reads them.
+pub fn expert_block_name(prefix: &str, expert: usize, kind: BlockKind) -> String {
+    match kind {
+        BlockKind::GateUp => format!("{prefix}.{expert}.gate_up"),
+        BlockKind::Down => format!("{prefix}.{expert}.down"),
+    }
+}
+
+/// [`WeightSource`] over a quantized checkpoint whose experts are dequantized at `bits`.
+pub struct PwSource<'a, B: Backend> {
+    ckpt: &'a Checkpoint,
+    bits: u8,
+    device: B::Device,
+    /// The original checkpoint tensors the blocks were made from: they still "exist" for
+    /// [`WeightSource::has`], so models resolve the same expert layout as on the source model.
+    block_sources: HashSet<String>,
+}
+
+impl<'a, B: Backend> PwSource<'a, B> {
+    /// Serves `ckpt` on `device`, experts at `bits` (checked against every block when the
+    /// experts are built).
+    pub fn new(ckpt: &'a Checkpoint, bits: u8, device: &B::Device) -> Self {
+        let block_sources = ckpt.manifest().blocks.iter().flat_map(|b| b.sources.iter().cloned()).collect();
+        Self { ckpt, bits, device: device.clone(), block_sources }
+    }
+
+    fn block_rows(&self, name: &str, rows: usize, cols: usize) -> Result<Vec<f32>, LoadError> {
+        let block = self.ckpt.block(name).map_err(|e| LoadError::Source(e.to_string()))?;
+        if (block.rows, block.cols) != (rows, cols) {
+            return Err(LoadError::Shape {
+                name: name.to_string(),
+                expected: vec![rows, cols],
+                got: vec![block.rows, block.cols],
+            });
+        }
+        if !(block.min_bits..=block.max_bits).contains(&self.bits) {
+            return Err(LoadError::Source(format!(
+                "block `{name}` stores bits {}..={}, not {}",
+                block.min_bits, block.max_bits, self.bits
+            )));
+        }
+        Ok(block.dequantize_reference(self.bits))
+    }
+}
+
+impl<B: Backend> WeightSource<B> for PwSource<'_, B> {
+    fn device(&self) -> B::Device {
+        self.device.clone()
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.ckpt.manifest().dense.contains_key(name) || self.block_sources.contains(name)
+    }
+
+    fn read(&self, name: &str, expected: &[usize]) -> Result<Vec<f32>, LoadError> {
+        if !self.ckpt.manifest().dense.contains_key(name) {
+            return Err(if self.block_sources.contains(name) {
+                LoadError::Source(format!(
+                    "`{name}` is stored as any-precision expert blocks, not as a tensor"
+                ))
+            } else {
+                LoadError::Missing { name: name.to_string() }
+            });
+        }
+        let view = self.ckpt.dense(name).map_err(|e| LoadError::Source(e.to_string()))?;
+        let shape = view.shape();
+        // Scalars saved as [1] and [] are the same thing.
+        let numel: usize = shape.iter().product();
+        if shape != expected && !(numel == 1 && expected.iter().product::<usize>() == 1) {
+            return Err(LoadError::Shape {
+                name: name.to_string(),
+                expected: expected.to_vec(),
+                got: shape.to_vec(),
+            });
+        }
+        view_to_f32(&view).ok_or_else(|| {
+            LoadError::Source(
+                FormatError::Dtype {
+                    path: self.ckpt.dir().join(&self.ckpt.manifest().dense[name]),
+                    tensor: name.to_string(),
+                    expected: "F32, F16 or BF16".into(),
+                    found: format!("{}", view.dtype()),
+                }
+                .to_string(),
+            )
+        })
+    }
+
+    fn experts(
+        &self,
+        keys: &ExpertKeys,
+        num_experts: usize,
+        cfg: GatedMlpConfig,
+    ) -> Result<Experts<B>, LoadError> {
+        let layout = keys.resolve(self)?;
+        let (h, i) = (cfg.hidden, cfg.intermediate);
+        let mut rows = ExpertRows { gate_up: Vec::new(), down: Vec::new() };
+        for e in 0..num_experts {
+            let p = layout.prefix();
+            rows.gate_up.push(self.block_rows(&expert_block_name(p, e, BlockKind::GateUp), 2 * i, h)?);
+            rows.down.push(self.block_rows(&expert_block_name(p, e, BlockKind::Down), h, i)?);
+        }
+        Ok(Experts::Dense(DenseExperts::from_rows(rows, cfg, &self.device)))
+    }
+}
