@@ -16,7 +16,8 @@ fn concurrent_greedy_requests_match_generate() {
     let model = common::load_model();
     let (engine, rec) = common::engine(common::config(u64::MAX, 8), None);
     let h = engine.handle();
-    let prompts: Vec<Vec<u32>> = [3, 9, 17, 30, 5].iter().enumerate().map(|(i, &n)| common::prompt(n, i as u32)).collect();
+    let prompts: Vec<Vec<u32>> =
+        [3, 9, 17, 30, 5].iter().enumerate().map(|(i, &n)| common::prompt(n, i as u32)).collect();
     let lens = [12, 7, 20, 3, 15];
     let streams: Vec<_> = prompts
         .iter()
@@ -51,8 +52,10 @@ fn a_small_kv_budget_queues_requests() {
     let h = engine.handle();
     let prompts: Vec<Vec<u32>> = (0..4).map(|i| common::prompt(plen, 10 + i)).collect();
     let params = SamplingParams { ignore_eos: true, ..greedy(max) };
-    let streams: Vec<_> =
-        prompts.iter().map(|p| h.submit(GenerateRequest { prompt: p.clone(), params: params.clone() }).unwrap()).collect();
+    let streams: Vec<_> = prompts
+        .iter()
+        .map(|p| h.submit(GenerateRequest { prompt: p.clone(), params: params.clone() }).unwrap())
+        .collect();
     for (s, p) in streams.into_iter().zip(&prompts) {
         let c = s.collect_blocking().unwrap();
         assert_eq!(c.tokens, common::reference(&model, p, max, false));
@@ -66,9 +69,7 @@ fn a_small_kv_budget_queues_requests() {
     assert_eq!(r.peak_kv_bytes_used, kv.bytes_for(plen + max - 2));
 
     // A request that could never fit is refused at once, naming the budget.
-    let e = h
-        .submit(GenerateRequest { prompt: common::prompt(plen, 0), params: greedy(100) })
-        .unwrap_err();
+    let e = h.submit(GenerateRequest { prompt: common::prompt(plen, 0), params: greedy(100) }).unwrap_err();
     assert!(matches!(e, ServeError::InvalidRequest { param: Some("max_tokens"), .. }), "{e}");
     assert!(e.to_string().contains(&budget.to_string()), "{e}");
 }
@@ -114,7 +115,10 @@ fn seeded_sampling_is_reproducible_and_stop_tokens_end_the_sequence() {
             stop_token_ids,
             ..greedy(24)
         };
-        h.submit(GenerateRequest { prompt: common::prompt(6, 3), params }).unwrap().collect_blocking().unwrap()
+        h.submit(GenerateRequest { prompt: common::prompt(6, 3), params })
+            .unwrap()
+            .collect_blocking()
+            .unwrap()
     };
     let (a, b, c) = (run(7, vec![]), run(7, vec![]), run(8, vec![]));
     assert_eq!(a.tokens, b.tokens);
@@ -148,6 +152,10 @@ fn bad_requests_are_refused_with_the_field() {
         }
     }
     // Still serving.
-    let c = h.submit(GenerateRequest { prompt: vec![3, 4], params: greedy(2) }).unwrap().collect_blocking().unwrap();
+    let c = h
+        .submit(GenerateRequest { prompt: vec![3, 4], params: greedy(2) })
+        .unwrap()
+        .collect_blocking()
+        .unwrap();
     assert!(!c.tokens.is_empty());
 }
