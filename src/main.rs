@@ -48,6 +48,9 @@ enum Command {
     /// grouped layers, bits 3..8), against the streaming read bandwidth
     /// measured in the same run. Writes JSON records to --out.
     BenchKernels(bench::BenchKernelsArgs),
+    /// Serve the model over an OpenAI-compatible HTTP API (continuous batching), or complete
+    /// one prompt with --once.
+    Serve(pagedweight::serve_cmd::ServeArgs),
 }
 
 #[derive(clap::Args)]
@@ -80,6 +83,7 @@ fn main() -> Result<()> {
         Command::Logits(args) => models_cmd::logits(&args),
         Command::Generate(args) => models_cmd::generate(&args),
         Command::BenchKernels(args) => bench::bench_kernels(&args),
+        Command::Serve(args) => pagedweight::serve_cmd::serve_command(&args),
     }
 }
 

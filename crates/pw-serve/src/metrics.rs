@@ -177,16 +177,16 @@ impl Metrics {
             format!("{:.3}", m.tokens_per_second),
         );
         put(
-            "pw_time_per_output_token_seconds",
+            "pw_time_per_output_token_mean_seconds",
             "gauge",
             "Mean gap between consecutive tokens of a sequence.",
             format!("{:.6}", m.mean_time_per_output_token()),
         );
         let _ = writeln!(
             out,
-            "# HELP pw_time_per_output_token_seconds_summary Gaps between consecutive tokens of a sequence.\n\
-             # TYPE pw_time_per_output_token_seconds_summary summary\n\
-             pw_time_per_output_token_seconds_summary_sum {:.6}\npw_time_per_output_token_seconds_summary_count {}",
+            "# HELP pw_time_per_output_token_seconds Gaps between consecutive tokens of a sequence.\n\
+             # TYPE pw_time_per_output_token_seconds summary\n\
+             pw_time_per_output_token_seconds_sum {:.6}\npw_time_per_output_token_seconds_count {}",
             m.time_per_output_token_seconds_sum, m.time_per_output_token_count
         );
         let _ = writeln!(

@@ -373,6 +373,10 @@ async fn concurrent_requests_under_a_small_kv_budget_all_complete() {
     }
     assert_eq!(s.metric("pw_requests_finished_total").await, (prompts.len() * 2 + 3) as f64);
     assert_eq!(s.metric("pw_kv_bytes_reserved").await, 0.0);
+    assert!(s.metric("pw_time_per_output_token_seconds_count").await >= (prompts.len() * 2 * 11) as f64);
+    assert!(s.metric("pw_time_per_output_token_mean_seconds").await > 0.0);
+    assert!(s.metric("pw_tokens_per_second").await > 0.0);
+    assert_eq!(s.metric("pw_generated_tokens_total").await, ((prompts.len() * 2 + 3) * 12) as f64);
     let r = s.rec.record();
     assert!(r.peak_waiting >= 1 && r.peak_active >= 2, "{r:?}");
     assert!(r.peak_kv_bytes_reserved <= budget, "{r:?}");
