@@ -11,8 +11,8 @@ use burn::tensor::backend::Backend;
 use pw_models::AnyModel;
 use pw_serve::server::{ServerState, serve};
 use pw_serve::{
-    BurnStepModel, ChatMessage, ChatTemplate, Engine, EngineConfig, Event, GenerateRequest, SamplingParams, StepModel,
-    UsageRecorder,
+    BurnStepModel, ChatMessage, ChatTemplate, Engine, EngineConfig, Event, GenerateRequest, SamplingParams,
+    StepModel, UsageRecorder,
 };
 
 /// Where the model runs.
@@ -75,7 +75,9 @@ const FALLBACK_CONTEXT: usize = 4096;
 /// Runs the command.
 pub fn serve_command(args: &ServeArgs) -> Result<()> {
     match resolve(args.device) {
-        ServeDevice::Auto | ServeDevice::Cpu => run::<burn_ndarray::NdArray<f32>>(args, &Default::default(), "cpu"),
+        ServeDevice::Auto | ServeDevice::Cpu => {
+            run::<burn_ndarray::NdArray<f32>>(args, &Default::default(), "cpu")
+        }
         #[cfg(feature = "wgpu")]
         ServeDevice::Wgpu => run::<burn_wgpu::Wgpu>(args, &burn_wgpu::WgpuDevice::default(), "wgpu"),
         #[cfg(feature = "cuda")]
@@ -137,9 +139,15 @@ where
     let max_context = args.max_context.or_else(|| pw_serve::max_context(dir)).unwrap_or(FALLBACK_CONTEXT);
     let kv = model.kv_layout().clone();
     let weight_bytes = model.weight_bytes();
-    let kv_budget_bytes = args.kv_budget_bytes.unwrap_or(kv.bytes_for(max_context) * args.max_batch.max(1) as u64);
-    let config =
-        EngineConfig { kv_budget_bytes, max_batch: args.max_batch, max_context, max_prefill_tokens: 2048, eos_token_ids };
+    let kv_budget_bytes =
+        args.kv_budget_bytes.unwrap_or(kv.bytes_for(max_context) * args.max_batch.max(1) as u64);
+    let config = EngineConfig {
+        kv_budget_bytes,
+        max_batch: args.max_batch,
+        max_context,
+        max_prefill_tokens: 2048,
+        eos_token_ids,
+    };
     let rec = UsageRecorder::default();
     let engine = Engine::start(Box::new(model), tokenizer.clone(), config, Box::new(rec.clone()))?;
     let name = args.served_name.clone().unwrap_or_else(|| {
@@ -201,7 +209,8 @@ fn once(
     .to_vec();
     let h = engine.handle();
     let room = h.config().max_context.saturating_sub(ids.len());
-    let params = SamplingParams { temperature: 0.0, max_tokens: args.max_tokens.min(room), ..Default::default() };
+    let params =
+        SamplingParams { temperature: 0.0, max_tokens: args.max_tokens.min(room), ..Default::default() };
     let t0 = Instant::now();
     let mut stream = h.submit(GenerateRequest { prompt: ids, params })?;
     let mut out = std::io::stdout().lock();

@@ -88,6 +88,9 @@ fn serve_on_port_zero_prints_its_url_and_answers() {
     child.kill().unwrap();
     child.wait().unwrap();
     assert!(health.starts_with("HTTP/1.1 200") && health.contains("\"ok\""), "{health}");
-    assert!(completion.starts_with("HTTP/1.1 200") && completion.contains("\"text_completion\""), "{completion}");
+    assert!(
+        completion.starts_with("HTTP/1.1 200") && completion.contains("\"text_completion\""),
+        "{completion}"
+    );
     assert!(unknown.starts_with("HTTP/1.1 404") && unknown.contains("model_not_found"), "{unknown}");
 }
