@@ -34,9 +34,8 @@ fn concurrent_greedy_requests_match_generate() {
     }
     // The sequences really ran together.
     assert!(rec.record().peak_active >= 3, "{:?}", rec.record());
-    let m = h.metrics().snapshot();
+    let m = common::wait_metrics(&h, |m| m.requests_finished_total == 5 && m.active_sequences == 0);
     assert_eq!(m.requests_total, 5);
-    assert_eq!(m.requests_finished_total, 5);
     assert_eq!((m.active_sequences, m.kv_bytes_used, m.kv_bytes_reserved), (0, 0, 0));
     assert!(m.weight_bytes > 0);
 }
@@ -158,4 +157,67 @@ fn bad_requests_are_refused_with_the_field() {
         .collect_blocking()
         .unwrap();
     assert!(!c.tokens.is_empty());
+}
+
+/// Fails every decode while `fail` is set.
+struct Flaky {
+    inner: Box<dyn pw_serve::StepModel>,
+    fail: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl pw_serve::StepModel for Flaky {
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+    fn kv_layout(&self) -> &pw_serve::KvLayout {
+        self.inner.kv_layout()
+    }
+    fn weight_bytes(&self) -> u64 {
+        self.inner.weight_bytes()
+    }
+    fn prefill(&mut self, batch: &mut [pw_serve::PrefillSlot<'_>]) -> Result<Vec<u32>, pw_serve::StepError> {
+        self.inner.prefill(batch)
+    }
+    fn decode(&mut self, batch: &mut [pw_serve::DecodeSlot<'_>]) -> Result<Vec<u32>, pw_serve::StepError> {
+        if self.fail.load(std::sync::atomic::Ordering::SeqCst) {
+            panic!("device lost");
+        }
+        self.inner.decode(batch)
+    }
+    fn release(&mut self, seq: pw_serve::SeqId) {
+        self.inner.release(seq)
+    }
+    fn kv_bytes_held(&self) -> u64 {
+        self.inner.kv_bytes_held()
+    }
+}
+
+#[test]
+fn a_failing_step_ends_its_sequences_and_the_engine_keeps_serving() {
+    let fail = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let inner = Box::new(
+        pw_serve::BurnStepModel::<common::B, _>::load(&common::fixture(), &Default::default()).unwrap(),
+    );
+    let engine = pw_serve::Engine::start(
+        Box::new(Flaky { inner, fail: fail.clone() }),
+        std::sync::Arc::new(common::tokenizer()),
+        common::config(u64::MAX, 4),
+        Box::new(pw_serve::UsageRecorder::default()),
+    )
+    .unwrap();
+    let h = engine.handle();
+    let params = SamplingParams { ignore_eos: true, ..greedy(5) };
+    let e = h
+        .submit(GenerateRequest { prompt: vec![3, 4, 5], params: params.clone() })
+        .unwrap()
+        .collect_blocking();
+    match e {
+        Err(ServeError::Step(msg)) => assert!(msg.contains("device lost"), "{msg}"),
+        other => panic!("{other:?}"),
+    }
+    let m = common::wait_metrics(&h, |m| m.requests_failed_total == 1 && m.steps_total >= 2);
+    assert_eq!((m.active_sequences, m.kv_bytes_used, m.kv_bytes_reserved), (0, 0, 0), "{m:?}");
+    fail.store(false, std::sync::atomic::Ordering::SeqCst);
+    let c = h.submit(GenerateRequest { prompt: vec![3, 4, 5], params }).unwrap().collect_blocking().unwrap();
+    assert_eq!(c.tokens, common::reference(&common::load_model(), &[3, 4, 5], 5, false));
 }

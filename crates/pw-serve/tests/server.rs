@@ -340,7 +340,7 @@ async fn concurrent_requests_under_a_small_kv_budget_all_complete() {
     let longest = prompts.iter().map(|p| tok.encode(*p, true).unwrap().len()).max().unwrap();
     // Room for two of the longest requests at a time; slowed down so they overlap.
     let budget = kv.bytes_for(longest + 12) * 2;
-    let s = Arc::new(start(common::config(budget, 8), Some(Duration::from_millis(3))).await);
+    let s = Arc::new(start(common::config(budget, 8), Some(Duration::from_millis(5))).await);
     let mut tasks = Vec::new();
     for (i, p) in prompts.iter().enumerate() {
         let s = s.clone();
@@ -371,7 +371,16 @@ async fn concurrent_requests_under_a_small_kv_budget_all_complete() {
         let (_, alone) = s.post("/v1/completions", &body).await;
         assert_eq!(alone["choices"][0]["text"].as_str().unwrap(), text);
     }
-    assert_eq!(s.metric("pw_requests_finished_total").await, (prompts.len() * 2 + 3) as f64);
+    // The engine updates its metrics just after sending a request's last event.
+    let t0 = Instant::now();
+    while s.metric("pw_requests_finished_total").await < (prompts.len() * 2 + 3) as f64 {
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    while s.metric("pw_active_sequences").await > 0.0 {
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     assert_eq!(s.metric("pw_kv_bytes_reserved").await, 0.0);
     assert!(s.metric("pw_time_per_output_token_seconds_count").await >= (prompts.len() * 2 * 11) as f64);
     assert!(s.metric("pw_time_per_output_token_mean_seconds").await > 0.0);

@@ -210,3 +210,20 @@ pub fn reference(model: &AnyModel<B>, prompt: &[u32], max_tokens: usize, eos: bo
     });
     pw_models::generate(model, prompt, &mut s, &Default::default(), |_| true)
 }
+
+/// Polls the engine's metrics until `ok` holds (the engine updates them after it has sent a
+/// request's last event), failing after 10 s.
+pub fn wait_metrics(
+    h: &pw_serve::EngineHandle,
+    ok: impl Fn(&pw_serve::MetricsSnapshot) -> bool,
+) -> pw_serve::MetricsSnapshot {
+    let t0 = std::time::Instant::now();
+    loop {
+        let m = h.metrics().snapshot();
+        if ok(&m) {
+            return m;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "metrics never reached the expected state: {m:?}");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
