@@ -12,9 +12,7 @@ mod eval_cmd;
 mod models_cmd;
 mod quantize_cmd;
 
-/// What every `--model` defaults to: the small Mixtral-architecture MoE shipped in the repository
-/// (trained by `scripts/train_tiny_moe.py`, see its model card), relative to the repository root.
-const DEFAULT_MODEL: &str = "assets/tiny-mixtral";
+use pagedweight::DEFAULT_MODEL;
 
 #[derive(Parser)]
 #[command(
@@ -65,6 +63,9 @@ enum Command {
     /// GPU benchmark of the fused decode step (pw-decode) of a Mixtral-8x7B-shaped model with
     /// synthetic weights at several batch sizes, against bytes read / measured bandwidth.
     BenchDecode(bench_decode::BenchDecodeArgs),
+    /// Serve the model over an OpenAI-compatible HTTP API (continuous batching), or complete
+    /// one prompt with --once.
+    Serve(pagedweight::serve_cmd::ServeArgs),
 }
 
 #[derive(clap::Args)]
@@ -100,6 +101,7 @@ fn main() -> Result<()> {
         Command::BenchDecode(args) => bench_decode::bench_decode(&args),
         Command::Quantize(args) => quantize_cmd::quantize(&args),
         Command::EvalPpl(args) => eval_cmd::eval_ppl(&args),
+        Command::Serve(args) => pagedweight::serve_cmd::serve_command(&args),
     }
 }
 

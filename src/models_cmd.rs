@@ -6,10 +6,8 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use burn::tensor::backend::Backend;
-use pw_hf::ModelConfig;
 use pw_models::generate::ids_tensor;
 use pw_models::{AnyModel, CausalLm, Sampler, SamplingConfig};
-use serde_json::Value;
 use tokenizers::Tokenizer;
 
 /// Where the model runs.
@@ -166,9 +164,7 @@ fn generate_on<B: Backend>(args: &GenerateArgs, device: &B::Device) -> Result<()
     if prompt_ids.is_empty() {
         bail!("the prompt has no tokens");
     }
-    let config = ModelConfig::from_dir(&args.model)?;
-    let mut stop = config.eos_token_ids().to_vec();
-    stop.extend(generation_config_eos(&args.model)?);
+    let mut stop = pw_serve::eos_token_ids(&args.model)?;
     stop.extend(&args.stop);
     let model = load_model::<B>(&args.model, device)?;
     let mut sampler = Sampler::new(SamplingConfig {
@@ -207,120 +203,20 @@ fn generate_on<B: Backend>(args: &GenerateArgs, device: &B::Device) -> Result<()
     Ok(())
 }
 
-/// End-of-sequence ids of `generation_config.json`, if present.
-fn generation_config_eos(dir: &Path) -> Result<Vec<u32>> {
-    let path = dir.join("generation_config.json");
-    if !path.exists() {
-        return Ok(Vec::new());
-    }
-    let v: Value = read_json(&path)?;
-    Ok(match v.get("eos_token_id") {
-        Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
-        Some(Value::Array(a)) => a.iter().filter_map(|x| x.as_u64().map(|x| x as u32)).collect(),
-        _ => Vec::new(),
-    })
-}
-
-fn read_json(path: &Path) -> Result<Value> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", path.display()))
-}
-
-/// A special token as tokenizer_config.json writes it: a string or `{"content": ...}`.
-fn token_text(v: Option<&Value>) -> String {
-    match v {
-        Some(Value::String(s)) => s.clone(),
-        Some(Value::Object(o)) => o.get("content").and_then(Value::as_str).unwrap_or_default().to_string(),
-        _ => String::new(),
-    }
-}
-
-/// The chat template of a model directory: `chat_template.jinja`, `chat_template.json`, or the
-/// `chat_template` of `tokenizer_config.json` (a string or a list of named templates).
-fn find_chat_template(dir: &Path, tokenizer_config: &Value) -> Result<String> {
-    let jinja = dir.join("chat_template.jinja");
-    if jinja.exists() {
-        return std::fs::read_to_string(&jinja).with_context(|| format!("reading {}", jinja.display()));
-    }
-    let json = dir.join("chat_template.json");
-    if json.exists()
-        && let Some(s) = read_json(&json)?.get("chat_template").and_then(Value::as_str)
-    {
-        return Ok(s.to_string());
-    }
-    match tokenizer_config.get("chat_template") {
-        Some(Value::String(s)) => Ok(s.clone()),
-        Some(Value::Array(list)) => list
-            .iter()
-            .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
-            .or(list.first())
-            .and_then(|t| t.get("template"))
-            .and_then(Value::as_str)
-            .map(str::to_string)
-            .context("tokenizer_config.json: `chat_template` list has no usable template"),
-        _ => bail!(
-            "{} has no chat template (chat_template.jinja, chat_template.json or tokenizer_config.json `chat_template`)",
-            dir.display()
-        ),
-    }
-}
-
 /// Renders one user message with the model's chat template, ready for the assistant's turn.
 pub fn render_chat(dir: &Path, user: &str) -> Result<String> {
-    let cfg_path = dir.join("tokenizer_config.json");
-    let tokenizer_config = if cfg_path.exists() { read_json(&cfg_path)? } else { Value::Null };
-    let template = find_chat_template(dir, &tokenizer_config)?;
-    render_template(&template, &tokenizer_config, user)
-}
-
-fn render_template(template: &str, tokenizer_config: &Value, user: &str) -> Result<String> {
-    let mut env = minijinja::Environment::new();
-    // transformers renders with trim_blocks and lstrip_blocks, and Python string methods.
-    env.set_trim_blocks(true);
-    env.set_lstrip_blocks(true);
-    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-    env.add_function("raise_exception", |msg: String| -> Result<String, minijinja::Error> {
-        Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
-    });
-    env.add_template("chat", template).context("parsing the chat template")?;
-    let ctx = minijinja::context! {
-        messages => vec![minijinja::context! { role => "user", content => user }],
-        add_generation_prompt => true,
-        bos_token => token_text(tokenizer_config.get("bos_token")),
-        eos_token => token_text(tokenizer_config.get("eos_token")),
-    };
-    env.get_template("chat")?.render(ctx).context("rendering the chat template")
+    let template = pw_serve::ChatTemplate::from_dir(dir)?.with_context(|| {
+        format!(
+            "{} has no chat template (chat_template.jinja, chat_template.json or tokenizer_config.json `chat_template`)",
+            dir.display()
+        )
+    })?;
+    Ok(template.render(&[pw_serve::ChatMessage { role: "user".into(), content: user.to_string() }], true)?)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn renders_a_hf_style_template() {
-        let template = "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}\
-            [INST] {{ m['content'].strip() }} [/INST]{% else %}{{ raise_exception('bad role') }}{% endif %}\
-            {% endfor %}{% if add_generation_prompt %}\n{% endif %}";
-        let cfg = serde_json::json!({"bos_token": {"content": "<s>"}, "eos_token": "</s>"});
-        let out = render_template(template, &cfg, "  hi there ").unwrap();
-        assert_eq!(out, "<s>[INST] hi there [/INST]");
-    }
-
-    #[test]
-    fn template_errors_are_reported() {
-        let err = render_template("{{ raise_exception('no system role') }}", &Value::Null, "x").unwrap_err();
-        assert!(format!("{err:#}").contains("no system role"), "{err:#}");
-    }
-
-    #[test]
-    fn template_list_form_picks_default() {
-        let cfg = serde_json::json!({"chat_template": [
-            {"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]});
-        let dir = tempfile::tempdir().unwrap();
-        assert_eq!(find_chat_template(dir.path(), &cfg).unwrap(), "D");
-        let err = find_chat_template(dir.path(), &Value::Null).unwrap_err().to_string();
-        assert!(err.contains("no chat template"), "{err}");
-    }
 
     #[test]
     fn logits_file_round_trips() {

@@ -1,0 +1,769 @@
+//! The continuous-batching scheduler: one thread owns the model and runs steps; requests come
+//! in through a channel and their tokens go out through one channel each.
+
+use std::collections::VecDeque;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use pw_models::{Sampler, SamplingConfig};
+use tokenizers::Tokenizer;
+use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
+
+use crate::{
+    BoundaryHook, BoundaryState, DecodeSlot, IncrementalDetokenizer, KvLayout, Metrics, PrefillSlot,
+    ServeError, StepModel, StopText,
+};
+
+/// Scheduler limits.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineConfig {
+    /// KV bytes the running sequences may reserve together (prompt + max tokens each).
+    pub kv_budget_bytes: u64,
+    /// Most sequences running at once.
+    pub max_batch: usize,
+    /// Longest sequence (prompt + generated tokens).
+    pub max_context: usize,
+    /// Prompt tokens prefilled per step at most (one prompt is always allowed), so running
+    /// sequences keep decoding while long prompts arrive.
+    pub max_prefill_tokens: usize,
+    /// Tokens that end a sequence unless the request sets `ignore_eos`.
+    pub eos_token_ids: Vec<u32>,
+}
+
+/// Per-request sampling and stopping.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// Softmax temperature; 0 is greedy.
+    pub temperature: f32,
+    /// Keep the `top_k` most likely tokens (0 = all).
+    pub top_k: usize,
+    /// Nucleus threshold (1 = off).
+    pub top_p: f32,
+    /// Sampler seed; `None` picks one.
+    pub seed: Option<u64>,
+    /// Most tokens to generate (≥ 1).
+    pub max_tokens: usize,
+    /// Generation ends before the first occurrence of any of these in the text.
+    pub stop: Vec<String>,
+    /// Generation ends after any of these tokens.
+    pub stop_token_ids: Vec<u32>,
+    /// Do not stop at the model's end-of-sequence tokens.
+    pub ignore_eos: bool,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: None,
+            max_tokens: 16,
+            stop: Vec::new(),
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+        }
+    }
+}
+
+/// A tokenized prompt and how to continue it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerateRequest {
+    /// Prompt token ids.
+    pub prompt: Vec<u32>,
+    /// Sampling and stopping.
+    pub params: SamplingParams,
+}
+
+/// Why a sequence ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-sequence token, a stop token or a stop string.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+}
+
+impl FinishReason {
+    /// The OpenAI spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Stop => "stop",
+            Self::Length => "length",
+        }
+    }
+}
+
+/// Token counts of a request.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Generated tokens (a final stop token included).
+    pub completion_tokens: usize,
+}
+
+/// What a request's stream yields.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// A generated token and the text it completes (often empty: a partial character, or text
+    /// held back because it may begin a stop string).
+    Token {
+        /// The token id.
+        id: u32,
+        /// New text.
+        text: String,
+    },
+    /// The end: text still held back, and why it ended.
+    Done {
+        /// Last text.
+        text: String,
+        /// Why.
+        reason: FinishReason,
+        /// Token counts.
+        usage: Usage,
+    },
+    /// The model failed; the sequence is gone.
+    Failed(String),
+}
+
+/// A finished request, collected.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Completion {
+    /// The generated text.
+    pub text: String,
+    /// The generated token ids.
+    pub tokens: Vec<u32>,
+    /// Why it ended.
+    pub reason: FinishReason,
+    /// Token counts.
+    pub usage: Usage,
+}
+
+/// Receives one request's events; dropping it cancels the request (its sequence and KV are
+/// freed at the next step).
+#[derive(Debug)]
+pub struct RequestStream {
+    id: u64,
+    rx: UnboundedReceiver<Event>,
+}
+
+impl RequestStream {
+    /// The engine's id of this request.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// The next event; `None` once the stream is over (after `Done`/`Failed`, or if the engine
+    /// stopped).
+    pub async fn next(&mut self) -> Option<Event> {
+        self.rx.recv().await
+    }
+
+    /// [`RequestStream::next`] for synchronous callers (not inside an async runtime).
+    pub fn blocking_next(&mut self) -> Option<Event> {
+        self.rx.blocking_recv()
+    }
+
+    fn fold(c: &mut Completion, ev: Event) -> Result<bool, ServeError> {
+        match ev {
+            Event::Token { id, text } => {
+                c.tokens.push(id);
+                c.text.push_str(&text);
+                Ok(false)
+            }
+            Event::Done { text, reason, usage } => {
+                c.text.push_str(&text);
+                c.reason = reason;
+                c.usage = usage;
+                Ok(true)
+            }
+            Event::Failed(msg) => Err(ServeError::Step(msg)),
+        }
+    }
+
+    /// Waits for the whole completion.
+    pub async fn collect(mut self) -> Result<Completion, ServeError> {
+        let mut c = Completion {
+            text: String::new(),
+            tokens: Vec::new(),
+            reason: FinishReason::Length,
+            usage: Usage::default(),
+        };
+        while let Some(ev) = self.next().await {
+            if Self::fold(&mut c, ev)? {
+                return Ok(c);
+            }
+        }
+        Err(ServeError::EngineStopped)
+    }
+
+    /// [`RequestStream::collect`] for synchronous callers.
+    pub fn collect_blocking(mut self) -> Result<Completion, ServeError> {
+        let mut c = Completion {
+            text: String::new(),
+            tokens: Vec::new(),
+            reason: FinishReason::Length,
+            usage: Usage::default(),
+        };
+        while let Some(ev) = self.blocking_next() {
+            if Self::fold(&mut c, ev)? {
+                return Ok(c);
+            }
+        }
+        Err(ServeError::EngineStopped)
+    }
+}
+
+/// What every handle needs to check requests without asking the engine thread.
+#[derive(Debug)]
+struct Limits {
+    vocab_size: usize,
+    kv: KvLayout,
+    config: EngineConfig,
+    weight_bytes: u64,
+}
+
+enum Msg {
+    Submit(Pending),
+    Shutdown,
+}
+
+/// Submits requests to a running [`Engine`]; cheap to clone.
+#[derive(Debug, Clone)]
+pub struct EngineHandle {
+    tx: mpsc::Sender<Msg>,
+    metrics: Arc<Metrics>,
+    limits: Arc<Limits>,
+    next_id: Arc<AtomicU64>,
+}
+
+impl std::fmt::Debug for Msg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Msg::Submit(p) => write!(f, "Submit({})", p.id),
+            Msg::Shutdown => write!(f, "Shutdown"),
+        }
+    }
+}
+
+impl EngineHandle {
+    /// Checks `req` and queues it. Errors are the client's ([`ServeError::InvalidRequest`]) or
+    /// [`ServeError::EngineStopped`].
+    pub fn submit(&self, req: GenerateRequest) -> Result<RequestStream, ServeError> {
+        let l = &self.limits;
+        let p = &req.params;
+        if req.prompt.is_empty() {
+            return Err(ServeError::invalid("prompt", "the prompt has no tokens"));
+        }
+        if let Some(bad) = req.prompt.iter().find(|&&t| t as usize >= l.vocab_size) {
+            return Err(ServeError::invalid(
+                "prompt",
+                format!("token id {bad} is outside the vocabulary of {}", l.vocab_size),
+            ));
+        }
+        if p.max_tokens == 0 {
+            return Err(ServeError::invalid("max_tokens", "max_tokens must be at least 1"));
+        }
+        if req.prompt.len() + p.max_tokens > l.config.max_context {
+            return Err(ServeError::invalid(
+                "max_tokens",
+                format!(
+                    "the prompt ({} tokens) plus max_tokens ({}) exceeds the context length of {} tokens",
+                    req.prompt.len(),
+                    p.max_tokens,
+                    l.config.max_context
+                ),
+            ));
+        }
+        if !(p.temperature.is_finite() && p.temperature >= 0.0) {
+            return Err(ServeError::invalid("temperature", "temperature must be a finite number ≥ 0"));
+        }
+        if !(p.top_p > 0.0 && p.top_p <= 1.0) {
+            return Err(ServeError::invalid("top_p", "top_p must be in (0, 1]"));
+        }
+        if let Some(bad) = p.stop_token_ids.iter().find(|&&t| t as usize >= l.vocab_size) {
+            return Err(ServeError::invalid(
+                "stop_token_ids",
+                format!("token id {bad} is outside the vocabulary of {}", l.vocab_size),
+            ));
+        }
+        let projected = l.kv.bytes_for(req.prompt.len() + p.max_tokens);
+        if projected > l.config.kv_budget_bytes {
+            return Err(ServeError::invalid(
+                "max_tokens",
+                format!(
+                    "the request needs {projected} KV bytes (prompt {} + max_tokens {} tokens), more than the \
+                     whole KV budget of {} bytes; lower max_tokens or shorten the prompt",
+                    req.prompt.len(),
+                    p.max_tokens,
+                    l.config.kv_budget_bytes
+                ),
+            ));
+        }
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = unbounded_channel();
+        let pending = Pending { id, req, projected, tx, submitted: Instant::now() };
+        self.tx.send(Msg::Submit(pending)).map_err(|_| ServeError::EngineStopped)?;
+        self.metrics.update(|m| {
+            m.requests_total += 1;
+            m.queue_length += 1;
+        });
+        Ok(RequestStream { id, rx })
+    }
+
+    /// The engine's metrics.
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
+    /// The scheduler limits.
+    pub fn config(&self) -> &EngineConfig {
+        &self.limits.config
+    }
+
+    /// The model's KV layout.
+    pub fn kv_layout(&self) -> &KvLayout {
+        &self.limits.kv
+    }
+
+    /// The model's vocabulary size.
+    pub fn vocab_size(&self) -> usize {
+        self.limits.vocab_size
+    }
+
+    /// Bytes of the model's weights.
+    pub fn weight_bytes(&self) -> u64 {
+        self.limits.weight_bytes
+    }
+}
+
+/// The scheduler thread and a handle to it.
+pub struct Engine {
+    handle: EngineHandle,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Engine {
+    /// Starts the scheduler thread, which owns `model` and calls `hook` between steps.
+    pub fn start(
+        model: Box<dyn StepModel>,
+        tokenizer: Arc<Tokenizer>,
+        config: EngineConfig,
+        hook: Box<dyn BoundaryHook>,
+    ) -> Result<Self, ServeError> {
+        if config.max_batch == 0 {
+            return Err(ServeError::invalid("max_batch", "max_batch must be at least 1"));
+        }
+        if config.max_context == 0 {
+            return Err(ServeError::invalid("max_context", "max_context must be at least 1"));
+        }
+        let limits = Arc::new(Limits {
+            vocab_size: model.vocab_size(),
+            kv: model.kv_layout().clone(),
+            config: config.clone(),
+            weight_bytes: model.weight_bytes(),
+        });
+        let metrics = Arc::new(Metrics::default());
+        metrics.update(|m| {
+            m.kv_budget_bytes = config.kv_budget_bytes;
+            m.weight_bytes = limits.weight_bytes;
+        });
+        let (tx, rx) = mpsc::channel();
+        let mut worker = Worker {
+            model,
+            tokenizer,
+            config,
+            hook,
+            metrics: metrics.clone(),
+            rx,
+            waiting: VecDeque::new(),
+            active: Vec::new(),
+            reserved: 0,
+            step: 0,
+            seed_base: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64),
+        };
+        let thread = std::thread::Builder::new()
+            .name("pw-engine".into())
+            .spawn(move || worker.run())
+            .map_err(|e| ServeError::Model(format!("cannot start the engine thread: {e}")))?;
+        Ok(Self {
+            handle: EngineHandle { tx, metrics, limits, next_id: Arc::new(AtomicU64::new(1)) },
+            thread: Some(thread),
+        })
+    }
+
+    /// A handle for submitting requests.
+    pub fn handle(&self) -> EngineHandle {
+        self.handle.clone()
+    }
+
+    /// Stops the thread (running requests end without a `Done` event) and waits for it.
+    pub fn shutdown(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        let _ = self.handle.tx.send(Msg::Shutdown);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+struct Pending {
+    id: u64,
+    req: GenerateRequest,
+    projected: u64,
+    tx: UnboundedSender<Event>,
+    submitted: Instant,
+}
+
+struct Active {
+    id: u64,
+    prompt_len: usize,
+    params: SamplingParams,
+    sampler: Sampler,
+    generated: usize,
+    last: u32,
+    detok: IncrementalDetokenizer,
+    stop: StopText,
+    tx: UnboundedSender<Event>,
+    reserved: u64,
+    submitted: Instant,
+    last_token_at: Option<Instant>,
+}
+
+/// The state owned by the engine thread.
+struct Worker {
+    model: Box<dyn StepModel>,
+    tokenizer: Arc<Tokenizer>,
+    config: EngineConfig,
+    hook: Box<dyn BoundaryHook>,
+    metrics: Arc<Metrics>,
+    rx: mpsc::Receiver<Msg>,
+    waiting: VecDeque<Pending>,
+    active: Vec<Active>,
+    reserved: u64,
+    step: u64,
+    seed_base: u64,
+}
+
+/// What happened to a sequence after its new token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum After {
+    Running,
+    Finished,
+    Cancelled,
+    Failed,
+}
+
+/// Runs `f`, turning a panic inside the model into a step error so the engine keeps serving.
+fn guarded<T>(f: impl FnOnce() -> Result<T, crate::StepError>) -> Result<T, String> {
+    match std::panic::catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(e.0),
+        Err(panic) => Err(panic
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "the model panicked".into())),
+    }
+}
+
+/// Hands a sequence its new token: detokenizes, applies the stop rules and sends the events.
+fn deliver(a: &mut Active, tok: u32, tokenizer: &Tokenizer, eos: &[u32], metrics: &Metrics) -> After {
+    let now = Instant::now();
+    let gap = now.duration_since(a.last_token_at.unwrap_or(a.submitted)).as_secs_f64();
+    let first = a.last_token_at.is_none();
+    metrics.update(|m| {
+        if first {
+            m.time_to_first_token_seconds_sum += gap;
+            m.time_to_first_token_count += 1;
+        } else {
+            m.time_per_output_token_seconds_sum += gap;
+            m.time_per_output_token_count += 1;
+        }
+    });
+    a.last_token_at = Some(now);
+    a.generated += 1;
+    a.last = tok;
+    let piece = match a.detok.push(tokenizer, tok) {
+        Ok(p) => p,
+        Err(e) => {
+            let _ = a.tx.send(Event::Failed(e.to_string()));
+            return After::Failed;
+        }
+    };
+    let usage = Usage { prompt_tokens: a.prompt_len, completion_tokens: a.generated };
+    let out = a.stop.push(&piece);
+    if out.stopped {
+        let _ = a.tx.send(Event::Token { id: tok, text: out.emit });
+        let sent = a.tx.send(Event::Done { text: String::new(), reason: FinishReason::Stop, usage });
+        return if sent.is_ok() { After::Finished } else { After::Cancelled };
+    }
+    let stop_token = (!a.params.ignore_eos && eos.contains(&tok)) || a.params.stop_token_ids.contains(&tok);
+    let reason = if stop_token {
+        Some(FinishReason::Stop)
+    } else if a.generated >= a.params.max_tokens {
+        Some(FinishReason::Length)
+    } else {
+        None
+    };
+    if a.tx.send(Event::Token { id: tok, text: out.emit }).is_err() {
+        return After::Cancelled;
+    }
+    let Some(reason) = reason else { return After::Running };
+    // The end: release what the detokenizer and the stop matcher held back.
+    let tail = a.detok.flush(tokenizer).unwrap_or_default();
+    let o = a.stop.push(&tail);
+    let (text, reason) =
+        if o.stopped { (o.emit, FinishReason::Stop) } else { (o.emit + &a.stop.finish(), reason) };
+    match a.tx.send(Event::Done { text, reason, usage }) {
+        Ok(()) => After::Finished,
+        Err(_) => After::Cancelled,
+    }
+}
+
+impl Worker {
+    fn run(&mut self) {
+        loop {
+            if self.active.is_empty() && self.waiting.is_empty() {
+                // Idle: block until work arrives (or every handle is gone).
+                match self.rx.recv() {
+                    Ok(Msg::Submit(p)) => self.waiting.push_back(p),
+                    Ok(Msg::Shutdown) | Err(_) => return,
+                }
+            }
+            loop {
+                match self.rx.try_recv() {
+                    Ok(Msg::Submit(p)) => self.waiting.push_back(p),
+                    Ok(Msg::Shutdown) => return,
+                    Err(mpsc::TryRecvError::Empty) => break,
+                    Err(mpsc::TryRecvError::Disconnected) => {
+                        if self.active.is_empty() && self.waiting.is_empty() {
+                            return;
+                        }
+                        break;
+                    }
+                }
+            }
+            self.drop_cancelled();
+            let admitted = self.admit();
+            let tokens = self.step(admitted);
+            self.boundary(tokens);
+        }
+    }
+
+    /// Frees requests whose receiver is gone: queued ones leave the queue, running ones free
+    /// their KV now.
+    fn drop_cancelled(&mut self) {
+        let before = self.waiting.len();
+        self.waiting.retain(|p| !p.tx.is_closed());
+        let mut cancelled = (before - self.waiting.len()) as u64;
+        let mut i = 0;
+        while i < self.active.len() {
+            if self.active[i].tx.is_closed() {
+                let a = self.active.swap_remove(i);
+                self.release(&a);
+                cancelled += 1;
+            } else {
+                i += 1;
+            }
+        }
+        if cancelled > 0 {
+            self.metrics.update(|m| m.requests_cancelled_total += cancelled);
+        }
+    }
+
+    fn release(&mut self, a: &Active) {
+        self.model.release(a.id);
+        self.reserved -= a.reserved;
+    }
+
+    /// Moves queued requests to the running set, first come first served, while the batch,
+    /// the KV budget and the per-step prefill allowance permit. Returns them with their prompts.
+    fn admit(&mut self) -> Vec<(Active, Vec<u32>)> {
+        let mut admitted: Vec<(Active, Vec<u32>)> = Vec::new();
+        let mut prefill_tokens = 0;
+        while let Some(p) = self.waiting.front() {
+            let len = p.req.prompt.len();
+            if self.active.len() + admitted.len() >= self.config.max_batch
+                || self.reserved + p.projected > self.config.kv_budget_bytes
+                || (!admitted.is_empty() && prefill_tokens + len > self.config.max_prefill_tokens)
+            {
+                break;
+            }
+            let Some(p) = self.waiting.pop_front() else { break };
+            prefill_tokens += len;
+            self.reserved += p.projected;
+            let params = p.req.params;
+            // Unseeded requests still get distinct, fixed streams.
+            let seed = params.seed.unwrap_or(self.seed_base ^ p.id.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+            let sampler = Sampler::new(SamplingConfig {
+                temperature: params.temperature,
+                top_k: params.top_k,
+                top_p: params.top_p,
+                seed,
+                max_tokens: params.max_tokens,
+                stop_tokens: Vec::new(),
+            });
+            let active = Active {
+                id: p.id,
+                prompt_len: len,
+                stop: StopText::new(&params.stop),
+                params,
+                sampler,
+                generated: 0,
+                last: 0,
+                detok: IncrementalDetokenizer::new(&p.req.prompt),
+                tx: p.tx,
+                reserved: p.projected,
+                submitted: p.submitted,
+                last_token_at: None,
+            };
+            admitted.push((active, p.req.prompt));
+        }
+        if !admitted.is_empty() {
+            let n: u64 = admitted.iter().map(|(a, _)| a.prompt_len as u64).sum();
+            self.metrics.update(|m| m.prompt_tokens_total += n);
+        }
+        admitted
+    }
+
+    /// One step: a decode of every running sequence and the prefill of the newly admitted ones.
+    /// Returns the number of tokens generated.
+    fn step(&mut self, mut admitted: Vec<(Active, Vec<u32>)>) -> usize {
+        let eos = std::mem::take(&mut self.config.eos_token_ids);
+        let mut tokens = 0;
+        let mut ended: Vec<(Active, After)> = Vec::new();
+
+        if !self.active.is_empty() {
+            let model = &mut self.model;
+            let result = {
+                let mut slots: Vec<DecodeSlot<'_>> = self
+                    .active
+                    .iter_mut()
+                    .map(|a| DecodeSlot { seq: a.id, last: a.last, sampler: &mut a.sampler })
+                    .collect();
+                guarded(|| model.decode(&mut slots))
+            };
+            let result = result.and_then(|t| {
+                if t.len() == self.active.len() {
+                    Ok(t)
+                } else {
+                    Err(format!("decode returned {} tokens for {} sequences", t.len(), self.active.len()))
+                }
+            });
+            match result {
+                Ok(new) => {
+                    tokens += new.len();
+                    let running = std::mem::take(&mut self.active);
+                    for (mut a, t) in running.into_iter().zip(new) {
+                        match deliver(&mut a, t, &self.tokenizer, &eos, &self.metrics) {
+                            After::Running => self.active.push(a),
+                            after => ended.push((a, after)),
+                        }
+                    }
+                }
+                Err(msg) => {
+                    for a in std::mem::take(&mut self.active) {
+                        let _ = a.tx.send(Event::Failed(msg.clone()));
+                        ended.push((a, After::Failed));
+                    }
+                }
+            }
+        }
+
+        if !admitted.is_empty() {
+            let model = &mut self.model;
+            let result = {
+                let mut slots: Vec<PrefillSlot<'_>> = admitted
+                    .iter_mut()
+                    .map(|(a, p)| PrefillSlot { seq: a.id, prompt: p, sampler: &mut a.sampler })
+                    .collect();
+                guarded(|| model.prefill(&mut slots))
+            };
+            let n = admitted.len();
+            let result = result.and_then(|t| {
+                if t.len() == n {
+                    Ok(t)
+                } else {
+                    Err(format!("prefill returned {} tokens for {n} sequences", t.len()))
+                }
+            });
+            match result {
+                Ok(new) => {
+                    tokens += new.len();
+                    for ((mut a, _), t) in admitted.into_iter().zip(new) {
+                        match deliver(&mut a, t, &self.tokenizer, &eos, &self.metrics) {
+                            After::Running => self.active.push(a),
+                            after => ended.push((a, after)),
+                        }
+                    }
+                }
+                Err(msg) => {
+                    for (a, _) in admitted {
+                        let _ = a.tx.send(Event::Failed(msg.clone()));
+                        ended.push((a, After::Failed));
+                    }
+                }
+            }
+        }
+
+        let (mut finished, mut cancelled, mut failed) = (0, 0, 0);
+        for (a, after) in &ended {
+            self.release(a);
+            match after {
+                After::Finished => finished += 1,
+                After::Cancelled => cancelled += 1,
+                After::Failed => failed += 1,
+                After::Running => {}
+            }
+        }
+        if !ended.is_empty() {
+            self.metrics.update(|m| {
+                m.requests_finished_total += finished;
+                m.requests_cancelled_total += cancelled;
+                m.requests_failed_total += failed;
+            });
+        }
+        self.config.eos_token_ids = eos;
+        tokens
+    }
+
+    /// The step boundary: publish the state, then let the hook act on it.
+    fn boundary(&mut self, tokens: usize) {
+        self.step += 1;
+        let state = BoundaryState {
+            step: self.step,
+            active: self.active.len(),
+            waiting: self.waiting.len(),
+            step_tokens: tokens,
+            kv_bytes_used: self.model.kv_bytes_held(),
+            kv_bytes_reserved: self.reserved,
+            kv_budget_bytes: self.config.kv_budget_bytes,
+            weight_bytes: self.model.weight_bytes(),
+        };
+        self.metrics.record_tokens(tokens as u64);
+        self.metrics.update(|m| {
+            m.steps_total = state.step;
+            m.queue_length = state.waiting as u64;
+            m.active_sequences = state.active as u64;
+            m.kv_bytes_used = state.kv_bytes_used;
+            m.kv_bytes_reserved = state.kv_bytes_reserved;
+            m.weight_bytes = state.weight_bytes;
+        });
+        self.hook.on_boundary(&state);
+    }
+}

@@ -1,0 +1,73 @@
+//! The call the engine makes between steps: where the planner computes the memory target and
+//! commits page moves (no model call is in flight then).
+
+use std::sync::{Arc, Mutex};
+
+/// The engine's state at a step boundary.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BoundaryState {
+    /// Steps completed so far.
+    pub step: u64,
+    /// Sequences running.
+    pub active: usize,
+    /// Requests waiting for admission.
+    pub waiting: usize,
+    /// Tokens generated in the step just finished.
+    pub step_tokens: usize,
+    /// KV bytes the live sequences hold now.
+    pub kv_bytes_used: u64,
+    /// KV bytes reserved by admission (each running sequence's prompt + max tokens).
+    pub kv_bytes_reserved: u64,
+    /// The KV budget.
+    pub kv_budget_bytes: u64,
+    /// Bytes of the model's weights.
+    pub weight_bytes: u64,
+}
+
+/// Called by the engine between steps.
+pub trait BoundaryHook: Send {
+    /// One step has finished and the next has not started.
+    fn on_boundary(&mut self, state: &BoundaryState);
+}
+
+/// What a [`UsageRecorder`] has seen.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct UsageRecord {
+    /// Boundaries seen.
+    pub boundaries: u64,
+    /// The latest state.
+    pub last: BoundaryState,
+    /// Highest KV bytes held.
+    pub peak_kv_bytes_used: u64,
+    /// Highest KV bytes reserved.
+    pub peak_kv_bytes_reserved: u64,
+    /// Most sequences running at once.
+    pub peak_active: usize,
+    /// Longest queue.
+    pub peak_waiting: usize,
+}
+
+/// The default hook: changes nothing, records KV usage (clone it to read the record).
+#[derive(Debug, Clone, Default)]
+pub struct UsageRecorder {
+    record: Arc<Mutex<UsageRecord>>,
+}
+
+impl UsageRecorder {
+    /// A copy of the record so far.
+    pub fn record(&self) -> UsageRecord {
+        self.record.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
+
+impl BoundaryHook for UsageRecorder {
+    fn on_boundary(&mut self, s: &BoundaryState) {
+        let mut r = self.record.lock().unwrap_or_else(|p| p.into_inner());
+        r.boundaries += 1;
+        r.peak_kv_bytes_used = r.peak_kv_bytes_used.max(s.kv_bytes_used);
+        r.peak_kv_bytes_reserved = r.peak_kv_bytes_reserved.max(s.kv_bytes_reserved);
+        r.peak_active = r.peak_active.max(s.active);
+        r.peak_waiting = r.peak_waiting.max(s.waiting);
+        r.last = s.clone();
+    }
+}

@@ -1,0 +1,162 @@
+//! The model work of one engine step, behind a trait so a batched fast path can replace the
+//! Burn reference path without touching the scheduler.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use burn::module::Module;
+use burn::tensor::backend::Backend;
+use pw_models::generate::{ids_tensor, last_logits};
+use pw_models::{AnyModel, CausalLm, ModelCache, Sampler};
+
+use crate::{KvLayout, ServeError};
+
+/// Identifies one sequence inside a [`StepModel`] (its KV cache / block table).
+pub type SeqId = u64;
+
+/// A new sequence to prefill.
+pub struct PrefillSlot<'a> {
+    /// The sequence (not yet known to the model).
+    pub seq: SeqId,
+    /// Its prompt, non-empty.
+    pub prompt: &'a [u32],
+    /// Picks the first generated token.
+    pub sampler: &'a mut Sampler,
+}
+
+/// A running sequence to extend by one token.
+pub struct DecodeSlot<'a> {
+    /// The sequence.
+    pub seq: SeqId,
+    /// The last token it produced, not yet in its cache.
+    pub last: u32,
+    /// Picks the next token.
+    pub sampler: &'a mut Sampler,
+}
+
+/// The model failed during a step (the engine ends the step's sequences with an error).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct StepError(pub String);
+
+/// The per-step model work the engine schedules.
+///
+/// The model owns the KV state of every sequence it has prefilled until [`release`]d; the
+/// engine guarantees no call is in flight while its [`crate::BoundaryHook`] runs, so an
+/// implementation may commit weight-page moves then.
+///
+/// [`release`]: StepModel::release
+pub trait StepModel: Send {
+    /// Vocabulary size (token ids are below it).
+    fn vocab_size(&self) -> usize;
+
+    /// KV bytes per token and layer, for admission control.
+    fn kv_layout(&self) -> &KvLayout;
+
+    /// Bytes of the model's weights resident on its device.
+    fn weight_bytes(&self) -> u64;
+
+    /// Runs the prompts of new sequences and samples each one's first token.
+    fn prefill(&mut self, batch: &mut [PrefillSlot<'_>]) -> Result<Vec<u32>, StepError>;
+
+    /// Extends every sequence of `batch` by its `last` token and samples the next one.
+    fn decode(&mut self, batch: &mut [DecodeSlot<'_>]) -> Result<Vec<u32>, StepError>;
+
+    /// Frees a sequence's KV state (unknown ids are ignored).
+    fn release(&mut self, seq: SeqId);
+
+    /// KV bytes all live sequences hold now.
+    fn kv_bytes_held(&self) -> u64;
+}
+
+/// [`StepModel`] over a Burn [`CausalLm`]: every sequence runs its own forward with its own
+/// [`ModelCache`] (the reference path; numerically identical to [`pw_models::generate`]).
+pub struct BurnStepModel<B: Backend, M> {
+    model: M,
+    device: B::Device,
+    caches: HashMap<SeqId, ModelCache<B>>,
+    kv: KvLayout,
+    weight_bytes: u64,
+}
+
+impl<B: Backend, M: CausalLm<B>> BurnStepModel<B, M> {
+    /// Wraps `model` on `device`; `kv` must describe its caches.
+    pub fn new(model: M, device: B::Device, kv: KvLayout, weight_bytes: u64) -> Self {
+        Self { model, device, caches: HashMap::new(), kv, weight_bytes }
+    }
+
+    fn run(&mut self, seq: SeqId, ids: &[u32], sampler: &mut Sampler) -> Result<u32, StepError> {
+        let cache = self.caches.entry(seq).or_insert_with(|| self.model.new_cache());
+        let logits = self.model.forward(ids_tensor::<B>(ids, &self.device), cache, None);
+        let row = last_logits(logits);
+        if row.iter().any(|x| x.is_nan()) {
+            return Err(StepError(format!("sequence {seq}: the model produced NaN logits")));
+        }
+        Ok(sampler.sample(&row))
+    }
+}
+
+impl<B: Backend> BurnStepModel<B, AnyModel<B>> {
+    /// Loads the Hugging Face model in `dir` onto `device`.
+    pub fn load(dir: &Path, device: &B::Device) -> Result<Self, ServeError> {
+        let config = pw_hf::ModelConfig::from_dir(dir).map_err(|e| ServeError::Model(e.to_string()))?;
+        let model = AnyModel::<B>::load(dir, device).map_err(|e| ServeError::Model(e.to_string()))?;
+        let params = match &model {
+            AnyModel::Mixtral(m) => m.num_params(),
+            AnyModel::Qwen2Moe(m) => m.num_params(),
+            AnyModel::Gemma4(m) => m.num_params(),
+        };
+        let elem = size_of::<B::FloatElem>() as u64;
+        Ok(Self::new(model, device.clone(), KvLayout::from_config(&config, elem), params as u64 * elem))
+    }
+}
+
+impl<B: Backend, M: CausalLm<B> + Send> StepModel for BurnStepModel<B, M>
+where
+    B::Device: Send,
+{
+    fn vocab_size(&self) -> usize {
+        self.model.vocab_size()
+    }
+
+    fn kv_layout(&self) -> &KvLayout {
+        &self.kv
+    }
+
+    fn weight_bytes(&self) -> u64 {
+        self.weight_bytes
+    }
+
+    fn prefill(&mut self, batch: &mut [PrefillSlot<'_>]) -> Result<Vec<u32>, StepError> {
+        batch.iter_mut().map(|s| self.run(s.seq, s.prompt, s.sampler)).collect()
+    }
+
+    fn decode(&mut self, batch: &mut [DecodeSlot<'_>]) -> Result<Vec<u32>, StepError> {
+        batch
+            .iter_mut()
+            .map(|s| {
+                if !self.caches.contains_key(&s.seq) {
+                    return Err(StepError(format!("decode of sequence {} before its prefill", s.seq)));
+                }
+                self.run(s.seq, &[s.last], s.sampler)
+            })
+            .collect()
+    }
+
+    fn release(&mut self, seq: SeqId) {
+        self.caches.remove(&seq);
+    }
+
+    fn kv_bytes_held(&self) -> u64 {
+        self.caches
+            .values()
+            .map(|c| {
+                c.layers
+                    .iter()
+                    .zip(&self.kv.layers)
+                    .map(|(l, k)| l.held() as u64 * k.bytes_per_token)
+                    .sum::<u64>()
+            })
+            .sum()
+    }
+}

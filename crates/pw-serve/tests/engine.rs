@@ -1,0 +1,223 @@
+//! The scheduler on the tiny Mixtral: batching keeps sequences apart, admission respects the
+//! KV budget, cancellation frees KV, sampling is reproducible.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use pw_serve::{Event, FinishReason, GenerateRequest, SamplingParams, ServeError};
+
+fn greedy(max_tokens: usize) -> SamplingParams {
+    SamplingParams { temperature: 0.0, max_tokens, ..Default::default() }
+}
+
+#[test]
+fn concurrent_greedy_requests_match_generate() {
+    let model = common::load_model();
+    let (engine, rec) = common::engine(common::config(u64::MAX, 8), None);
+    let h = engine.handle();
+    let prompts: Vec<Vec<u32>> =
+        [3, 9, 17, 30, 5].iter().enumerate().map(|(i, &n)| common::prompt(n, i as u32)).collect();
+    let lens = [12, 7, 20, 3, 15];
+    let streams: Vec<_> = prompts
+        .iter()
+        .zip(lens)
+        .map(|(p, n)| h.submit(GenerateRequest { prompt: p.clone(), params: greedy(n) }).unwrap())
+        .collect();
+    for ((s, p), n) in streams.into_iter().zip(&prompts).zip(lens) {
+        let c = s.collect_blocking().unwrap();
+        let want = common::reference(&model, p, n, true);
+        assert_eq!(c.tokens, want, "prompt of {} tokens", p.len());
+        let reason = if want.last() == Some(&2) { FinishReason::Stop } else { FinishReason::Length };
+        assert_eq!(c.reason, reason);
+        assert_eq!((c.usage.prompt_tokens, c.usage.completion_tokens), (p.len(), want.len()));
+    }
+    // The sequences really ran together.
+    assert!(rec.record().peak_active >= 3, "{:?}", rec.record());
+    let m = common::wait_metrics(&h, |m| m.requests_finished_total == 5 && m.active_sequences == 0);
+    assert_eq!(m.requests_total, 5);
+    assert_eq!((m.active_sequences, m.kv_bytes_used, m.kv_bytes_reserved), (0, 0, 0));
+    assert!(m.weight_bytes > 0);
+}
+
+#[test]
+fn a_small_kv_budget_queues_requests() {
+    let model = common::load_model();
+    let kv = common::kv_layout();
+    let (plen, max) = (10, 8);
+    // Room for one request's prompt + max_tokens, not two.
+    let budget = kv.bytes_for(plen + max) * 3 / 2;
+    let (engine, rec) = common::engine(common::config(budget, 8), None);
+    let h = engine.handle();
+    let prompts: Vec<Vec<u32>> = (0..4).map(|i| common::prompt(plen, 10 + i)).collect();
+    let params = SamplingParams { ignore_eos: true, ..greedy(max) };
+    let streams: Vec<_> = prompts
+        .iter()
+        .map(|p| h.submit(GenerateRequest { prompt: p.clone(), params: params.clone() }).unwrap())
+        .collect();
+    for (s, p) in streams.into_iter().zip(&prompts) {
+        let c = s.collect_blocking().unwrap();
+        assert_eq!(c.tokens, common::reference(&model, p, max, false));
+    }
+    let r = rec.record();
+    assert_eq!(r.peak_active, 1, "{r:?}");
+    assert!(r.peak_waiting >= 1, "{r:?}");
+    assert!(r.peak_kv_bytes_reserved <= budget && r.peak_kv_bytes_used <= budget, "{r:?}");
+    // The most KV one sequence holds at a boundary: the step that makes its last token also
+    // frees it, so the peak is after the one before (prompt + all but the last two tokens).
+    assert_eq!(r.peak_kv_bytes_used, kv.bytes_for(plen + max - 2));
+
+    // A request that could never fit is refused at once, naming the budget.
+    let e = h.submit(GenerateRequest { prompt: common::prompt(plen, 0), params: greedy(100) }).unwrap_err();
+    assert!(matches!(e, ServeError::InvalidRequest { param: Some("max_tokens"), .. }), "{e}");
+    assert!(e.to_string().contains(&budget.to_string()), "{e}");
+}
+
+#[test]
+fn dropping_the_stream_frees_the_sequence_and_its_kv() {
+    let (engine, _) = common::engine(common::config(u64::MAX, 4), Some(Duration::from_millis(10)));
+    let h = engine.handle();
+    let params = SamplingParams { ignore_eos: true, ..greedy(200) };
+    let mut s = h.submit(GenerateRequest { prompt: common::prompt(8, 1), params }).unwrap();
+    for _ in 0..3 {
+        assert!(matches!(s.blocking_next(), Some(Event::Token { .. })));
+    }
+    let m = h.metrics().snapshot();
+    assert_eq!(m.active_sequences, 1);
+    assert!(m.kv_bytes_used > 0 && m.kv_bytes_reserved > 0, "{m:?}");
+    drop(s);
+    let t0 = Instant::now();
+    loop {
+        let m = h.metrics().snapshot();
+        if m.requests_cancelled_total == 1 {
+            assert_eq!((m.active_sequences, m.kv_bytes_used, m.kv_bytes_reserved), (0, 0, 0), "{m:?}");
+            // Cancelled long before its 200 tokens (≥ 2 s at 10 ms per step).
+            assert!(m.generated_tokens_total < 100, "{m:?}");
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "not cancelled: {m:?}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn seeded_sampling_is_reproducible_and_stop_tokens_end_the_sequence() {
+    let (engine, _) = common::engine(common::config(u64::MAX, 4), None);
+    let h = engine.handle();
+    let run = |seed, stop_token_ids: Vec<u32>| {
+        let params = SamplingParams {
+            temperature: 1.0,
+            top_k: 40,
+            top_p: 0.95,
+            seed: Some(seed),
+            ignore_eos: true,
+            stop_token_ids,
+            ..greedy(24)
+        };
+        h.submit(GenerateRequest { prompt: common::prompt(6, 3), params })
+            .unwrap()
+            .collect_blocking()
+            .unwrap()
+    };
+    let (a, b, c) = (run(7, vec![]), run(7, vec![]), run(8, vec![]));
+    assert_eq!(a.tokens, b.tokens);
+    assert_eq!(a.text, b.text);
+    assert_ne!(a.tokens, c.tokens);
+    // Stopping at a token the seed-7 stream produces cuts it right after that token.
+    let at = a.tokens[5];
+    let cut = run(7, vec![at]);
+    let first = a.tokens.iter().position(|&t| t == at).unwrap();
+    assert_eq!(cut.tokens, a.tokens[..=first]);
+    assert_eq!(cut.reason, FinishReason::Stop);
+}
+
+#[test]
+fn bad_requests_are_refused_with_the_field() {
+    let (engine, _) = common::engine(common::config(u64::MAX, 4), None);
+    let h = engine.handle();
+    let cases: Vec<(Vec<u32>, SamplingParams, &str)> = vec![
+        (vec![], greedy(4), "prompt"),
+        (vec![3, 96], greedy(4), "prompt"),
+        (vec![3], greedy(0), "max_tokens"),
+        (common::prompt(250, 0), greedy(10), "max_tokens"),
+        (vec![3], SamplingParams { temperature: f32::NAN, ..greedy(4) }, "temperature"),
+        (vec![3], SamplingParams { top_p: 0.0, ..greedy(4) }, "top_p"),
+        (vec![3], SamplingParams { stop_token_ids: vec![1000], ..greedy(4) }, "stop_token_ids"),
+    ];
+    for (prompt, params, field) in cases {
+        match h.submit(GenerateRequest { prompt, params }) {
+            Err(ServeError::InvalidRequest { param: Some(p), .. }) => assert_eq!(p, field),
+            other => panic!("{field}: {other:?}"),
+        }
+    }
+    // Still serving.
+    let c = h
+        .submit(GenerateRequest { prompt: vec![3, 4], params: greedy(2) })
+        .unwrap()
+        .collect_blocking()
+        .unwrap();
+    assert!(!c.tokens.is_empty());
+}
+
+/// Fails every decode while `fail` is set.
+struct Flaky {
+    inner: Box<dyn pw_serve::StepModel>,
+    fail: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl pw_serve::StepModel for Flaky {
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+    fn kv_layout(&self) -> &pw_serve::KvLayout {
+        self.inner.kv_layout()
+    }
+    fn weight_bytes(&self) -> u64 {
+        self.inner.weight_bytes()
+    }
+    fn prefill(&mut self, batch: &mut [pw_serve::PrefillSlot<'_>]) -> Result<Vec<u32>, pw_serve::StepError> {
+        self.inner.prefill(batch)
+    }
+    fn decode(&mut self, batch: &mut [pw_serve::DecodeSlot<'_>]) -> Result<Vec<u32>, pw_serve::StepError> {
+        if self.fail.load(std::sync::atomic::Ordering::SeqCst) {
+            panic!("device lost");
+        }
+        self.inner.decode(batch)
+    }
+    fn release(&mut self, seq: pw_serve::SeqId) {
+        self.inner.release(seq)
+    }
+    fn kv_bytes_held(&self) -> u64 {
+        self.inner.kv_bytes_held()
+    }
+}
+
+#[test]
+fn a_failing_step_ends_its_sequences_and_the_engine_keeps_serving() {
+    let fail = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let inner = Box::new(
+        pw_serve::BurnStepModel::<common::B, _>::load(&common::fixture(), &Default::default()).unwrap(),
+    );
+    let engine = pw_serve::Engine::start(
+        Box::new(Flaky { inner, fail: fail.clone() }),
+        std::sync::Arc::new(common::tokenizer()),
+        common::config(u64::MAX, 4),
+        Box::new(pw_serve::UsageRecorder::default()),
+    )
+    .unwrap();
+    let h = engine.handle();
+    let params = SamplingParams { ignore_eos: true, ..greedy(5) };
+    let e = h
+        .submit(GenerateRequest { prompt: vec![3, 4, 5], params: params.clone() })
+        .unwrap()
+        .collect_blocking();
+    match e {
+        Err(ServeError::Step(msg)) => assert!(msg.contains("device lost"), "{msg}"),
+        other => panic!("{other:?}"),
+    }
+    let m = common::wait_metrics(&h, |m| m.requests_failed_total == 1 && m.steps_total >= 2);
+    assert_eq!((m.active_sequences, m.kv_bytes_used, m.kv_bytes_reserved), (0, 0, 0), "{m:?}");
+    fail.store(false, std::sync::atomic::Ordering::SeqCst);
+    let c = h.submit(GenerateRequest { prompt: vec![3, 4, 5], params }).unwrap().collect_blocking().unwrap();
+    assert_eq!(c.tokens, common::reference(&common::load_model(), &[3, 4, 5], 5, false));
+}

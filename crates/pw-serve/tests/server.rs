@@ -1,0 +1,392 @@
+//! The HTTP server on a loopback port, driven by a real HTTP client.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use pw_serve::server::{ServerState, serve};
+use pw_serve::{ChatMessage, ChatTemplate, Engine, EngineConfig, UsageRecorder};
+use serde_json::{Value, json};
+
+struct TestServer {
+    base: String,
+    http: reqwest::Client,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    rec: UsageRecorder,
+    _engine: Engine,
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+    }
+}
+
+const MODEL: &str = "tiny-mixtral";
+
+async fn start(cfg: EngineConfig, delay: Option<Duration>) -> TestServer {
+    let dir = common::model_dir();
+    let (engine, rec) = common::engine(cfg, delay);
+    let chat = ChatTemplate::from_dir(dir.path()).unwrap();
+    assert!(chat.is_some());
+    let state = Arc::new(ServerState::new(engine.handle(), Arc::new(common::tokenizer()), chat, MODEL));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(serve(listener, state, async {
+        let _ = rx.await;
+    }));
+    TestServer {
+        base: format!("http://{addr}"),
+        http: reqwest::Client::new(),
+        stop: Some(tx),
+        rec,
+        _engine: engine,
+    }
+}
+
+impl TestServer {
+    async fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+        let r = self.http.post(format!("{}{path}", self.base)).json(body).send().await.unwrap();
+        (r.status().as_u16(), r.json().await.unwrap())
+    }
+
+    async fn post_raw(&self, path: &str, body: &str) -> (u16, Value) {
+        let r = self
+            .http
+            .post(format!("{}{path}", self.base))
+            .header("content-type", "application/json")
+            .body(body.to_string())
+            .send()
+            .await
+            .unwrap();
+        (r.status().as_u16(), r.json().await.unwrap())
+    }
+
+    /// The `data:` payloads of a streamed answer.
+    async fn stream(&self, path: &str, body: &Value) -> Vec<String> {
+        let r = self.http.post(format!("{}{path}", self.base)).json(body).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        assert!(r.headers()["content-type"].to_str().unwrap().starts_with("text/event-stream"));
+        let text = r.text().await.unwrap();
+        text.lines().filter_map(|l| l.strip_prefix("data: ")).map(str::to_string).collect()
+    }
+
+    async fn metric(&self, name: &str) -> f64 {
+        let text =
+            self.http.get(format!("{}/metrics", self.base)).send().await.unwrap().text().await.unwrap();
+        text.lines()
+            .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')))
+            .unwrap_or_else(|| panic!("{name} missing:\n{text}"))
+            .parse()
+            .unwrap()
+    }
+}
+
+/// Concatenated text deltas of streamed chunks; checks the stream ends with [DONE] and returns
+/// the finish reason.
+fn deltas(events: &[String], chat: bool) -> (String, String) {
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{events:?}");
+    let mut text = String::new();
+    let mut reason = String::new();
+    for e in &events[..events.len() - 1] {
+        let v: Value = serde_json::from_str(e).unwrap();
+        let choice = &v["choices"][0];
+        let piece = if chat { &choice["delta"]["content"] } else { &choice["text"] };
+        text.push_str(piece.as_str().unwrap_or(""));
+        if let Some(r) = choice["finish_reason"].as_str() {
+            reason = r.to_string();
+        }
+    }
+    (text, reason)
+}
+
+fn cfg() -> EngineConfig {
+    common::config(u64::MAX, 8)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_models_and_metrics() {
+    let s = start(cfg(), None).await;
+    let h: Value = s.http.get(format!("{}/health", s.base)).send().await.unwrap().json().await.unwrap();
+    assert_eq!(h["status"], "ok");
+    let m: Value = s.http.get(format!("{}/v1/models", s.base)).send().await.unwrap().json().await.unwrap();
+    assert_eq!(m["object"], "list");
+    assert_eq!(m["data"][0]["id"], MODEL);
+    let r = s.http.get(format!("{}/metrics", s.base)).send().await.unwrap();
+    assert!(r.headers()["content-type"].to_str().unwrap().starts_with("text/plain"));
+    assert!(s.metric("pw_weight_bytes").await > 0.0);
+    assert_eq!(s.metric("pw_active_sequences").await, 0.0);
+    assert_eq!(s.metric("pw_kv_bytes_used").await, 0.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streamed_text_equals_the_whole_answer_and_generate() {
+    let s = start(cfg(), None).await;
+    let tok = common::tokenizer();
+    let model = common::load_model();
+    let prompt = "the cat is on the mat, and it";
+    let body =
+        json!({"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": true});
+    let (status, whole) = s.post("/v1/completions", &body).await;
+    assert_eq!(status, 200, "{whole}");
+    assert_eq!(whole["object"], "text_completion");
+    let text = whole["choices"][0]["text"].as_str().unwrap().to_string();
+    assert_eq!(whole["choices"][0]["finish_reason"], "length");
+    let ids = tok.encode(prompt, true).unwrap().get_ids().to_vec();
+    assert_eq!(whole["usage"]["prompt_tokens"], ids.len());
+    assert_eq!(whole["usage"]["completion_tokens"], 24);
+    assert_eq!(whole["usage"]["total_tokens"], ids.len() + 24);
+
+    // Same text as decoding pw_models::generate's tokens after the prompt.
+    let generated = common::reference(&model, &ids, 24, false);
+    let full = tok.decode(&[ids.clone(), generated].concat(), true).unwrap();
+    let before = tok.decode(&ids, true).unwrap();
+    assert_eq!(text, full[before.len()..]);
+
+    let mut sbody = body.clone();
+    sbody["stream"] = json!(true);
+    sbody["stream_options"] = json!({"include_usage": true});
+    let events = s.stream("/v1/completions", &sbody).await;
+    let usage: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+    assert_eq!(usage["usage"]["completion_tokens"], 24);
+    let (streamed, reason) = deltas(
+        &events[..events.len() - 2].iter().chain(["[DONE]".to_string()].iter()).cloned().collect::<Vec<_>>(),
+        false,
+    );
+    assert_eq!(streamed, text);
+    assert_eq!(reason, "length");
+
+    // Chat: the template's rendering, then the same greedy continuation.
+    let messages = json!([{"role": "system", "content": "be brief"}, {"role": "user", "content": "the cat"}]);
+    let body = json!({"model": MODEL, "messages": messages, "max_tokens": 16, "temperature": 0.0, "ignore_eos": true});
+    let (status, whole) = s.post("/v1/chat/completions", &body).await;
+    assert_eq!(status, 200, "{whole}");
+    assert_eq!(whole["object"], "chat.completion");
+    assert_eq!(whole["choices"][0]["message"]["role"], "assistant");
+    let chat_text = whole["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+    let rendered = ChatTemplate::new(common::CHAT_TEMPLATE, "<s>", "</s>")
+        .render(
+            &[
+                ChatMessage { role: "system".into(), content: "be brief".into() },
+                ChatMessage { role: "user".into(), content: "the cat".into() },
+            ],
+            true,
+        )
+        .unwrap();
+    let ids = tok.encode(rendered.as_str(), false).unwrap().get_ids().to_vec();
+    assert_eq!(ids[0], 1, "the template's BOS is the special token");
+    assert_eq!(whole["usage"]["prompt_tokens"], ids.len());
+    let generated = common::reference(&model, &ids, 16, false);
+    let full = tok.decode(&[ids.clone(), generated].concat(), true).unwrap();
+    assert_eq!(chat_text, full[tok.decode(&ids, true).unwrap().len()..]);
+    let mut sbody = body.clone();
+    sbody["stream"] = json!(true);
+    let events = s.stream("/v1/chat/completions", &sbody).await;
+    let first: Value = serde_json::from_str(&events[0]).unwrap();
+    assert_eq!(first["object"], "chat.completion.chunk");
+    assert_eq!(first["choices"][0]["delta"]["role"], "assistant");
+    let (streamed, reason) = deltas(&events, true);
+    assert_eq!(streamed, chat_text);
+    assert_eq!(reason, "length");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_strings_cut_the_text() {
+    let s = start(cfg(), None).await;
+    let body =
+        json!({"model": MODEL, "prompt": "the cat", "max_tokens": 40, "temperature": 0, "ignore_eos": true});
+    let (_, whole) = s.post("/v1/completions", &body).await;
+    let text = whole["choices"][0]["text"].as_str().unwrap().to_string();
+    let chars: Vec<char> = text.chars().collect();
+    assert!(chars.len() > 12, "{text:?}");
+    let stop: String = chars[8..10].iter().collect();
+    let want = &text[..text.find(&stop).unwrap()];
+    for stream in [false, true] {
+        let mut b = body.clone();
+        b["stop"] = json!(["zzzz-never", stop]);
+        b["stream"] = json!(stream);
+        let (got, reason) = if stream {
+            deltas(&s.stream("/v1/completions", &b).await, false)
+        } else {
+            let (status, v) = s.post("/v1/completions", &b).await;
+            assert_eq!(status, 200, "{v}");
+            (
+                v["choices"][0]["text"].as_str().unwrap().to_string(),
+                v["choices"][0]["finish_reason"].as_str().unwrap().to_string(),
+            )
+        };
+        assert_eq!(got, want, "stream {stream}, stop {stop:?} in {text:?}");
+        assert_eq!(reason, "stop");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seeds_reproduce_sampled_text() {
+    let s = start(cfg(), None).await;
+    let body = |seed: u64| {
+        json!({"model": MODEL, "prompt": "the cat", "max_tokens": 30, "temperature": 1.0, "top_p": 0.95, "top_k": 50,
+               "seed": seed, "ignore_eos": true})
+    };
+    let text = |v: Value| v["choices"][0]["text"].as_str().unwrap().to_string();
+    let a = text(s.post("/v1/completions", &body(3)).await.1);
+    let b = text(s.post("/v1/completions", &body(3)).await.1);
+    let c = text(s.post("/v1/completions", &body(4)).await.1);
+    assert_eq!(a, b);
+    assert_ne!(a, c);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_4xx_and_the_server_keeps_serving() {
+    let s = start(cfg(), None).await;
+    let long: String = std::iter::repeat_n("the ", 300).collect();
+    let cases: Vec<(&str, String, u16, &str)> = vec![
+        ("/v1/completions", "{not json".into(), 400, "not valid JSON"),
+        ("/v1/completions", json!({"prompt": "x"}).to_string(), 400, "model"),
+        ("/v1/completions", json!({"model": MODEL}).to_string(), 400, "prompt"),
+        (
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": "x", "max_tokens": "ten"}).to_string(),
+            400,
+            "max_tokens",
+        ),
+        (
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": "x", "max_tokens": 0}).to_string(),
+            400,
+            "max_tokens",
+        ),
+        (
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": "x", "max_tokens": 100000}).to_string(),
+            400,
+            "context",
+        ),
+        (
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": long, "max_tokens": 1}).to_string(),
+            400,
+            "context",
+        ),
+        ("/v1/completions", json!({"model": "gpt-4", "prompt": "x"}).to_string(), 404, "gpt-4"),
+        (
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": "x", "temperature": -1}).to_string(),
+            400,
+            "temperature",
+        ),
+        ("/v1/completions", json!({"model": MODEL, "prompt": "x", "top_p": 1.5}).to_string(), 400, "top_p"),
+        ("/v1/completions", json!({"model": MODEL, "prompt": "x", "n": 2}).to_string(), 400, "n = 1"),
+        ("/v1/completions", json!({"model": MODEL, "prompt": [1, 2, 999]}).to_string(), 400, "999"),
+        ("/v1/chat/completions", json!({"model": MODEL}).to_string(), 400, "messages"),
+        ("/v1/chat/completions", json!({"model": MODEL, "messages": []}).to_string(), 400, "empty"),
+        (
+            "/v1/chat/completions",
+            json!({"model": MODEL, "messages": [{"content": "x"}]}).to_string(),
+            400,
+            "role",
+        ),
+        ("/v1/nothing", "{}".into(), 404, "no route"),
+    ];
+    for (path, body, status, needle) in &cases {
+        let (got, v) = s.post_raw(path, body).await;
+        assert_eq!(got, *status, "{body}: {v}");
+        let msg = v["error"]["message"].as_str().unwrap_or_else(|| panic!("{body}: {v}"));
+        assert!(msg.contains(needle), "{body}: {msg}");
+        assert!(v["error"]["type"].is_string(), "{v}");
+    }
+    assert_eq!(s.metric("pw_http_bad_requests_total").await, cases.len() as f64);
+    let h = s.http.get(format!("{}/health", s.base)).send().await.unwrap();
+    assert_eq!(h.status(), 200);
+    let (status, v) =
+        s.post("/v1/completions", &json!({"model": MODEL, "prompt": "the", "max_tokens": 3})).await;
+    assert_eq!(status, 200, "{v}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_disconnect_cancels_the_stream_and_frees_its_kv() {
+    let s = start(cfg(), Some(Duration::from_millis(10))).await;
+    let body = json!({"model": MODEL, "prompt": "the cat", "max_tokens": 200, "temperature": 0,
+                      "ignore_eos": true, "stream": true});
+    let mut r = s.http.post(format!("{}/v1/completions", s.base)).json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let mut got = String::new();
+    while !got.contains("\"text\":\"") || got.matches("data: ").count() < 3 {
+        got.push_str(&String::from_utf8_lossy(&r.chunk().await.unwrap().unwrap()));
+    }
+    assert_eq!(s.metric("pw_active_sequences").await, 1.0);
+    assert!(s.metric("pw_kv_bytes_used").await > 0.0);
+    drop(r);
+    let t0 = Instant::now();
+    while s.metric("pw_requests_cancelled_total").await < 1.0 {
+        assert!(t0.elapsed() < Duration::from_secs(10), "the disconnect did not cancel the request");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(s.metric("pw_active_sequences").await, 0.0);
+    assert_eq!(s.metric("pw_kv_bytes_used").await, 0.0);
+    assert_eq!(s.metric("pw_kv_bytes_reserved").await, 0.0);
+    assert_eq!(s.metric("pw_requests_finished_total").await, 0.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_requests_under_a_small_kv_budget_all_complete() {
+    let kv = common::kv_layout();
+    let tok = common::tokenizer();
+    let prompts =
+        ["the cat", "it is on the mat and the", "a", "what is the time? it is", "on", "the end and"];
+    let longest = prompts.iter().map(|p| tok.encode(*p, true).unwrap().len()).max().unwrap();
+    // Room for two of the longest requests at a time; slowed down so they overlap.
+    let budget = kv.bytes_for(longest + 12) * 2;
+    let s = Arc::new(start(common::config(budget, 8), Some(Duration::from_millis(5))).await);
+    let mut tasks = Vec::new();
+    for (i, p) in prompts.iter().enumerate() {
+        let s = s.clone();
+        let p = p.to_string();
+        tasks.push(tokio::spawn(async move {
+            let body =
+                json!({"model": MODEL, "prompt": p, "max_tokens": 12, "temperature": 0, "ignore_eos": true});
+            let (status, whole) = s.post("/v1/completions", &body).await;
+            assert_eq!(status, 200, "{whole}");
+            let text = whole["choices"][0]["text"].as_str().unwrap().to_string();
+            if i % 2 == 0 {
+                let mut b = body.clone();
+                b["stream"] = json!(true);
+                let (streamed, _) = deltas(&s.stream("/v1/completions", &b).await, false);
+                assert_eq!(streamed, text, "prompt {p:?}");
+            }
+            text
+        }));
+    }
+    let mut texts = Vec::new();
+    for t in tasks {
+        texts.push(t.await.unwrap());
+    }
+    // Each answer equals the same request run alone.
+    for (p, text) in prompts.iter().zip(&texts) {
+        let body =
+            json!({"model": MODEL, "prompt": p, "max_tokens": 12, "temperature": 0, "ignore_eos": true});
+        let (_, alone) = s.post("/v1/completions", &body).await;
+        assert_eq!(alone["choices"][0]["text"].as_str().unwrap(), text);
+    }
+    // The engine updates its metrics just after sending a request's last event.
+    let t0 = Instant::now();
+    while s.metric("pw_requests_finished_total").await < (prompts.len() * 2 + 3) as f64 {
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    while s.metric("pw_active_sequences").await > 0.0 {
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(s.metric("pw_kv_bytes_reserved").await, 0.0);
+    assert!(s.metric("pw_time_per_output_token_seconds_count").await >= (prompts.len() * 2 * 11) as f64);
+    assert!(s.metric("pw_time_per_output_token_mean_seconds").await > 0.0);
+    assert!(s.metric("pw_tokens_per_second").await > 0.0);
+    assert_eq!(s.metric("pw_generated_tokens_total").await, ((prompts.len() * 2 + 3) * 12) as f64);
+    let r = s.rec.record();
+    assert!(r.peak_waiting >= 1 && r.peak_active >= 2, "{r:?}");
+    assert!(r.peak_kv_bytes_reserved <= budget, "{r:?}");
+}

@@ -1,0 +1,96 @@
+//! `pagedweight serve` end to end on the tiny Mixtral fixture.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+fn fixture_with_tokenizer() -> tempfile::TempDir {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/pw-models/tests/fixtures/mixtral");
+    let tmp = tempfile::tempdir().unwrap();
+    for e in std::fs::read_dir(&src).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, tmp.path().join(p.file_name().unwrap())).unwrap();
+    }
+    // A word-level tokenizer whose word `wN` is token N.
+    let words: serde_json::Map<String, serde_json::Value> =
+        (0..96).map(|i| (format!("w{i}"), serde_json::Value::from(i))).collect();
+    let tok = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": null,
+        "decoder": null, "model": {"type": "WordLevel", "vocab": words, "unk_token": "w0"}
+    });
+    std::fs::write(tmp.path().join("tokenizer.json"), tok.to_string()).unwrap();
+    tmp
+}
+
+fn bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_pagedweight"))
+}
+
+#[test]
+fn once_prints_the_greedy_completion_and_a_summary() {
+    let dir = fixture_with_tokenizer();
+    let model = dir.path().to_str().unwrap();
+    let o = Command::new(bin())
+        .args(["serve", "--model", model, "--once", "w7 w8 w9", "--max-tokens", "12"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out = String::from_utf8(o.stdout).unwrap();
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 2, "{out}");
+    // The same greedy continuation as `pagedweight generate`.
+    let g = Command::new(bin())
+        .args(["generate", "--model", model, "--prompt", "w7 w8 w9", "--max-tokens", "12"])
+        .output()
+        .unwrap();
+    assert!(g.status.success(), "{}", String::from_utf8_lossy(&g.stderr));
+    let want = String::from_utf8(g.stdout).unwrap();
+    let words = lines[0].split_whitespace().count();
+    assert_eq!(lines[0].split_whitespace().collect::<Vec<_>>(), want.split_whitespace().collect::<Vec<_>>());
+    let summary = lines[1];
+    assert!(summary.contains(&format!("3 prompt + {words} generated tokens")), "{summary}");
+    assert!(summary.contains("tok/s") && summary.contains("KV") && summary.contains("weights"), "{summary}");
+}
+
+#[test]
+fn serve_on_port_zero_prints_its_url_and_answers() {
+    let dir = fixture_with_tokenizer();
+    let mut child = Command::new(bin())
+        .args(["serve", "--model", dir.path().to_str().unwrap(), "--port", "0", "--served-name", "tiny"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let first = lines.next().unwrap().unwrap();
+    let curl = lines.next().unwrap().unwrap();
+    let addr = first.split("http://").nth(1).and_then(|r| r.split('/').next()).unwrap().to_string();
+    assert!(curl.starts_with("try: curl http://") && curl.contains("\"model\": \"tiny\""), "{curl}");
+    let get = |path: &str, body: Option<&str>| {
+        let mut s = TcpStream::connect(&addr).unwrap();
+        let req = match body {
+            None => format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"),
+            Some(b) => format!(
+                "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{b}",
+                b.len()
+            ),
+        };
+        s.write_all(req.as_bytes()).unwrap();
+        let mut resp = String::new();
+        s.read_to_string(&mut resp).unwrap();
+        resp
+    };
+    let health = get("/health", None);
+    let completion = get("/v1/completions", Some(r#"{"model": "tiny", "prompt": "w3 w4", "max_tokens": 3}"#));
+    let unknown = get("/v1/completions", Some(r#"{"model": "other", "prompt": "w3"}"#));
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(health.starts_with("HTTP/1.1 200") && health.contains("\"ok\""), "{health}");
+    assert!(
+        completion.starts_with("HTTP/1.1 200") && completion.contains("\"text_completion\""),
+        "{completion}"
+    );
+    assert!(unknown.starts_with("HTTP/1.1 404") && unknown.contains("model_not_found"), "{unknown}");
+}
