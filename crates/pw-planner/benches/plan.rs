@@ -1,7 +1,7 @@
 //! `plan` on model-sized page tables: it runs between decode steps, so it must cost far less
 //! than a step. Mixtral-8x7B: 32 layers × 8 experts × 2 kinds; Gemma-4-26B-A4B: 30 × 128 × 2.
 
-use criterion::{Criterion, criterion_group, criterion_main};
+use criterion::{Criterion, criterion_main};
 use pw_format::{BlockEntry, BlockKind};
 use pw_planner::{MemoryTarget, PageState, PlannerConfig, RoutingConfig, RoutingStats, Snapshot, plan};
 use rand::{Rng, SeedableRng, rngs::StdRng};
@@ -12,7 +12,9 @@ fn table(layers: usize, experts: usize, hidden: usize, inter: usize, rng: &mut S
     let mut pages = Vec::new();
     for layer in 0..layers {
         for expert in 0..experts {
-            for (kind, rows, cols) in [(BlockKind::GateUp, 2 * inter, hidden), (BlockKind::Down, hidden, inter)] {
+            for (kind, rows, cols) in
+                [(BlockKind::GateUp, 2 * inter, hidden), (BlockKind::Down, hidden, inter)]
+            {
                 let base = rng.random_range(0.5..2.0) * (rows * cols) as f64;
                 let sensitivity =
                     (3..=8).map(|b| base * 0.25f64.powi(b) * rng.random_range(0.7..1.3)).collect();
@@ -59,7 +61,9 @@ fn bench(c: &mut Criterion) {
             b.iter(|| plan(black_box(&snap), Some(&r), None, MemoryTarget::Free(kv_block), &cfg).unwrap())
         });
         c.bench_function(&format!("plan_{name}_free_40pct"), |b| {
-            b.iter(|| plan(black_box(&snap), Some(&r), None, MemoryTarget::Free(total * 2 / 5), &cfg).unwrap())
+            b.iter(|| {
+                plan(black_box(&snap), Some(&r), None, MemoryTarget::Free(total * 2 / 5), &cfg).unwrap()
+            })
         });
         let mut low = snap.clone();
         let p = plan(&snap, Some(&r), None, MemoryTarget::Free(total * 2 / 5), &cfg).unwrap();
@@ -73,5 +77,9 @@ fn bench(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, bench);
-criterion_main!(benches);
+// criterion_group! generates an undocumented function.
+#[allow(missing_docs)]
+mod group {
+    criterion::criterion_group!(benches, super::bench);
+}
+criterion_main!(group::benches);

@@ -150,11 +150,17 @@ fn file_err(path: &Path, e: impl std::fmt::Display) -> PlanError {
 /// - `hidden`: at least `layers` tensors `[batch, seq, hidden]`; entry `l` is the stream
 ///   entering layer `l` (pw-models' `Trace::hidden` has exactly this layout plus the final output)
 /// - output: `[FEATURES_PER_LAYER · layers]`
-pub fn residual_features<B: Backend>(hidden: &[Tensor<B, 3>], layers: usize) -> Result<Tensor<B, 1>, PlanError> {
+pub fn residual_features<B: Backend>(
+    hidden: &[Tensor<B, 3>],
+    layers: usize,
+) -> Result<Tensor<B, 1>, PlanError> {
     if hidden.len() < layers || layers == 0 {
         return Err(PlanError::Shape {
             what: "residual stream".into(),
-            reason: format!("{} hidden states for {layers} layers (need one entering each layer)", hidden.len()),
+            reason: format!(
+                "{} hidden states for {layers} layers (need one entering each layer)",
+                hidden.len()
+            ),
         });
     }
     let eps = 1e-12;
@@ -240,10 +246,10 @@ pub fn train_residual_head<B: AutodiffBackend>(
     }
     let device = features.device();
     let host = |t: Tensor<B, 2>, what: &str| -> Result<Vec<f32>, PlanError> {
-        t.into_data().convert::<f32>().to_vec().map_err(|e| PlanError::Shape {
-            what: what.into(),
-            reason: format!("{e:?}"),
-        })
+        t.into_data()
+            .convert::<f32>()
+            .to_vec()
+            .map_err(|e| PlanError::Shape { what: what.into(), reason: format!("{e:?}") })
     };
     let x = host(features.clone(), "training features")?;
     if let Some(i) = x.iter().position(|v| !v.is_finite()) {
@@ -272,7 +278,9 @@ pub fn train_residual_head<B: AutodiffBackend>(
             *s = 1.0;
         }
     }
-    let row = |v: &[f64]| Tensor::<B, 1>::from_data(TensorData::new(v.iter().map(|x| *x as f32).collect(), [f]), &device);
+    let row = |v: &[f64]| {
+        Tensor::<B, 1>::from_data(TensorData::new(v.iter().map(|x| *x as f32).collect(), [f]), &device)
+    };
     let (mean_t, std_t) = (row(&mean).unsqueeze_dim::<2>(0), row(&std).unsqueeze_dim::<2>(0));
     let xn = (features.clone() - mean_t.clone()) / std_t.clone();
     let bound = 0.999 * cfg.max_log_multiplier;
@@ -286,7 +294,9 @@ pub fn train_residual_head<B: AutodiffBackend>(
     let bn = b + mean_t.clone().matmul(w).reshape([o]);
     let mut norm_head = set_linear(head, wn, bn);
 
-    let mse = |h: &ResidualHead<B>, x: Tensor<B, 2>| -> Tensor<B, 1> { (h.forward(x) - y.clone()).powi_scalar(2).mean() };
+    let mse = |h: &ResidualHead<B>, x: Tensor<B, 2>| -> Tensor<B, 1> {
+        (h.forward(x) - y.clone()).powi_scalar(2).mean()
+    };
     let initial_loss = scalar(mse(&norm_head, xn.clone()))?;
     let mut optim = AdamConfig::new().init::<B, ResidualHead<B>>();
     for _ in 0..config.epochs {
@@ -298,7 +308,12 @@ pub fn train_residual_head<B: AutodiffBackend>(
 
     // Fold: W = diag(1/std)·W_n, b = b_n − (mean/std)·W_n.
     let wn = norm_head.linear.weight.val().detach();
-    let bn = norm_head.linear.bias.as_ref().map(|b| b.val().detach()).unwrap_or_else(|| Tensor::zeros([o], &device));
+    let bn = norm_head
+        .linear
+        .bias
+        .as_ref()
+        .map(|b| b.val().detach())
+        .unwrap_or_else(|| Tensor::zeros([o], &device));
     let w = wn.clone() / std_col;
     let b = bn - (mean_t / std_t).matmul(wn).reshape([o]);
     let head = set_linear(norm_head, w, b);

@@ -30,8 +30,8 @@ mod snapshot;
 
 pub use error::PlanError;
 pub use head::{
-    FEATURES_PER_LAYER, HEAD_CONFIG_FILE, HEAD_WEIGHTS_FILE, HeadTrainingConfig, ResidualHead, ResidualHeadConfig,
-    TrainReport, inference_head, residual_features, train_residual_head,
+    FEATURES_PER_LAYER, HEAD_CONFIG_FILE, HEAD_WEIGHTS_FILE, HeadTrainingConfig, ResidualHead,
+    ResidualHeadConfig, TrainReport, inference_head, residual_features, train_residual_head,
 };
 pub use memory::{KvPressureConfig, MemoryTarget, kv_block_bytes};
 pub use plan::{Plan, PlannerConfig, ResidualFactors, estimated_damage, floors, plan};

@@ -88,6 +88,12 @@ impl KvPressureConfig {
 }
 
 /// Bytes of one KV block: `block_tokens` tokens × K and V × every layer's KV heads × head dim.
-pub fn kv_block_bytes(layers: usize, kv_heads: usize, head_dim: usize, block_tokens: usize, dtype_bytes: usize) -> u64 {
+pub fn kv_block_bytes(
+    layers: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    block_tokens: usize,
+    dtype_bytes: usize,
+) -> u64 {
     (2 * layers * kv_heads * head_dim * block_tokens * dtype_bytes) as u64
 }

@@ -282,7 +282,10 @@ pub fn estimated_damage(
             if (c.page.min_bits..=c.page.max_bits).contains(&b) {
                 Ok(c.damage(b))
             } else {
-                Err(PlanError::Page { page: c.page.id.to_string(), reason: format!("{b} bits is not stored") })
+                Err(PlanError::Page {
+                    page: c.page.id.to_string(),
+                    reason: format!("{b} bits is not stored"),
+                })
             }
         })
         .sum()

@@ -174,7 +174,10 @@ impl RoutingStats {
             if len != n {
                 return Err(PlanError::Shape {
                     what: what.into(),
-                    reason: format!("{len} entries, expected layers·experts = {}·{} = {n}", self.layers, self.experts),
+                    reason: format!(
+                        "{len} entries, expected layers·experts = {}·{} = {n}",
+                        self.layers, self.experts
+                    ),
                 });
             }
         }

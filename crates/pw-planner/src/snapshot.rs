@@ -89,7 +89,10 @@ impl PageState {
     pub fn validate(&self) -> Result<(), PlanError> {
         let err = |reason: String| PlanError::Page { page: self.id.to_string(), reason };
         if self.min_bits == 0 || self.min_bits > self.max_bits {
-            return Err(err(format!("bit range {}..={} is empty or starts at 0", self.min_bits, self.max_bits)));
+            return Err(err(format!(
+                "bit range {}..={} is empty or starts at 0",
+                self.min_bits, self.max_bits
+            )));
         }
         let n = (self.max_bits - self.min_bits + 1) as usize;
         for (field, v) in [("desired", self.desired), ("committed", self.committed)] {

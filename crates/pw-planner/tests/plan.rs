@@ -83,7 +83,9 @@ fn max_single_move_damage(s: &Snapshot, cfg: &PlannerConfig) -> f64 {
         .iter()
         .zip(&lo)
         .flat_map(|(p, &f)| {
-            (f..=p.max_bits).flat_map(move |a| (f..=p.max_bits).map(move |b| (p.sensitivity_at(a) - p.sensitivity_at(b)).abs()))
+            (f..=p.max_bits).flat_map(move |a| {
+                (f..=p.max_bits).map(move |b| (p.sensitivity_at(a) - p.sensitivity_at(b)).abs())
+            })
         })
         .fold(0.0, f64::max)
 }
@@ -315,7 +317,12 @@ fn give_back_rule_prevents_oscillation() {
     let mut rng = StdRng::seed_from_u64(7);
     let mut s = Snapshot { pages: (0..8).map(|i| random_page(&mut rng, i, Some(6))).collect() };
     let block = 40u64;
-    let rule = KvPressureConfig { threshold_blocks: 4, give_back_margin_blocks: 4, bytes_per_block: block, min_give_back_bytes: 0 };
+    let rule = KvPressureConfig {
+        threshold_blocks: 4,
+        give_back_margin_blocks: 4,
+        bytes_per_block: block,
+        min_give_back_bytes: 0,
+    };
     rule.validate().unwrap();
     let weights0 = s.desired_bytes();
     let pool = weights0 + 20 * block;
@@ -344,7 +351,10 @@ fn give_back_rule_prevents_oscillation() {
     assert!(p.freed() < 0, "an empty cache gives memory back");
     // ...but never so much that the cache is left with T + H or fewer free blocks.
     let left = (pool - p.bytes_after) / block;
-    assert!(left >= rule.threshold_blocks + rule.give_back_margin_blocks, "free blocks after give-back {left}");
+    assert!(
+        left >= rule.threshold_blocks + rule.give_back_margin_blocks,
+        "free blocks after give-back {left}"
+    );
 }
 
 #[test]
@@ -357,12 +367,14 @@ fn bad_input_is_an_error_naming_the_page() {
     assert!(e.to_string().contains("layer 3 expert 2 gate_up") && e.to_string().contains("desired"), "{e}");
     p.desired = 8;
     p.bytes[2] = 1;
-    let e = plan(&Snapshot { pages: vec![p.clone()] }, None, None, MemoryTarget::Free(1), &plain()).unwrap_err();
+    let e =
+        plan(&Snapshot { pages: vec![p.clone()] }, None, None, MemoryTarget::Free(1), &plain()).unwrap_err();
     assert!(e.to_string().contains("bytes"), "{e}");
     p.bytes[2] = 5;
     let r = RoutingStats::new(2, 2, RoutingConfig::default()).unwrap();
     let cfg = PlannerConfig::default();
-    let e = plan(&Snapshot { pages: vec![p.clone()] }, Some(&r), None, MemoryTarget::Free(1), &cfg).unwrap_err();
+    let e =
+        plan(&Snapshot { pages: vec![p.clone()] }, Some(&r), None, MemoryTarget::Free(1), &cfg).unwrap_err();
     assert!(e.to_string().contains("routing statistics"), "{e}");
     let f = ResidualFactors::ones(1);
     let e = plan(&Snapshot { pages: vec![p] }, None, Some(&f), MemoryTarget::Free(1), &cfg).unwrap_err();

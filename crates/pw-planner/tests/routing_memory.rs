@@ -93,7 +93,12 @@ fn bad_routing_input_is_an_error() {
 #[test]
 fn kv_pressure_target_follows_the_design_formula() {
     let b = 1000;
-    let rule = KvPressureConfig { threshold_blocks: 8, give_back_margin_blocks: 4, bytes_per_block: b, min_give_back_bytes: 0 };
+    let rule = KvPressureConfig {
+        threshold_blocks: 8,
+        give_back_margin_blocks: 4,
+        bytes_per_block: b,
+        min_give_back_bytes: 0,
+    };
     // D = max(0, T + 1 − F) · B.
     assert_eq!(rule.target(8, (0, 0)), MemoryTarget::Free(b));
     assert_eq!(rule.target(5, (0, 0)), MemoryTarget::Free(4 * b));
