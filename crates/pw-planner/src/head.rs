@@ -47,8 +47,9 @@ pub const HEAD_WEIGHTS_FILE: &str = "residual_head.mpk";
 pub struct ResidualHeadConfig {
     /// Decoder layers of the model.
     pub layers: usize,
-    /// Bound `M` on `|ln multiplier|`.
-    #[config(default = 1.0)]
+    /// Bound `M` on `|ln multiplier|`: multipliers stay in `[e^−M, e^M]` (default 2: 0.14..7.4,
+    /// room for the bias to carry a layer's static miscalibration of the SSE sensitivity).
+    #[config(default = 2.0)]
     pub max_log_multiplier: f64,
 }
 

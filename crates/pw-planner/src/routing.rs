@@ -120,6 +120,9 @@ pub struct RoutingStats {
     freq: Vec<f64>,
     /// Decayed sum of per-step mean routing weight given to e.
     mass: Vec<f64>,
+    /// Per layer, the sum of `mass` over its experts (kept with `mass`, so a share is O(1):
+    /// the planner asks for one per page).
+    layer_mass: Vec<f64>,
     /// Decayed sum of the observation weights: dividing by it removes the start-up bias, so a
     /// constant input reads back exactly after one step.
     norm: f64,
@@ -137,6 +140,7 @@ impl RoutingStats {
             config,
             freq: vec![0.0; layers * experts],
             mass: vec![0.0; layers * experts],
+            layer_mass: vec![0.0; layers],
             norm: 0.0,
             steps: 0,
         })
@@ -200,6 +204,9 @@ impl RoutingStats {
             self.freq[i] = lambda * self.freq[i] + (1.0 - lambda) * counts[i] as f64 / t;
             self.mass[i] = lambda * self.mass[i] + (1.0 - lambda) * mass[i] as f64 / t;
         }
+        for (l, total) in self.layer_mass.iter_mut().enumerate() {
+            *total = self.mass[l * self.experts..(l + 1) * self.experts].iter().sum();
+        }
         self.norm = lambda * self.norm + (1.0 - lambda);
         self.steps += 1;
         Ok(())
@@ -223,9 +230,8 @@ impl RoutingStats {
     /// The expert's mass relative to its layer's mean (1 = average; 1 before any step or when
     /// the layer saw no mass).
     pub fn share(&self, layer: usize, expert: usize) -> f64 {
-        let row = &self.mass[layer * self.experts..(layer + 1) * self.experts];
-        let total: f64 = row.iter().sum();
-        if total <= 0.0 { 1.0 } else { row[expert] * self.experts as f64 / total }
+        let total = self.layer_mass[layer];
+        if total <= 0.0 { 1.0 } else { self.mass[self.idx(layer, expert)] * self.experts as f64 / total }
     }
 
     /// The expert's bucket.
