@@ -97,7 +97,7 @@ fn save_load_round_trip_and_fine_tuning_continues_from_the_loaded_head() {
     let (f, o) = (cfg.n_features(), cfg.n_outputs());
     let xt = || Tensor::<AB, 2>::from_data(TensorData::new(x.clone(), [n, f]), &dev);
     let yt = Tensor::<AB, 2>::from_data(TensorData::new(y.clone(), [n, o]), &dev);
-    let short = HeadTrainingConfig::new().with_epochs(200);
+    let short = HeadTrainingConfig::new().with_epochs(30);
     let (head, r1) = train_residual_head(cfg.init::<AB>(&dev), xt(), yt.clone(), &short).unwrap();
     let dir = tempfile::tempdir().unwrap();
     head.save(dir.path()).unwrap();
