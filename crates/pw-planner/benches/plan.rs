@@ -55,6 +55,10 @@ fn bench(c: &mut Criterion) {
         let r = routing(l, e, &mut rng);
         let cfg = PlannerConfig::default();
         let total = snap.desired_bytes();
+        // Fixed cost: validation, the damage model, byte sums.
+        c.bench_function(&format!("plan_{name}_hold"), |b| {
+            b.iter(|| plan(black_box(&snap), Some(&r), None, MemoryTarget::Hold, &cfg).unwrap())
+        });
         // One KV block's worth (a typical per-step target) and a large cut (cold start).
         let kv_block = 2 * 1024 * 1024;
         c.bench_function(&format!("plan_{name}_free_one_kv_block"), |b| {

@@ -217,24 +217,19 @@ impl PartialOrd for Cand {
     }
 }
 
-/// `-0.0` would order below `0.0` under `total_cmp`; ties must stay ties.
-fn neg(x: f64) -> f64 {
-    if x == 0.0 { 0.0 } else { -x }
-}
-
 fn curves<'a>(
     snapshot: &'a Snapshot,
     routing: Option<&RoutingStats>,
     residual: Option<&ResidualFactors>,
     config: &PlannerConfig,
 ) -> Result<Vec<Curve<'a>>, PlanError> {
-    snapshot.validate()?;
     let routing = routing.filter(|_| config.use_routing);
     let residual = residual.filter(|_| config.use_residual);
     snapshot
         .pages
         .iter()
         .map(|p| {
+            p.validate()?;
             let mut weight = 1.0;
             let mut floor = p.min_bits.max(config.floor_bits);
             if let Some(r) = routing {
@@ -330,37 +325,142 @@ pub fn plan(
     Ok(Plan { desired: cur, target, bytes_before, bytes_after, damage_delta, met })
 }
 
+/// One lowering segment of a page's lower hull: `from → to` frees `bytes` at damage per byte
+/// `key`.
+#[derive(Debug, Clone, Copy)]
+struct Seg {
+    key: f64,
+    page: u32,
+    from: u8,
+    to: u8,
+    bytes: u64,
+}
+
+/// The greedy's total order: damage per byte, then page index, then hull position.
+fn seg_order(a: &Seg, b: &Seg) -> Ordering {
+    a.key.total_cmp(&b.key).then(a.page.cmp(&b.page)).then(b.to.cmp(&a.to))
+}
+
+/// Where a lowering greedy stopped.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Greedy {
+    /// Target reached: bytes freed and the final move (page, the bit-width it left).
+    Reached { freed: u64, page: usize, from: u8 },
+    /// Every page at its floor and still short.
+    Short,
+}
+
 /// Greedy lowering; returns whether `target` bytes were freed.
+///
+/// Every page's hull walk from its desired bit-width is independent of the other pages, so
+/// the greedy takes exactly the shortest prefix, in [`seg_order`], of all pages' hull
+/// segments whose bytes reach the target. Small targets (the per-step case: a few KV blocks)
+/// run a heap (pop the cheapest segment, push that page's next) and stop after a few pops;
+/// when that takes more than `pages / 8 + 16` pops, the prefix is found instead by a weighted
+/// quickselect over all segments in expected linear time (a Gemma-4 table has ~38k). Both
+/// produce the same prefix.
 fn lower(cs: &[Curve], cur: &mut [u8], target: u64) -> bool {
     if target == 0 {
         return true;
     }
     let orig = cur.to_vec();
+    let outcome = lower_heap(cs, cur, target, cs.len() / 8 + 16).unwrap_or_else(|| {
+        cur.copy_from_slice(&orig);
+        lower_select(cs, cur, target)
+    });
+    let Greedy::Reached { mut freed, page, from } = outcome else { return false };
+    replace_final_move(cs, cur, &mut freed, target, page, from);
+    undo_surplus(cs, cur, &orig, &mut freed, target);
+    true
+}
+
+/// The heap greedy; `None` after `max_pops` pops without reaching the target.
+fn lower_heap(cs: &[Curve], cur: &mut [u8], target: u64, max_pops: usize) -> Option<Greedy> {
+    // Max-heap on −ratio: the cheapest pops first; ties to the lower page index.
     let mut heap: BinaryHeap<Cand> = cs
         .iter()
         .enumerate()
-        .filter_map(|(i, c)| c.best_down(cur[i]).map(|(r, to)| Cand { key: neg(r), page: i, to }))
+        .filter_map(|(i, c)| c.best_down(cur[i]).map(|(r, to)| Cand { key: -r + 0.0, page: i, to }))
         .collect();
     let mut freed = 0u64;
-    let mut last = None;
-    while freed < target {
-        let Some(Cand { page, to, .. }) = heap.pop() else { break };
+    for _ in 0..max_pops {
+        let Some(Cand { key, page, to }) = heap.pop() else { return Some(Greedy::Short) };
         let c = &cs[page];
-        freed += c.bytes(cur[page]) - c.bytes(to);
-        last = Some((page, cur[page]));
+        let from = cur[page];
+        freed += c.bytes(from) - c.bytes(to);
         cur[page] = to;
-        if let Some((r, to)) = c.best_down(to) {
-            heap.push(Cand { key: neg(r), page, to });
+        if freed >= target {
+            return Some(Greedy::Reached { freed, page, from });
+        }
+        if let Some((r, next)) = c.best_down(to) {
+            // Same clamp as `lower_select`: slopes along a page never decrease.
+            heap.push(Cand { key: (-r).min(key) + 0.0, page, to: next });
         }
     }
-    if freed < target {
-        return false;
+    None
+}
+
+/// The quickselect greedy over all hull segments.
+fn lower_select(cs: &[Curve], cur: &mut [u8], target: u64) -> Greedy {
+    let mut segs = Vec::with_capacity(cs.len() * 4);
+    for (i, c) in cs.iter().enumerate() {
+        let mut at = cur[i];
+        let mut prev_key = f64::NEG_INFINITY;
+        while let Some((r, to)) = c.best_down(at) {
+            // Hull slopes never decrease along a page; rounding must not reorder them.
+            // (`+ 0.0` turns −0 into 0: `total_cmp` would order them.)
+            let key = r.max(prev_key) + 0.0;
+            prev_key = key;
+            segs.push(Seg { key, page: i as u32, from: at, to, bytes: c.bytes(at) - c.bytes(to) });
+            at = to;
+        }
     }
-    if let Some((lp, prev)) = last {
-        replace_final_move(cs, cur, &mut freed, target, lp, prev);
+    let (taken, last) = shortest_prefix(&mut segs, target);
+    let mut freed = 0;
+    for s in &segs[..taken] {
+        cur[s.page as usize] = cur[s.page as usize].min(s.to);
+        freed += s.bytes;
     }
-    undo_surplus(cs, cur, &orig, &mut freed, target);
-    true
+    match last {
+        Some(s) => Greedy::Reached { freed, page: s.page as usize, from: s.from },
+        None => Greedy::Short,
+    }
+}
+
+/// Reorders `segs` so that `segs[..n]` is the shortest prefix in [`seg_order`] whose bytes
+/// reach `need`, and returns `n` with the prefix's last segment in that order; `None` (and
+/// `n = segs.len()`) when all of them do not reach it.
+fn shortest_prefix(segs: &mut [Seg], mut need: u64) -> (usize, Option<Seg>) {
+    let (mut lo, mut hi) = (0, segs.len());
+    while lo < hi {
+        // Median of three as pivot, moved to the end (deterministic; no RNG in a pure fn).
+        let mid = lo + (hi - lo) / 2;
+        let mut ends = [lo, mid, hi - 1];
+        ends.sort_by(|&a, &b| seg_order(&segs[a], &segs[b]));
+        segs.swap(ends[1], hi - 1);
+        let pivot = segs[hi - 1];
+        let mut store = lo;
+        let mut left_bytes = 0u64;
+        for i in lo..hi - 1 {
+            if seg_order(&segs[i], &pivot) == Ordering::Less {
+                left_bytes += segs[i].bytes;
+                segs.swap(i, store);
+                store += 1;
+            }
+        }
+        segs.swap(store, hi - 1);
+        if left_bytes >= need {
+            hi = store;
+            continue;
+        }
+        need -= left_bytes;
+        if pivot.bytes >= need {
+            return (store + 1, Some(pivot));
+        }
+        need -= pivot.bytes;
+        lo = store + 1;
+    }
+    (segs.len(), None)
 }
 
 /// Swaps the final greedy move (page `lp`, which was at `prev`) for the cheapest single legal
@@ -440,6 +540,55 @@ fn raise(cs: &[Curve], cur: &mut [u8], budget: u64) {
         cur[page] = to;
         if let Some((r, to)) = c.best_up(to, left) {
             heap.push(Cand { key: r, page, to });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{BlockKind, PageId};
+
+    /// The heap and the quickselect take the same prefix, ties and non-convex curves included.
+    #[test]
+    fn heap_and_quickselect_greedies_agree() {
+        let mut seed = 12345u64;
+        let mut next = move || {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (seed >> 33) as u32
+        };
+        for case in 0..300 {
+            let pages: Vec<PageState> = (0..12)
+                .map(|i| {
+                    let mut bytes = vec![10 + (next() % 5) as u64];
+                    let mut sens = vec![100.0 + (next() % 4) as f64 * 25.0];
+                    for _ in 0..5 {
+                        bytes.push(bytes.last().unwrap() + 1 + (next() % 3) as u64);
+                        // Coarse values: many exact ties between pages.
+                        sens.push(sens.last().unwrap() * [0.25, 0.5, 0.75, 1.0][(next() % 4) as usize]);
+                    }
+                    let d = 3 + (next() % 6) as u8;
+                    PageState {
+                        id: PageId { layer: i, expert: 0, kind: BlockKind::Down },
+                        desired: d,
+                        committed: d,
+                        min_bits: 3,
+                        max_bits: 8,
+                        bytes,
+                        sensitivity: sens,
+                    }
+                })
+                .collect();
+            let snap = Snapshot { pages };
+            let cfg = PlannerConfig { use_routing: false, use_residual: false, ..PlannerConfig::default() };
+            let cs = curves(&snap, None, None, &cfg).unwrap();
+            let start: Vec<u8> = snap.pages.iter().map(|p| p.desired).collect();
+            let target = 1 + (next() % 120) as u64;
+            let mut a = start.clone();
+            let mut b = start.clone();
+            let ha = lower_heap(&cs, &mut a, target, usize::MAX).unwrap();
+            let hb = lower_select(&cs, &mut b, target);
+            assert_eq!((ha, &a), (hb, &b), "case {case}, target {target}");
         }
     }
 }
