@@ -325,20 +325,22 @@ pub fn plan(
     Ok(Plan { desired: cur, target, bytes_before, bytes_after, damage_delta, met })
 }
 
-/// One lowering segment of a page's lower hull: `from → to` frees `bytes` at damage per byte
-/// `key`.
+/// One segment of a page's hull walk: `from → to` moves `bytes`; `key` orders it (damage per
+/// byte freed when lowering, minus damage saved per byte spent when raising); `step` is its
+/// position along the page's walk.
 #[derive(Debug, Clone, Copy)]
 struct Seg {
     key: f64,
     page: u32,
+    step: u8,
     from: u8,
     to: u8,
     bytes: u64,
 }
 
-/// The greedy's total order: damage per byte, then page index, then hull position.
+/// The greedy's total order: key, then page index, then position along the page.
 fn seg_order(a: &Seg, b: &Seg) -> Ordering {
-    a.key.total_cmp(&b.key).then(a.page.cmp(&b.page)).then(b.to.cmp(&a.to))
+    a.key.total_cmp(&b.key).then(a.page.cmp(&b.page)).then(a.step.cmp(&b.step))
 }
 
 /// Where a lowering greedy stopped.
@@ -356,15 +358,18 @@ enum Greedy {
 /// the greedy takes exactly the shortest prefix, in [`seg_order`], of all pages' hull
 /// segments whose bytes reach the target. Small targets (the per-step case: a few KV blocks)
 /// run a heap (pop the cheapest segment, push that page's next) and stop after a few pops;
-/// when that takes more than `pages / 8 + 16` pops, the prefix is found instead by a weighted
-/// quickselect over all segments in expected linear time (a Gemma-4 table has ~38k). Both
-/// produce the same prefix.
+/// large ones (or a heap that takes more than `pages / 8 + 16` pops) find the prefix by a
+/// weighted quickselect over all segments in expected linear time (a Gemma-4 table has ~38k).
+/// Both produce the same prefix.
 fn lower(cs: &[Curve], cur: &mut [u8], target: u64) -> bool {
     if target == 0 {
         return true;
     }
     let orig = cur.to_vec();
-    let outcome = lower_heap(cs, cur, target, cs.len() / 8 + 16).unwrap_or_else(|| {
+    // A bit step frees about an eighth of a page: up to ~pages/8 steps, the heap is cheaper.
+    let desired: u64 = cs.iter().zip(cur.iter()).map(|(c, &b)| c.bytes(b)).sum();
+    let max_pops = if target <= desired / 64 { cs.len() / 8 + 16 } else { 0 };
+    let outcome = lower_heap(cs, cur, target, max_pops).unwrap_or_else(|| {
         cur.copy_from_slice(&orig);
         lower_select(cs, cur, target)
     });
@@ -406,13 +411,15 @@ fn lower_select(cs: &[Curve], cur: &mut [u8], target: u64) -> Greedy {
     for (i, c) in cs.iter().enumerate() {
         let mut at = cur[i];
         let mut prev_key = f64::NEG_INFINITY;
+        let mut step = 0;
         while let Some((r, to)) = c.best_down(at) {
             // Hull slopes never decrease along a page; rounding must not reorder them.
             // (`+ 0.0` turns −0 into 0: `total_cmp` would order them.)
             let key = r.max(prev_key) + 0.0;
             prev_key = key;
-            segs.push(Seg { key, page: i as u32, from: at, to, bytes: c.bytes(at) - c.bytes(to) });
+            segs.push(Seg { key, page: i as u32, step, from: at, to, bytes: c.bytes(at) - c.bytes(to) });
             at = to;
+            step += 1;
         }
     }
     let (taken, last) = shortest_prefix(&mut segs, target);
@@ -518,8 +525,45 @@ fn undo_surplus(cs: &[Curve], cur: &mut [u8], orig: &[u8], freed: &mut u64, targ
     }
 }
 
-/// Greedy raising within `budget` bytes.
+/// Greedy raising within `budget` bytes: the move with the most damage saved per byte that
+/// still fits, until nothing fits or helps.
+///
+/// Until the first move that does not fit, that greedy takes the longest prefix (in
+/// [`seg_order`] on minus the ratio) of all pages' upward hull segments that fits in the
+/// budget, found by quickselect; from there a heap finishes with what is left, re-planning a
+/// page under the remaining budget when its best move no longer fits.
 fn raise(cs: &[Curve], cur: &mut [u8], budget: u64) {
+    if budget == 0 {
+        return;
+    }
+    let mut segs = Vec::with_capacity(cs.len() * 2);
+    for (i, c) in cs.iter().enumerate() {
+        let mut at = cur[i];
+        let mut prev_key = f64::NEG_INFINITY;
+        let mut step = 0;
+        while let Some((r, to)) = c.best_up(at, u64::MAX) {
+            let key = (-r).max(prev_key) + 0.0;
+            prev_key = key;
+            segs.push(Seg { key, page: i as u32, step, from: at, to, bytes: c.bytes(to) - c.bytes(at) });
+            at = to;
+            step += 1;
+        }
+    }
+    // The shortest prefix exceeding the budget, minus its last segment, is the longest that fits.
+    let (taken, last) = shortest_prefix(&mut segs, budget.saturating_add(1));
+    let fit = if last.is_some() { taken - 1 } else { taken };
+    let mut left = budget;
+    for s in &segs[..fit] {
+        cur[s.page as usize] = cur[s.page as usize].max(s.to);
+        left -= s.bytes;
+    }
+    if last.is_some() {
+        raise_heap(cs, cur, left);
+    }
+}
+
+/// The heap greedy of [`raise`].
+fn raise_heap(cs: &[Curve], cur: &mut [u8], budget: u64) {
     let mut left = budget;
     let mut heap: BinaryHeap<Cand> = cs
         .iter()
@@ -549,7 +593,7 @@ mod tests {
     use super::*;
     use crate::{BlockKind, PageId};
 
-    /// The heap and the quickselect take the same prefix, ties and non-convex curves included.
+    /// The heap and the quickselect greedies agree, ties and non-convex curves included.
     #[test]
     fn heap_and_quickselect_greedies_agree() {
         let mut seed = 12345u64;
@@ -589,6 +633,13 @@ mod tests {
             let ha = lower_heap(&cs, &mut a, target, usize::MAX).unwrap();
             let hb = lower_select(&cs, &mut b, target);
             assert_eq!((ha, &a), (hb, &b), "case {case}, target {target}");
+            // Raising: quickselect + heap finish against the heap alone.
+            let budget = (next() % 80) as u64;
+            let mut a = start.clone();
+            let mut b = start.clone();
+            raise(&cs, &mut a, budget);
+            raise_heap(&cs, &mut b, budget);
+            assert_eq!(a, b, "case {case}, budget {budget}");
         }
     }
 }
