@@ -30,6 +30,7 @@
 
 use std::cell::RefCell;
 use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
@@ -234,14 +235,18 @@ impl WeightSource<B> for Lowered<'_> {
                 .map_err(|e| LoadError::Source(format!("{e:?}")))?;
             let key = (l, e, kind_tag(kind));
             let mut cache = self.cache.borrow_mut();
-            if !cache.contains_key(&key) {
-                let rows = transpose(&w, cin, cout);
-                let name = format!("layer {l} expert {e} {kind:?}");
-                let block = ApBlock::quantize(&name, &rows, None, cout, cin, 3, 8)
-                    .map_err(|e| LoadError::Source(e.to_string()))?;
-                cache.insert(key, block);
-            }
-            let deq = cache[&key].dequantize_reference(self.bits);
+            let block = match cache.entry(key) {
+                Entry::Occupied(b) => b.into_mut(),
+                Entry::Vacant(slot) => {
+                    let rows = transpose(&w, cin, cout);
+                    let name = format!("layer {l} expert {e} {kind:?}");
+                    slot.insert(
+                        ApBlock::quantize(&name, &rows, None, cout, cin, 3, 8)
+                            .map_err(|e| LoadError::Source(e.to_string()))?,
+                    )
+                }
+            };
+            let deq = block.dequantize_reference(self.bits);
             let back = transpose(&deq, cout, cin);
             *p = Param::from_tensor(Tensor::from_data(TensorData::new(back, [cin, cout]), &device));
         }
