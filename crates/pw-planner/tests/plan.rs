@@ -380,3 +380,43 @@ fn bad_input_is_an_error_naming_the_page() {
     let e = plan(&Snapshot { pages: vec![p] }, None, Some(&f), MemoryTarget::Free(1), &cfg).unwrap_err();
     assert!(e.to_string().contains("residual factors"), "{e}");
 }
+
+#[test]
+fn snapshot_from_a_manifest_takes_bytes_and_sensitivity_per_bit_width() {
+    let entry = pw_format::BlockEntry {
+        name: "model.layers.1.experts.2.down".into(),
+        layer: 1,
+        expert: 2,
+        kind: BlockKind::Down,
+        rows: 64,
+        cols: 40,
+        min_bits: 3,
+        max_bits: 8,
+        file: "model-00001.safetensors".into(),
+        sensitivity: vec![6.0, 5.0, 4.0, 3.0, 2.0, 1.0],
+        sources: vec![],
+    };
+    let manifest = pw_format::Manifest {
+        magic: pw_format::MAGIC.into(),
+        version: pw_format::VERSION,
+        model_type: None,
+        blocks: vec![entry.clone()],
+        dense: Default::default(),
+    };
+    let s = Snapshot::from_manifest(&manifest, 9).unwrap();
+    let p = &s.pages[0];
+    assert_eq!((p.id.layer, p.id.expert, p.id.kind), (1, 2, BlockKind::Down));
+    assert_eq!((p.desired, p.committed), (8, 8), "clamped into the stored range");
+    for b in 3..=8 {
+        let (planes, lut) = entry.bytes_at(b);
+        assert_eq!(p.bytes_at(b), (planes + lut) as u64);
+        assert_eq!(p.sensitivity_at(b), entry.sensitivity[(b - 3) as usize]);
+    }
+    // 40 columns pad to 2 words per row and plane.
+    assert_eq!(p.bytes_at(3), 3 * 64 * 2 * 4 + 64 * 8 * 2);
+    assert_eq!(s.pending_bytes(), (0, 0));
+    let mut bad = manifest.clone();
+    bad.blocks[0].sensitivity.pop();
+    let e = Snapshot::from_manifest(&bad, 8).unwrap_err();
+    assert!(e.to_string().contains("layer 1 expert 2 down") && e.to_string().contains("sensitivity"), "{e}");
+}
