@@ -8,17 +8,6 @@
 //! square per channel), and `ln(max|h| / rms(h))` (outliers): [`FEATURES_PER_LAYER`] per layer,
 //! layer-major. All are tensor reductions on the model's device and come back in one read.
 //!
-//! # Target
-//! The head predicts `y[l, k] = ln(multiplier)` for layer `l`, block kind `k` (gate_up, down).
-//! On a calibration prompt `p`, lowering every expert block of kind `k` in layer `l` to a low
-//! bit-width gives a measured damage `KL_p(l, k)` (mean per-token KL of the output
-//! distributions) and the global sensitivity predicts `S(l, k)` (sum of the blocks' SSE
-//! increase). The training target is `y_p(l, k) = ln(KL_p(l, k) / S(l, k)) − c`, with `c` the
-//! mean of `ln(KL / S)` over all prompts and blocks: the planner's greedy order only depends on
-//! damage ratios, so a global constant carries no information, and centring keeps an untrained
-//! head (zero output) neutral. The bias then learns the static miscalibration of `S` between
-//! layers and kinds, the weights how a prompt shifts it.
-//!
 //! # Output bound
 //! `y = M · tanh(z / M)` with `M = max_log_multiplier`: multipliers stay within `[e^−M, e^M]`
 //! whatever the features, so an out-of-distribution prompt cannot blow the plan up.
@@ -73,7 +62,18 @@ impl ResidualHeadConfig {
     }
 }
 
-/// The bounded linear regression head.
+/// The bounded linear regression head: `[features] → [2 · layers]` log-multipliers.
+///
+/// # Target
+/// The head predicts `y[l, k] = ln(multiplier)` for layer `l`, block kind `k` (gate_up, down).
+/// On a calibration prompt `p`, lowering every expert block of kind `k` in layer `l` to a low
+/// bit-width gives a measured damage `KL_p(l, k)` (mean per-token KL of the output
+/// distributions) and the global sensitivity predicts `S(l, k)` (sum of the blocks' SSE
+/// increase). The training target is `y_p(l, k) = ln(KL_p(l, k) / S(l, k)) − c`, with `c` the
+/// mean of `ln(KL / S)` over all prompts and blocks: the planner's greedy order only depends on
+/// damage ratios, so a global constant carries no information, and centring keeps an untrained
+/// head (zero output) neutral. The bias then learns the static miscalibration of `S` between
+/// layers and kinds, the weights how a prompt shifts it.
 #[derive(Module, Debug)]
 pub struct ResidualHead<B: Backend> {
     /// `[n_features, n_outputs]` on raw (unnormalised) features: training folds its
@@ -145,7 +145,11 @@ fn file_err(path: &Path, e: impl std::fmt::Display) -> PlanError {
     PlanError::File { path: path.to_path_buf(), reason: e.to_string() }
 }
 
-/// Features of a prompt's residual stream: see the module docs.
+/// Features of a prompt's residual stream. For the stream entering each layer (the embedding
+/// output for layer 0, the previous layer's output after that), over all prompt tokens:
+/// `ln mean|h|`, `ln rms(h)`, the fraction of energy in the top `max(1, H/16)` channels (mean
+/// square per channel), and `ln(max|h| / rms(h))` (outliers): [`FEATURES_PER_LAYER`] per layer,
+/// layer-major. All are tensor reductions on the model's device, read back once by the caller.
 ///
 /// # Shapes
 /// - `hidden`: at least `layers` tensors `[batch, seq, hidden]`; entry `l` is the stream

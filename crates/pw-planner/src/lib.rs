@@ -20,6 +20,16 @@
 //! [`Snapshot::pending_bytes`]; on anything but [`MemoryTarget::Hold`] calls [`plan`] and hands
 //! [`Plan::changes`] to the page table as new desired bit-widths. The residual factors are
 //! computed once per prompt (after prefill) with [`ResidualHead::factors`].
+//!
+//! # Training the residual head
+//! `cargo run --release --example train_residual_head -- --model HF_DIR --out PW_DIR` (root
+//! package) extracts the features through pw-models' `Trace`, measures per-(layer, kind) KL
+//! damage of lowering each layer's blocks, fits the head and saves it with
+//! [`ResidualHead::save`]; the target is defined in [`ResidualHead`]'s docs.
+//!
+//! # Defaults
+//! [`RoutingConfig`], [`KvPressureConfig`] and [`PlannerConfig`] document each default and the
+//! measurement that should confirm it.
 
 mod error;
 mod head;
