@@ -15,11 +15,13 @@
 //!   per-(layer, kind) sensitivity multipliers, trained with [`train_residual_head`].
 //!
 //! # Calling it from the decode loop
-//! Between decode steps (a safe boundary) the engine: folds the step's routing counts into
-//! [`RoutingStats::update`]; asks [`KvPressureConfig::target`] with the free KV blocks and
-//! [`Snapshot::pending_bytes`]; on anything but [`MemoryTarget::Hold`] calls [`plan`] and hands
-//! [`Plan::changes`] to the page table as new desired bit-widths. The residual factors are
-//! computed once per prompt (after prefill) with [`ResidualHead::factors`].
+//! [`Planner`] bundles the state. Between decode steps (a safe boundary) the engine folds the
+//! step's routing counts in with [`Planner::observe`] (one download of two flat arrays for all
+//! layers), then calls [`Planner::at_boundary`] with the page table's [`Snapshot`] and the free
+//! KV blocks: it asks [`KvPressureConfig::target`] (accounting [`Snapshot::pending_bytes`]) and,
+//! unless that is [`MemoryTarget::Hold`], runs [`plan`]; the engine hands [`Plan::changes`] to
+//! the page table as new desired bit-widths. The residual factors are computed once per prompt
+//! (after prefill) with [`ResidualHead::factors`] and stored in [`Planner::residual`].
 //!
 //! # Training the residual head
 //! `cargo run --release --example train_residual_head -- --model HF_DIR --out PW_DIR` (root
@@ -33,6 +35,7 @@
 
 mod error;
 mod head;
+mod hook;
 mod memory;
 mod plan;
 mod routing;
@@ -43,6 +46,7 @@ pub use head::{
     FEATURES_PER_LAYER, HEAD_CONFIG_FILE, HEAD_WEIGHTS_FILE, HeadTrainingConfig, ResidualHead,
     ResidualHeadConfig, TrainReport, inference_head, residual_features, train_residual_head,
 };
+pub use hook::Planner;
 pub use memory::{KvPressureConfig, MemoryTarget, kv_block_bytes};
 pub use plan::{Plan, PlannerConfig, ResidualFactors, estimated_damage, floors, plan};
 pub use pw_format::BlockKind;

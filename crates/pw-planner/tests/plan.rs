@@ -420,3 +420,31 @@ fn snapshot_from_a_manifest_takes_bytes_and_sensitivity_per_bit_width() {
     let e = Snapshot::from_manifest(&bad, 8).unwrap_err();
     assert!(e.to_string().contains("layer 1 expert 2 down") && e.to_string().contains("sensitivity"), "{e}");
 }
+
+#[test]
+fn hook_holds_without_pressure_and_plans_under_it() {
+    let mut rng = StdRng::seed_from_u64(8);
+    let mut s = Snapshot { pages: (0..4).map(|i| random_page(&mut rng, i, Some(6))).collect() };
+    let kv = KvPressureConfig {
+        threshold_blocks: 2,
+        give_back_margin_blocks: 2,
+        bytes_per_block: 30,
+        min_give_back_bytes: 0,
+    };
+    let mut hook =
+        pw_planner::Planner::new(4, 1, PlannerConfig::default(), kv, RoutingConfig::default()).unwrap();
+    hook.observe(3, &[3, 3, 3, 3], &[3.0; 4]).unwrap();
+    assert_eq!(hook.routing.steps(), 1);
+    // Free 3 > T = 2 and 3 ≤ T + H: hold.
+    assert_eq!(hook.at_boundary(&s, 3).unwrap(), None);
+    // Free 1: D = (2 + 1 − 1) · 30 = 60 bytes.
+    let p = hook.at_boundary(&s, 1).unwrap().expect("pressure plans");
+    assert!(p.met && p.freed() >= 60);
+    // Once asked for, the same pressure is not asked for again while the commits are in flight.
+    for (pg, d) in s.pages.iter_mut().zip(&p.desired) {
+        pg.desired = *d;
+    }
+    assert_eq!(hook.at_boundary(&s, 1).unwrap(), None);
+    let e = hook.observe(1, &[1, 0], &[1.0, 0.0]).unwrap_err();
+    assert!(e.to_string().contains("routing counts"), "{e}");
+}
