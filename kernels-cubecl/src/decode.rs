@@ -51,18 +51,20 @@ pub fn rms_norm_kernel(
 }
 
 /// `y[t, r] (+)= Σ_c x[t, c] · W[r, c] (+ bias[r])` for `t < meta[0]`, `W` f16 row-major
-/// `[n, k]` as PyTorch stores it. Grid `(ceil(n / warps))`, cube `warps` planes; a plane owns a
-/// row, its lanes stride the columns (coalesced), one `plane_sum` per token.
+/// `[n, k]` as PyTorch stores it, read as vectors of `vec` halves (16-byte loads on CUDA).
+/// Grid `(ceil(n / warps))`, cube `warps` planes; a plane owns a row, its lanes stride the row's
+/// vectors (coalesced), one `plane_sum` per token.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
-pub fn dense_gemm_kernel(
+pub fn dense_gemm_kernel<N: Size>(
     x: &Array<f32>,
-    w: &Array<f16>,
+    w: &Array<Vector<f16, N>>,
     bias: &Array<f32>,
     meta: &Array<u32>,
     y: &mut Array<f32>,
     #[comptime] n: usize,
     #[comptime] k: usize,
+    #[comptime] vec: usize,
     #[comptime] max_tokens: usize,
     #[comptime] plane_size: usize,
     #[comptime] warps: usize,
@@ -80,13 +82,19 @@ pub fn dense_gemm_kernel(
     for t in 0..max_tokens {
         acc[t] = 0.0;
     }
-    let wrow = row * k;
-    for c in range_stepped(lane, k, plane_size) {
-        let wv = f32::cast_from(w[wrow + c]);
+    let kv = comptime![k / vec];
+    let wrow = row * kv;
+    for v in range_stepped(lane, kv, plane_size) {
+        let wv = w[wrow + v];
         #[unroll]
-        for t in 0..max_tokens {
-            if t < tokens {
-                acc[t] += wv * x[t * k + c];
+        for i in 0..vec {
+            let wf = f32::cast_from(wv[i]);
+            let c = v * vec + i;
+            #[unroll]
+            for t in 0..max_tokens {
+                if t < tokens {
+                    acc[t] += wf * x[t * k + c];
+                }
             }
         }
     }
@@ -139,9 +147,10 @@ pub fn rope_kernel(
 /// 1. unit `t < meta[0]`: softmax over `logits[t]`, top-`k` (ties: lower expert first),
 ///    optional renormalisation → `weights[t, j]`;
 /// 2. unit `e`: its tokens in token order get consecutive gathered rows after every lower
-///    expert's; writes `gather[row] = t`, `pos[t, j] = row` and the two work items of expert `e`
+///    expert's; writes `gather[row] = t`, `pos[t, j] = row` and the work items of expert `e`
 ///    (gate_up: `[2I, H]`, down: `[H, I]`, from `slots[e] = (gate_up plane_off, lut_off, bits,
-///    down plane_off, lut_off, bits)`) so the grouped GEMM runs with no host round trip.
+///    down plane_off, lut_off, bits)`), `chunks` items of up to `chunk` tokens each, so the
+///    grouped GEMM runs with no host round trip.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub fn moe_route_kernel(
@@ -159,6 +168,8 @@ pub fn moe_route_kernel(
     #[comptime] renormalize: bool,
     #[comptime] hidden: usize,
     #[comptime] inter: usize,
+    #[comptime] chunk: usize,
+    #[comptime] chunks: usize,
 ) {
     let u = UNIT_POS as usize;
     let tokens = meta[0] as usize;
@@ -226,24 +237,34 @@ pub fn moe_route_kernel(
                 row += 1u32;
             }
         }
+        // Items of at most `chunk` tokens each, so the grouped GEMM's token bucket (and its
+        // accumulators) stays small when a batch spreads over the experts.
         let s = u * 6usize;
-        let d = u * 8usize;
-        desc_gate_up[d] = slots[s];
-        desc_gate_up[d + 1] = slots[s + 1];
-        desc_gate_up[d + 2] = comptime![2 * inter] as u32;
-        desc_gate_up[d + 3] = hidden as u32;
-        desc_gate_up[d + 4] = slots[s + 2];
-        desc_gate_up[d + 5] = before * hidden as u32;
-        desc_gate_up[d + 6] = before * comptime![2 * inter] as u32;
-        desc_gate_up[d + 7] = count;
-        desc_down[d] = slots[s + 3];
-        desc_down[d + 1] = slots[s + 4];
-        desc_down[d + 2] = hidden as u32;
-        desc_down[d + 3] = inter as u32;
-        desc_down[d + 4] = slots[s + 5];
-        desc_down[d + 5] = before * comptime![2 * inter] as u32;
-        desc_down[d + 6] = before * hidden as u32;
-        desc_down[d + 7] = count;
+        #[unroll]
+        for c in 0..chunks {
+            let d = (u * chunks + c) * 8usize;
+            let first = before + (c * chunk) as u32;
+            let mut n = 0u32;
+            if count > (c * chunk) as u32 {
+                n = min(count - (c * chunk) as u32, chunk as u32);
+            }
+            desc_gate_up[d] = slots[s];
+            desc_gate_up[d + 1] = slots[s + 1];
+            desc_gate_up[d + 2] = comptime![2 * inter] as u32;
+            desc_gate_up[d + 3] = hidden as u32;
+            desc_gate_up[d + 4] = slots[s + 2];
+            desc_gate_up[d + 5] = first * hidden as u32;
+            desc_gate_up[d + 6] = first * comptime![2 * inter] as u32;
+            desc_gate_up[d + 7] = n;
+            desc_down[d] = slots[s + 3];
+            desc_down[d + 1] = slots[s + 4];
+            desc_down[d + 2] = hidden as u32;
+            desc_down[d + 3] = inter as u32;
+            desc_down[d + 4] = slots[s + 5];
+            desc_down[d + 5] = first * comptime![2 * inter] as u32;
+            desc_down[d + 6] = first * hidden as u32;
+            desc_down[d + 7] = n;
+        }
     }
 }
 

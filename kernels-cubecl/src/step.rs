@@ -154,19 +154,24 @@ pub fn dense_gemm<R: Runtime>(
     }
     let plane = client.properties().hardware.plane_size_max as usize;
     let warps = 8;
-    // SAFETY: sizes checked above; the kernel reads `meta[0] ≤ tokens` rows.
+    // The widest load the device likes that divides the row (16 bytes of halves on CUDA).
+    let vec = client.io_optimized_vector_sizes(2).filter(|v| *v <= 8 && g.k % v == 0).max().unwrap_or(1);
+    // SAFETY: sizes checked above; the kernel reads `meta[0] ≤ tokens` rows; `w` holds `n · k`
+    // halves, i.e. `n · k / vec` vectors.
     unsafe {
         decode::dense_gemm_kernel::launch_unchecked::<R>(
             client,
             CubeCount::Static(g.n.div_ceil(warps) as u32, 1, 1),
             CubeDim::new_1d((warps * plane) as u32),
+            vec,
             x.arg(),
-            w.arg(),
+            ArrayArg::from_raw_parts(w.handle.clone(), g.n * g.k / vec),
             bias.arg(),
             meta.arg(),
             y.arg(),
             g.n,
             g.k,
+            vec,
             token_bucket(tokens),
             plane,
             warps,
@@ -293,6 +298,11 @@ pub fn expert_slot_words(shape: MoeShape, slots: &[(PoolSlot, PoolSlot)]) -> Res
     Ok(out)
 }
 
+/// Tokens per routed work item: an expert's tokens are split into items of at most this many.
+pub const ROUTE_CHUNK: usize = 8;
+/// Work items per expert (`MAX_TOKENS / ROUTE_CHUNK`); empty ones exit at once.
+pub const ROUTE_CHUNKS: usize = MAX_TOKENS / ROUTE_CHUNK;
+
 /// Output buffers of [`moe_route`].
 #[derive(Debug, Clone)]
 pub struct RouteBuffers {
@@ -302,9 +312,9 @@ pub struct RouteBuffers {
     pub gather: DeviceArray,
     /// `[tokens, k]` gathered row of each choice.
     pub pos: DeviceArray,
-    /// `[experts · 8]` gate_up work items.
+    /// `[experts · ROUTE_CHUNKS · 8]` gate_up work items.
     pub desc_gate_up: DeviceArray,
-    /// `[experts · 8]` down work items.
+    /// `[experts · ROUTE_CHUNKS · 8]` down work items.
     pub desc_down: DeviceArray,
 }
 
@@ -316,8 +326,11 @@ impl RouteBuffers {
             weights: DeviceArray::empty::<R, f32>(client, n),
             gather: DeviceArray::empty::<R, u32>(client, n),
             pos: DeviceArray::empty::<R, u32>(client, n),
-            desc_gate_up: DeviceArray::empty::<R, u32>(client, shape.experts * gemm::DESC_WORDS),
-            desc_down: DeviceArray::empty::<R, u32>(client, shape.experts * gemm::DESC_WORDS),
+            desc_gate_up: DeviceArray::empty::<R, u32>(
+                client,
+                shape.experts * ROUTE_CHUNKS * gemm::DESC_WORDS,
+            ),
+            desc_down: DeviceArray::empty::<R, u32>(client, shape.experts * ROUTE_CHUNKS * gemm::DESC_WORDS),
         }
     }
 }
@@ -368,6 +381,8 @@ pub fn moe_route<R: Runtime>(
             shape.renormalize,
             shape.hidden,
             shape.inter,
+            ROUTE_CHUNK,
+            ROUTE_CHUNKS,
         )
     };
     Ok(())
@@ -468,7 +483,8 @@ pub fn moe_combine<R: Runtime>(
 }
 
 /// The grouped expert GEMM over a descriptor table built on the device by [`moe_route`]
-/// (`experts` items, each at most `tokens` tokens and `max_rows` rows).
+/// (`experts · ROUTE_CHUNKS` items, each at most `min(tokens, ROUTE_CHUNK)` tokens and
+/// `max_rows` rows).
 #[allow(clippy::too_many_arguments)]
 pub fn ap_gemm_routed<R: Runtime>(
     client: &ComputeClient<R>,
@@ -483,7 +499,8 @@ pub fn ap_gemm_routed<R: Runtime>(
     y: &DeviceArray,
     act: crate::Activation,
 ) -> Result<(), KernelError> {
-    need("routed gemm descriptors", desc, experts * gemm::DESC_WORDS)?;
+    let items = experts * ROUTE_CHUNKS;
+    need("routed gemm descriptors", desc, items * gemm::DESC_WORDS)?;
     if tokens == 0 {
         return Ok(());
     }
@@ -493,14 +510,14 @@ pub fn ap_gemm_routed<R: Runtime>(
     unsafe {
         gemm::ap_gemm_kernel::launch_unchecked::<R>(
             client,
-            CubeCount::Static(tiles, experts as u32, 1),
+            CubeCount::Static(tiles, items as u32, 1),
             CubeDim::new_1d((cfg.warps * cfg.plane_size) as u32),
             planes.arg(),
             luts.arg(),
             desc.arg(),
             x.arg(),
             y.arg(),
-            token_bucket(tokens),
+            token_bucket(tokens.min(ROUTE_CHUNK)),
             cfg.plane_size,
             cfg.warps,
             cfg.rows_per_warp,

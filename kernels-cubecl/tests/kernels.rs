@@ -403,43 +403,57 @@ fn routed_moe_matches_reference() {
     use kernels_cubecl::step::*;
     let client = client();
     let mut rng = StdRng::seed_from_u64(7);
-    let shape = MoeShape { experts: 6, k: 2, renormalize: true, hidden: 64, inter: 48 };
+    // Six experts, and two experts that both get every token (16 > ROUTE_CHUNK: split items).
+    for shape in [
+        MoeShape { experts: 6, k: 2, renormalize: true, hidden: 64, inter: 48 },
+        MoeShape { experts: 2, k: 2, renormalize: false, hidden: 64, inter: 48 },
+    ] {
+        check_routed_moe(&client, &mut rng, shape);
+    }
+}
+
+fn check_routed_moe(
+    client: &ComputeClient<WgpuRuntime>,
+    rng: &mut StdRng,
+    shape: kernels_cubecl::step::MoeShape,
+) {
+    use kernels_cubecl::step::*;
     let (h, i) = (shape.hidden, shape.inter);
     let mut pool = PoolImage::default();
     let slots: Vec<(PoolSlot, PoolSlot)> = (0..shape.experts)
         .map(|e| {
-            let gu = pool.push(&random_block(&mut rng, 2 * i, h), 3 + (e % 6) as u8);
-            let dn = pool.push(&random_block(&mut rng, h, i), 8 - (e % 6) as u8);
+            let gu = pool.push(&random_block(rng, 2 * i, h), 3 + (e % 6) as u8);
+            let dn = pool.push(&random_block(rng, h, i), 8 - (e % 6) as u8);
             (gu, dn)
         })
         .collect();
-    let planes = DeviceArray::from_slice(&client, &pool.planes);
-    let luts = DeviceArray::from_slice(&client, &pool.luts);
-    let slot_words = DeviceArray::from_slice(&client, &expert_slot_words(shape, &slots).unwrap());
-    let cfg = GemmConfig::for_client(&client);
-    let bufs = RouteBuffers::new(&client, shape);
+    let planes = DeviceArray::from_slice(client, &pool.planes);
+    let luts = DeviceArray::from_slice(client, &pool.luts);
+    let slot_words = DeviceArray::from_slice(client, &expert_slot_words(shape, &slots).unwrap());
+    let cfg = GemmConfig::for_client(client);
+    let bufs = RouteBuffers::new(client, shape);
     for tokens in [1usize, 5, 16] {
-        let meta = DeviceArray::from_slice(&client, &[tokens as u32]);
-        let x = rand_vec(&mut rng, tokens * h, 1.0);
-        let logits = rand_vec(&mut rng, tokens * shape.experts, 3.0);
-        let hres = rand_vec(&mut rng, tokens * h, 1.0);
-        let (xd, hd) = (DeviceArray::from_slice(&client, &x), DeviceArray::from_slice(&client, &hres));
-        let xg = DeviceArray::empty::<WgpuRuntime, f32>(&client, tokens * shape.k * h);
-        let gu = DeviceArray::empty::<WgpuRuntime, f32>(&client, tokens * shape.k * 2 * i);
-        let dn = DeviceArray::empty::<WgpuRuntime, f32>(&client, tokens * shape.k * h);
+        let meta = DeviceArray::from_slice(client, &[tokens as u32]);
+        let x = rand_vec(rng, tokens * h, 1.0);
+        let logits = rand_vec(rng, tokens * shape.experts, 3.0);
+        let hres = rand_vec(rng, tokens * h, 1.0);
+        let (xd, hd) = (DeviceArray::from_slice(client, &x), DeviceArray::from_slice(client, &hres));
+        let xg = DeviceArray::empty::<WgpuRuntime, f32>(client, tokens * shape.k * h);
+        let gu = DeviceArray::empty::<WgpuRuntime, f32>(client, tokens * shape.k * 2 * i);
+        let dn = DeviceArray::empty::<WgpuRuntime, f32>(client, tokens * shape.k * h);
         moe_route(
-            &client,
+            client,
             shape,
             tokens,
             &meta,
-            &DeviceArray::from_slice(&client, &logits),
+            &DeviceArray::from_slice(client, &logits),
             &slot_words,
             &bufs,
         )
         .unwrap();
-        gather_rows(&client, tokens, shape.k, h, &meta, &xd, &bufs.gather, &xg).unwrap();
+        gather_rows(client, tokens, shape.k, h, &meta, &xd, &bufs.gather, &xg).unwrap();
         ap_gemm_routed(
-            &client,
+            client,
             cfg,
             &planes,
             &luts,
@@ -453,7 +467,7 @@ fn routed_moe_matches_reference() {
         )
         .unwrap();
         ap_gemm_routed(
-            &client,
+            client,
             cfg,
             &planes,
             &luts,
@@ -466,11 +480,11 @@ fn routed_moe_matches_reference() {
             Activation::SiluMul,
         )
         .unwrap();
-        moe_combine(&client, tokens, shape.k, h, &dn, &bufs.pos, &bufs.weights, &hd).unwrap();
+        moe_combine(client, tokens, shape.k, h, &dn, &bufs.pos, &bufs.weights, &hd).unwrap();
 
         let (sel, wts) = route_reference(shape, &logits);
         assert_close(
-            &read_f32(&client, &bufs.weights).unwrap()[..tokens * shape.k],
+            &read_f32(client, &bufs.weights).unwrap()[..tokens * shape.k],
             &wts,
             1e-6,
             "route weights",
@@ -488,12 +502,7 @@ fn routed_moe_matches_reference() {
                 }
             }
         }
-        assert_close(
-            &read_f32(&client, &hd).unwrap(),
-            &want,
-            MOE_TOL,
-            &format!("moe layer, {tokens} tokens"),
-        );
+        assert_close(&read_f32(client, &hd).unwrap(), &want, MOE_TOL, &format!("moe layer, {tokens} tokens"));
     }
 }
 
