@@ -49,7 +49,8 @@ pub struct DecodeConfig {
 }
 
 impl DecodeConfig {
-    fn from_mixtral(c: &MixtralConfig) -> Self {
+    /// The shapes of a Mixtral config.
+    pub fn from_mixtral(c: &MixtralConfig) -> Self {
         Self {
             vocab: c.vocab_size,
             hidden: c.hidden_size,

@@ -14,6 +14,7 @@
 mod chat;
 mod engine;
 mod error;
+mod fast;
 mod hook;
 mod kv;
 mod metrics;
@@ -27,6 +28,7 @@ pub use engine::{
     SamplingParams, Usage,
 };
 pub use error::ServeError;
+pub use fast::{FastStepModel, load_fast};
 pub use hook::{BoundaryHook, BoundaryState, UsageRecord, UsageRecorder};
 pub use kv::{KvLayout, LayerKv, max_context};
 pub use metrics::{Metrics, MetricsSnapshot};
