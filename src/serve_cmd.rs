@@ -67,6 +67,14 @@ pub struct ServeArgs {
     /// With --once: most tokens to generate.
     #[arg(long, default_value_t = 64)]
     pub max_tokens: usize,
+    /// Serve through the fast decode path (fused CubeCL kernels over the paged KV cache and
+    /// any-precision experts; Mixtral architecture): CUDA with `--device cuda` (or `auto` in a
+    /// CUDA build with a GPU), wgpu otherwise.
+    #[arg(long)]
+    pub fast: bool,
+    /// With --fast: the bit-width (3..8) every expert is quantized to and committed at.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u8).range(3..=8))]
+    pub bits: u8,
 }
 
 /// Context length when neither --max-context nor config.json gives one.
@@ -74,6 +82,10 @@ const FALLBACK_CONTEXT: usize = 4096;
 
 /// Runs the command.
 pub fn serve_command(args: &ServeArgs) -> Result<()> {
+    if args.fast {
+        // The fast path runs its own CubeCL kernels; the Burn backend type is unused.
+        return run::<burn_ndarray::NdArray<f32>>(args, &Default::default(), "cpu");
+    }
     match resolve(args.device) {
         ServeDevice::Auto | ServeDevice::Cpu => {
             run::<burn_ndarray::NdArray<f32>>(args, &Default::default(), "cpu")
@@ -97,6 +109,27 @@ fn resolve(kind: ServeDevice) -> ServeDevice {
         return ServeDevice::Cuda;
     }
     if cfg!(feature = "wgpu") { ServeDevice::Wgpu } else { ServeDevice::Cpu }
+}
+
+/// The fast-path model on CUDA or wgpu, with a KV cache for the budget the engine will use.
+fn fast_model(args: &ServeArgs, dir: &Path, max_context: usize) -> Result<(Box<dyn StepModel>, String)> {
+    let config = pw_hf::ModelConfig::from_dir(dir)?;
+    let kv = pw_serve::KvLayout::from_config(&config, 2);
+    let budget = args.kv_budget_bytes.unwrap_or(kv.bytes_for(max_context) * args.max_batch.max(1) as u64);
+    #[cfg(feature = "cuda")]
+    if args.device == ServeDevice::Cuda || (args.device == ServeDevice::Auto && cuda_works()) {
+        use cubecl::Runtime;
+        let client = cubecl::cuda::CudaRuntime::client(&cubecl::cuda::CudaDevice::new(0));
+        let m = pw_serve::load_fast(&client, dir, args.bits, budget, args.max_batch, max_context)?;
+        return Ok((m, format!("cuda (fast path, experts at {} bits)", args.bits)));
+    }
+    if args.device == ServeDevice::Cpu {
+        bail!("--fast runs CubeCL kernels: use --device cuda, wgpu or auto");
+    }
+    use cubecl::Runtime;
+    let client = cubecl::wgpu::WgpuRuntime::client(&cubecl::wgpu::WgpuDevice::DefaultDevice);
+    let m = pw_serve::load_fast(&client, dir, args.bits, budget, args.max_batch, max_context)?;
+    Ok((m, format!("wgpu (fast path, experts at {} bits)", args.bits)))
 }
 
 /// Whether a CUDA device answers (the CUDA runtime panics when there is none).
@@ -132,11 +165,16 @@ where
         );
     }
     let t0 = Instant::now();
-    let model = BurnStepModel::<B, AnyModel<B>>::load(dir, device).context("loading the model")?;
+    let max_context = args.max_context.or_else(|| pw_serve::max_context(dir)).unwrap_or(FALLBACK_CONTEXT);
+    let (model, device_name): (Box<dyn StepModel>, String) = if args.fast {
+        fast_model(args, dir, max_context)?
+    } else {
+        let m = BurnStepModel::<B, AnyModel<B>>::load(dir, device).context("loading the model")?;
+        (Box::new(m), device_name.to_string())
+    };
     let tokenizer = Arc::new(pw_serve::load_tokenizer(dir)?);
     let chat = ChatTemplate::from_dir(dir)?;
     let eos_token_ids = pw_serve::eos_token_ids(dir)?;
-    let max_context = args.max_context.or_else(|| pw_serve::max_context(dir)).unwrap_or(FALLBACK_CONTEXT);
     let kv = model.kv_layout().clone();
     let weight_bytes = model.weight_bytes();
     let kv_budget_bytes =
@@ -149,7 +187,7 @@ where
         eos_token_ids,
     };
     let rec = UsageRecorder::default();
-    let engine = Engine::start(Box::new(model), tokenizer.clone(), config, Box::new(rec.clone()))?;
+    let engine = Engine::start(model, tokenizer.clone(), config, Box::new(rec.clone()))?;
     let name = args.served_name.clone().unwrap_or_else(|| {
         dir.canonicalize()
             .ok()

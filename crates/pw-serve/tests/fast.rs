@@ -1,0 +1,74 @@
+//! The engine over the fast decode path (`FastStepModel`, fused CubeCL kernels on wgpu) on the
+//! shipped tiny Mixtral: concurrent requests batched together produce exactly the tokens each
+//! sequence produces alone, and their KV blocks come back. (That one sequence matches the Burn
+//! model is `pw-decode`'s test.)
+
+use std::path::{Path, PathBuf};
+
+use cubecl::Runtime;
+use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
+use pw_models::{Sampler, SamplingConfig};
+use pw_serve::{
+    DecodeSlot, Engine, EngineConfig, FastStepModel, GenerateRequest, PrefillSlot, SamplingParams, StepModel,
+    UsageRecorder,
+};
+
+fn dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/tiny-mixtral")
+}
+
+fn alone(model: &mut dyn StepModel, seq: u64, prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut s = Sampler::new(SamplingConfig { temperature: 0.0, ..Default::default() });
+    let mut out = model.prefill(&mut [PrefillSlot { seq, prompt, sampler: &mut s }]).unwrap();
+    while out.len() < n {
+        let last = *out.last().unwrap();
+        out.extend(model.decode(&mut [DecodeSlot { seq, last, sampler: &mut s }]).unwrap());
+    }
+    model.release(seq);
+    out
+}
+
+#[test]
+fn fast_path_batches_equal_each_sequence_alone() {
+    if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
+        // SAFETY: set once before any thread reads the environment.
+        unsafe { std::env::set_var("XDG_RUNTIME_DIR", std::env::temp_dir()) };
+    }
+    let client = WgpuRuntime::client(&WgpuDevice::DefaultDevice);
+    let mut model = FastStepModel::<WgpuRuntime, f32>::load(&client, &dir(), 6, 1 << 22, 4, 128).unwrap();
+    let tok = pw_serve::load_tokenizer(&dir()).unwrap();
+    let prompts: Vec<Vec<u32>> = ["ROMEO.\nBut soft", "And God said, Let there be", "KING."]
+        .iter()
+        .map(|p| tok.encode(*p, true).unwrap().get_ids().to_vec())
+        .collect();
+    let lens = [9, 5, 12];
+    let want: Vec<Vec<u32>> =
+        prompts.iter().zip(lens).enumerate().map(|(i, (p, n))| alone(&mut model, i as u64, p, n)).collect();
+    assert_eq!(model.kv_bytes_held(), 0, "released sequences give their blocks back");
+    assert!(model.weight_bytes() > 0);
+
+    let config = EngineConfig {
+        kv_budget_bytes: 1 << 22,
+        max_batch: 4,
+        max_context: 128,
+        max_prefill_tokens: 2048,
+        eos_token_ids: vec![2],
+    };
+    let rec = UsageRecorder::default();
+    let engine =
+        Engine::start(Box::new(model), std::sync::Arc::new(tok), config, Box::new(rec.clone())).unwrap();
+    let h = engine.handle();
+    let streams: Vec<_> = prompts
+        .iter()
+        .zip(lens)
+        .map(|(p, n)| {
+            let params =
+                SamplingParams { temperature: 0.0, max_tokens: n, ignore_eos: true, ..Default::default() };
+            h.submit(GenerateRequest { prompt: p.clone(), params }).unwrap()
+        })
+        .collect();
+    for ((s, w), p) in streams.into_iter().zip(&want).zip(&prompts) {
+        assert_eq!(&s.collect_blocking().unwrap().tokens, w, "prompt {p:?}");
+    }
+    assert!(rec.record().peak_active >= 2, "the requests ran together: {:?}", rec.record());
+}
