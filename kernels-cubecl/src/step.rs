@@ -155,7 +155,8 @@ pub fn dense_gemm<R: Runtime>(
     let plane = client.properties().hardware.plane_size_max as usize;
     let warps = 8;
     // The widest load the device likes that divides the row (16 bytes of halves on CUDA).
-    let vec = client.io_optimized_vector_sizes(2).filter(|v| *v <= 8 && g.k.is_multiple_of(*v)).max().unwrap_or(1);
+    let vec =
+        client.io_optimized_vector_sizes(2).filter(|v| *v <= 8 && g.k.is_multiple_of(*v)).max().unwrap_or(1);
     // SAFETY: sizes checked above; the kernel reads `meta[0] ≤ tokens` rows; `w` holds `n · k`
     // halves, i.e. `n · k / vec` vectors.
     unsafe {
