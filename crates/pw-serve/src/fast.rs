@@ -51,7 +51,29 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
         let dec = MixtralDecoder::load(client, dir, &experts, blocks, BLOCK, max_context)
             .map_err(|e| model(e.to_string()))?;
         let kv = KvLayout::from_config(&config, size_of::<KV>() as u64);
-        Ok(Self { dec, kv, block_bytes, live: HashSet::new() })
+        let mut me = Self { dec, kv, block_bytes, live: HashSet::new() };
+        me.warm_up(max_batch).map_err(|e| model(e.0))?;
+        Ok(me)
+    }
+
+    /// Runs one step at every token bucket up to `max_batch` so each kernel variant is
+    /// compiled (NVRTC / SPIR-V) before the first requests, which would otherwise wait for it.
+    fn warm_up(&mut self, max_batch: usize) -> Result<(), StepError> {
+        let mut b = 1;
+        while b <= max_batch.clamp(1, STEP_BATCH) {
+            let seqs: Vec<SeqId> = (0..b as u64).map(|i| u64::MAX - i).collect();
+            for &s in &seqs {
+                self.dec.add_sequence(s).map_err(|e| StepError(e.to_string()))?;
+            }
+            let step: Vec<(SeqId, u32)> = seqs.iter().map(|&s| (s, 0)).collect();
+            let res = self.step(&step);
+            for &s in &seqs {
+                let _ = self.dec.free_sequence(s);
+            }
+            res?;
+            b *= 2;
+        }
+        Ok(())
     }
 
     fn step(&mut self, batch: &[(SeqId, u32)]) -> Result<Vec<Vec<f32>>, StepError> {
