@@ -110,6 +110,18 @@ fn time_batches<R: Runtime>(
     Ok(v[v.len() / 2])
 }
 
+/// The bound every GPU benchmark compares against: median seconds of one streaming read of
+/// `words` u32 words (made on the device; much larger than L2 outside quick runs).
+pub(crate) fn stream_read_secs<R: Runtime>(client: &ComputeClient<R>, words: usize) -> Result<f64> {
+    let data = DeviceArray::empty::<R, u32>(client, words);
+    kernels_cubecl::fill_hash(client, &data, 1);
+    let cubes = client.properties().hardware.num_streaming_multiprocessors.unwrap_or(8) * 8;
+    let out = DeviceArray::empty::<R, u32>(client, cubes as usize * 256);
+    let secs = time_batches(client, 20, |_| kernels_cubecl::stream_read(client, &data, &out, cubes))?;
+    eprintln!("stream read: {:.0} GB/s", (words * 4) as f64 / secs / 1e9);
+    Ok(secs)
+}
+
 fn run<R: Runtime>(device: &R::Device, a: &BenchKernelsArgs) -> Result<Vec<Value>> {
     let client = R::client(device);
     let mut cfg = GemmConfig::for_client(&client);
@@ -119,18 +131,12 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchKernelsArgs) -> Result<Vec<Value
     let wanted = |m: &str| a.models.is_empty() || a.models.iter().any(|w| w == m);
     let mut records = Vec::new();
 
-    // The bound: streaming reads of a buffer much larger than L2.
     let words = if a.quick { 1 << 22 } else { 1 << 29 };
-    let data = DeviceArray::from_slice(&client, &vec![0x5a5a_5a5au32; words]);
-    let cubes = client.properties().hardware.num_streaming_multiprocessors.unwrap_or(8) * 8;
-    let out = DeviceArray::empty::<R, u32>(&client, cubes as usize * 256);
-    let secs = time_batches(&client, 20, |_| kernels_cubecl::stream_read(&client, &data, &out, cubes))?;
+    let secs = stream_read_secs(&client, words)?;
     let hbm = (words * 4) as f64 / secs / 1e9;
-    eprintln!("stream read: {hbm:.0} GB/s");
     records.push(
         json!({"kernel": "stream_read", "bytes": words * 4, "time_us": secs * 1e6, "hbm_read_gbps": hbm}),
     );
-    drop(data);
 
     let bits_list: Vec<u8> = if a.quick { vec![3, 8] } else { (3..=8).collect() };
     let shapes: &[_] = if a.quick { &SHAPES[2..4] } else { &SHAPES };

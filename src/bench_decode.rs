@@ -4,7 +4,7 @@
 
 use anyhow::{Context, Result};
 use cubecl::prelude::*;
-use kernels_cubecl::{DeviceArray, stream_read, sync};
+use kernels_cubecl::sync;
 use pw_decode::{DecodeConfig, MixtralDecoder};
 use serde_json::{Value, json};
 use std::time::Instant;
@@ -81,22 +81,8 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
     let cfg = shape(&a.shape)?;
     let mut records = Vec::new();
 
-    // The bound: streaming reads of a buffer much larger than L2.
     let words = if a.shape == "tiny" { 1 << 22 } else { 1 << 29 };
-    let data = DeviceArray::empty::<R, u32>(&client, words);
-    kernels_cubecl::fill_hash(&client, &data, 1);
-    let cubes = client.properties().hardware.num_streaming_multiprocessors.unwrap_or(8) * 8;
-    let out = DeviceArray::empty::<R, u32>(&client, cubes as usize * 256);
-    stream_read(&client, &data, &out, cubes);
-    sync(&client)?;
-    let t = Instant::now();
-    for _ in 0..20 {
-        stream_read(&client, &data, &out, cubes);
-    }
-    sync(&client)?;
-    let gbps = (words * 4 * 20) as f64 / t.elapsed().as_secs_f64() / 1e9;
-    eprintln!("stream read: {gbps:.0} GB/s");
-    drop(data);
+    let gbps = (words * 4) as f64 / crate::bench::stream_read_secs(&client, words)? / 1e9;
 
     let max_batch = a.batches.iter().copied().max().unwrap_or(1);
     let max_seq = a.ctx + a.steps + 16;

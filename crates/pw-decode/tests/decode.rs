@@ -64,20 +64,7 @@ fn check(kv_f16: bool, tol: f32) {
     let ModelConfig::Mixtral(mc) = ModelConfig::from_dir(&dir).unwrap() else { panic!("not mixtral") };
     let ckpt = Checkpoint::open(&dir).unwrap();
     // The decoder's own view of the shapes, used to quantize the experts.
-    let cfg = DecodeConfig {
-        vocab: mc.vocab_size,
-        hidden: mc.hidden_size,
-        inter: mc.intermediate_size,
-        layers: mc.num_hidden_layers,
-        heads: mc.num_attention_heads,
-        kv_heads: mc.num_key_value_heads,
-        head_dim: mc.head_dim,
-        experts: mc.num_local_experts,
-        top_k: mc.num_experts_per_tok,
-        eps: mc.rms_norm_eps as f32,
-        window: 0,
-        inv_freq: mc.rope.inv_freq(mc.head_dim),
-    };
+    let cfg = DecodeConfig::from_mixtral(&mc);
     // Mixed committed bits, as the planner leaves them: 8, 6, 4 and 3 bits across experts.
     let mut experts = ExpertBlocks::quantize_hf(&ckpt, &cfg, 8).unwrap();
     for (l, layer) in experts.bits.iter_mut().enumerate() {
