@@ -1,10 +1,11 @@
 //! `pagedweight bench-kernels`: GPU timings of the bit-plane kernels on the
 //! three models' expert shapes, written as JSON records.
 //!
-//! Timing is wall clock over batches of back-to-back launches ending in one
-//! `sync` (CubeCL 0.10 exposes no device events on its stream); each launch
-//! reads a different copy of the weights so that L2 cannot serve them. The
-//! bound is the streaming read bandwidth measured by the same binary.
+//! Timing: batches of back-to-back launches, each batch timed by device events around it
+//! (`ComputeClient::profile`, CUDA events on the GPU; wall clock where the runtime has no
+//! device timer), median of 7 batches; the wall-clock time of the same batches is recorded
+//! beside it. Each launch reads a different copy of the weights so that L2 cannot serve them.
+//! The bound is the streaming read bandwidth measured by the same binary.
 
 use anyhow::{Context, Result};
 use cubecl::prelude::*;
@@ -42,6 +43,9 @@ pub struct BenchKernelsArgs {
     /// Override the rows per warp of the grouped GEMM.
     #[arg(long)]
     pub rows_per_warp: Option<usize>,
+    /// Also time the first (unspecialised) grouped GEMM kernel, for a ratio in the same run.
+    #[arg(long)]
+    pub compare_v1: bool,
 }
 
 /// Runs the benchmark on the chosen runtime.
@@ -89,25 +93,55 @@ fn gaussian_block(rows: usize, cols: usize, seed: u64) -> Result<ApBlock> {
     Ok(ApBlock::quantize("bench", &w, None, rows, cols, 3, 8)?)
 }
 
-/// Median seconds per launch of `f` (which enqueues `launches` launches).
+/// The kernel variants to time: the current one, and the first one when asked.
+fn variants(cfg: GemmConfig, compare_v1: bool) -> Vec<(&'static str, GemmConfig)> {
+    let mut v = vec![("specialized", cfg)];
+    if compare_v1 {
+        v.push(("v1", GemmConfig { specialized: false, ..cfg }));
+    }
+    v
+}
+
+/// Per-launch seconds of a timed batch: device events (or wall clock where the runtime
+/// has no device timer) and wall clock.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Timing {
+    pub device: f64,
+    pub wall: f64,
+}
+
+/// Median per-launch time of `f` (which enqueues one launch per call) over 7 batches of
+/// `launches` calls.
 fn time_batches<R: Runtime>(
     client: &ComputeClient<R>,
     launches: usize,
-    mut f: impl FnMut(usize),
-) -> Result<f64> {
+    mut f: impl FnMut(usize) + Send,
+) -> Result<Timing> {
     f(0);
     sync(client)?;
-    let mut v = Vec::new();
+    let (mut dev, mut wall) = (Vec::new(), Vec::new());
     for _ in 0..7 {
         let t = Instant::now();
-        for i in 0..launches {
-            f(i);
-        }
+        let (_, d) = client
+            .profile(
+                || {
+                    for i in 0..launches {
+                        f(i);
+                    }
+                },
+                "bench",
+            )
+            .map_err(|e| anyhow::anyhow!("profiling: {e:?}"))?;
+        let ticks = cubecl::future::block_on(d.resolve());
         sync(client)?;
-        v.push(t.elapsed().as_secs_f64() / launches as f64);
+        wall.push(t.elapsed().as_secs_f64() / launches as f64);
+        dev.push(ticks.duration().as_secs_f64() / launches as f64);
     }
-    v.sort_by(f64::total_cmp);
-    Ok(v[v.len() / 2])
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    Ok(Timing { device: median(&mut dev), wall: median(&mut wall) })
 }
 
 /// The bound every GPU benchmark compares against: median seconds of one streaming read of
@@ -117,7 +151,7 @@ pub(crate) fn stream_read_secs<R: Runtime>(client: &ComputeClient<R>, words: usi
     kernels_cubecl::fill_hash(client, &data, 1);
     let cubes = client.properties().hardware.num_streaming_multiprocessors.unwrap_or(8) * 8;
     let out = DeviceArray::empty::<R, u32>(client, cubes as usize * 256);
-    let secs = time_batches(client, 20, |_| kernels_cubecl::stream_read(client, &data, &out, cubes))?;
+    let secs = time_batches(client, 20, |_| kernels_cubecl::stream_read(client, &data, &out, cubes))?.device;
     eprintln!("stream read: {:.0} GB/s", (words * 4) as f64 / secs / 1e9);
     Ok(secs)
 }
@@ -159,31 +193,34 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchKernelsArgs) -> Result<Vec<Value
                         (it, upload_items(&client, &[it]))
                     })
                     .collect();
-                let secs = time_batches(&client, a.launches, |i| {
-                    let (it, d) = &descs[i % descs.len()];
-                    ap_gemm(
-                        &client,
-                        cfg,
-                        &planes,
-                        &luts,
-                        std::slice::from_ref(it),
-                        d,
-                        &x,
-                        &y,
-                        Activation::None,
-                    )
-                    .expect("valid items");
-                })?;
-                let gbps = (pb + lb) as f64 / secs / 1e9;
-                eprintln!(
-                    "gemv {model} {block_name} {rows}x{cols} t{tokens} b{bits}: {:.1} us {gbps:.0} GB/s",
-                    secs * 1e6
-                );
-                records.push(
-                    json!({"kernel": "gemv", "model": model, "block": block_name, "shape": [rows, cols],
-                    "tokens": tokens, "bits": bits, "time_us": secs * 1e6, "effective_gbps": gbps,
-                    "bytes": pb + lb, "hbm_read_gbps": hbm}),
-                );
+                for (variant, vcfg) in variants(cfg, a.compare_v1) {
+                    let t = time_batches(&client, a.launches, |i| {
+                        let (it, d) = &descs[i % descs.len()];
+                        ap_gemm(
+                            &client,
+                            vcfg,
+                            &planes,
+                            &luts,
+                            std::slice::from_ref(it),
+                            d,
+                            &x,
+                            &y,
+                            Activation::None,
+                        )
+                        .expect("valid items");
+                    })?;
+                    let gbps = (pb + lb) as f64 / t.device / 1e9;
+                    eprintln!(
+                        "gemv {variant} {model} {block_name} {rows}x{cols} t{tokens} b{bits}: {:.1} us {gbps:.0} GB/s",
+                        t.device * 1e6
+                    );
+                    records.push(
+                        json!({"kernel": "gemv", "variant": variant, "model": model, "block": block_name,
+                        "shape": [rows, cols], "tokens": tokens, "bits": bits, "time_us": t.device * 1e6,
+                        "wall_us": t.wall * 1e6, "effective_gbps": gbps,
+                        "bytes": pb + lb, "hbm_read_gbps": hbm}),
+                    );
+                }
             }
         }
     }
@@ -236,18 +273,23 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchKernelsArgs) -> Result<Vec<Value
                     (gi, gd, di, dd)
                 })
                 .collect();
-            let secs = time_batches(&client, a.launches / 4 + 1, |i| {
-                let (gi, gd, di, dd) = &plans[i % plans.len()];
-                ap_gemm(&client, cfg, &planes, &luts, gi, gd, &x, &h, Activation::None).expect("valid items");
-                ap_gemm(&client, cfg, &planes, &luts, di, dd, &h, &y, act).expect("valid items");
-            })?;
-            let gbps = layer_bytes as f64 / secs / 1e9;
-            eprintln!("layer {model} e{experts} t{tokens} bits {label}: {:.1} us {gbps:.0} GB/s", secs * 1e6);
-            records.push(
-                json!({"kernel": "grouped_layer", "model": model, "experts": experts, "tokens": tokens,
-                "top_k": top_k, "bits": label, "launches": 2, "time_us": secs * 1e6, "effective_gbps": gbps,
-                "bytes": layer_bytes, "shape": [experts, hidden, inter], "hbm_read_gbps": hbm}),
-            );
+            for (variant, vcfg) in variants(cfg, a.compare_v1) {
+                let t = time_batches(&client, a.launches / 4 + 1, |i| {
+                    let (gi, gd, di, dd) = &plans[i % plans.len()];
+                    ap_gemm(&client, vcfg, &planes, &luts, gi, gd, &x, &h, Activation::None)
+                        .expect("valid items");
+                    ap_gemm(&client, vcfg, &planes, &luts, di, dd, &h, &y, act).expect("valid items");
+                })?;
+                let gbps = layer_bytes as f64 / t.device / 1e9;
+                eprintln!(
+                    "layer {variant} {model} e{experts} t{tokens} bits {label}: {:.1} us {gbps:.0} GB/s",
+                    t.device * 1e6
+                );
+                records.push(json!({"kernel": "grouped_layer", "variant": variant, "model": model,
+                    "experts": experts, "tokens": tokens, "top_k": top_k, "bits": label, "launches": 2,
+                    "time_us": t.device * 1e6, "wall_us": t.wall * 1e6, "effective_gbps": gbps,
+                    "bytes": layer_bytes, "shape": [experts, hidden, inter], "hbm_read_gbps": hbm}));
+            }
         }
     }
     Ok(records)

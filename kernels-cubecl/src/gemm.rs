@@ -53,12 +53,13 @@ fn activate(g: f32, #[comptime] act: u32) -> f32 {
     }
 }
 
-/// The kernel. Grid: `(row tiles of warps · rows_per_warp, work items)`;
-/// cube: `warps · plane_size` units. Descriptor `d = desc[8·item ..]`: plane word offset,
-/// LUT element offset, rows, cols, bits, x offset, y offset, tokens.
+/// The first kernel, kept for comparison in `bench-kernels` (`GemmConfig::specialized =
+/// false`): the bit loop is unrolled over all 8 planes with a runtime guard, so a 3-bit block
+/// pays the index-building instructions of an 8-bit one, and every item computes the launch's
+/// largest token bucket.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
-pub fn ap_gemm_kernel(
+pub fn ap_gemm_kernel_v1(
     planes: &Array<u32>,
     luts: &Array<f16>,
     desc: &Array<u32>,
@@ -183,6 +184,364 @@ pub fn ap_gemm_kernel(
             let row = wrow0 + r;
             if lane == 0 && row < n && t < tokens {
                 y[y_off + t * n + row] = s;
+            }
+        }
+    }
+}
+
+/// The kernel. Grid: `(row tiles of warps · rows_per_warp, work items)`;
+/// cube: `warps · plane_size` units. Descriptor `d = desc[8·item ..]`: plane word offset,
+/// LUT element offset, rows, cols, bits, x offset, y offset, tokens.
+///
+/// Each cube branches once per chunk (uniformly) into a body compiled for its item's
+/// bit-width, so a `b`-bit block builds its indices from `b` planes only, and into a body for
+/// at most 2 tokens when its item has that few (routed decode items mostly do), so padding
+/// tokens cost no multiply-adds. Within a body, the `x` values of a column are read from
+/// shared memory once for all the warp's rows.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn ap_gemm_kernel(
+    planes: &Array<u32>,
+    luts: &Array<f16>,
+    desc: &Array<u32>,
+    x: &Array<f32>,
+    y: &mut Array<f32>,
+    #[comptime] max_tokens: usize,
+    #[comptime] plane_size: usize,
+    #[comptime] warps: usize,
+    #[comptime] rows_per_warp: usize,
+    #[comptime] act: u32,
+) {
+    let rows_per_cube = warps * rows_per_warp;
+    let d = CUBE_POS_Y as usize * 8usize;
+    let plane_off = desc[d] as usize;
+    let lut_off = desc[d + 1] as usize;
+    let n = desc[d + 2] as usize;
+    let k = desc[d + 3] as usize;
+    let bits = desc[d + 4];
+    let x_off = desc[d + 5] as usize;
+    let y_off = desc[d + 6] as usize;
+    let tokens = desc[d + 7] as usize;
+
+    let row0 = CUBE_POS_X as usize * rows_per_cube;
+    if row0 >= n || tokens == 0 {
+        terminate!();
+    }
+    let lut_len = 1usize << bits as usize;
+    let unit = UNIT_POS as usize;
+    let cube_units = warps * plane_size;
+
+    let mut lut_s = SharedMemory::<f32>::new(warps * rows_per_warp * LUT_SLOTS);
+    for i in range_stepped(unit, rows_per_cube * lut_len, cube_units) {
+        let r = i / lut_len;
+        let e = i % lut_len;
+        if row0 + r < n {
+            lut_s[r * LUT_SLOTS + e] = f32::cast_from(luts[lut_off + (row0 + r) * lut_len + e]);
+        }
+    }
+    let mut x_s = SharedMemory::<f32>::new(max_tokens * (32usize * plane_size + plane_size));
+
+    // Few-token items (most routed decode items) run a body with no padding tokens.
+    let small = comptime![if max_tokens < 2 { max_tokens } else { 2usize }];
+    if comptime![small < max_tokens] && tokens <= small {
+        gemm_item(
+            planes,
+            x,
+            y,
+            &lut_s,
+            &mut x_s,
+            plane_off,
+            n,
+            k,
+            bits,
+            x_off,
+            y_off,
+            tokens,
+            row0,
+            small,
+            plane_size,
+            warps,
+            rows_per_warp,
+            act,
+        );
+    } else {
+        gemm_item(
+            planes,
+            x,
+            y,
+            &lut_s,
+            &mut x_s,
+            plane_off,
+            n,
+            k,
+            bits,
+            x_off,
+            y_off,
+            tokens,
+            row0,
+            max_tokens,
+            plane_size,
+            warps,
+            rows_per_warp,
+            act,
+        );
+    }
+}
+
+/// One item's row tile for a token bucket `tb`: stage `x` chunk by chunk, dispatch on the
+/// bit-width, reduce across the warp and store.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn gemm_item(
+    planes: &Array<u32>,
+    x: &Array<f32>,
+    y: &mut Array<f32>,
+    lut_s: &SharedMemory<f32>,
+    x_s: &mut SharedMemory<f32>,
+    plane_off: usize,
+    n: usize,
+    k: usize,
+    bits: u32,
+    x_off: usize,
+    y_off: usize,
+    tokens: usize,
+    row0: usize,
+    #[comptime] tb: usize,
+    #[comptime] plane_size: usize,
+    #[comptime] warps: usize,
+    #[comptime] rows_per_warp: usize,
+    #[comptime] act: u32,
+) {
+    let words = k.div_ceil(32usize);
+    let unit = UNIT_POS as usize;
+    let cube_units = warps * plane_size;
+    let lane = unit % plane_size;
+    let warp = unit / plane_size;
+    let wrow0 = row0 + warp * rows_per_warp;
+    let lrow0 = warp * rows_per_warp;
+    let chunk = 32usize * plane_size;
+    let xs_stride = chunk + plane_size;
+    let x_stride = if comptime![act == 0] { k } else { 2usize * k };
+    let xbase = lane * 33usize;
+
+    let mut acc = Array::<f32>::new(tb * rows_per_warp);
+    #[unroll]
+    for t in 0..tb * rows_per_warp {
+        acc[t] = 0.0;
+    }
+    let n_chunks = words.div_ceil(plane_size);
+    for ch in 0..n_chunks {
+        // The previous chunk must be consumed (and the LUTs staged) first.
+        sync_cube();
+        let c0 = ch * chunk;
+        for i in range_stepped(unit, tb * chunk, cube_units) {
+            let t = i / chunk;
+            let c = i % chunk;
+            let col = c0 + c;
+            let mut v = 0.0f32;
+            if t < tokens && col < k {
+                let base = x_off + t * x_stride;
+                if comptime![act == 0] {
+                    v = x[base + col];
+                } else {
+                    v = activate(x[base + col], act) * x[base + k + col];
+                }
+            }
+            x_s[t * xs_stride + c + c / 32usize] = v;
+        }
+        sync_cube();
+
+        let wi = ch * plane_size + lane;
+        // One uniform branch per chunk into a body compiled for the item's bit-width.
+        if bits == 3u32 {
+            chunk_rows(
+                planes,
+                plane_off,
+                n,
+                words,
+                wi,
+                wrow0,
+                lut_s,
+                lrow0,
+                x_s,
+                xs_stride,
+                xbase,
+                &mut acc,
+                3usize,
+                tb,
+                rows_per_warp,
+            );
+        } else if bits == 4u32 {
+            chunk_rows(
+                planes,
+                plane_off,
+                n,
+                words,
+                wi,
+                wrow0,
+                lut_s,
+                lrow0,
+                x_s,
+                xs_stride,
+                xbase,
+                &mut acc,
+                4usize,
+                tb,
+                rows_per_warp,
+            );
+        } else if bits == 5u32 {
+            chunk_rows(
+                planes,
+                plane_off,
+                n,
+                words,
+                wi,
+                wrow0,
+                lut_s,
+                lrow0,
+                x_s,
+                xs_stride,
+                xbase,
+                &mut acc,
+                5usize,
+                tb,
+                rows_per_warp,
+            );
+        } else if bits == 6u32 {
+            chunk_rows(
+                planes,
+                plane_off,
+                n,
+                words,
+                wi,
+                wrow0,
+                lut_s,
+                lrow0,
+                x_s,
+                xs_stride,
+                xbase,
+                &mut acc,
+                6usize,
+                tb,
+                rows_per_warp,
+            );
+        } else if bits == 7u32 {
+            chunk_rows(
+                planes,
+                plane_off,
+                n,
+                words,
+                wi,
+                wrow0,
+                lut_s,
+                lrow0,
+                x_s,
+                xs_stride,
+                xbase,
+                &mut acc,
+                7usize,
+                tb,
+                rows_per_warp,
+            );
+        } else {
+            chunk_rows(
+                planes,
+                plane_off,
+                n,
+                words,
+                wi,
+                wrow0,
+                lut_s,
+                lrow0,
+                x_s,
+                xs_stride,
+                xbase,
+                &mut acc,
+                8usize,
+                tb,
+                rows_per_warp,
+            );
+        }
+    }
+
+    #[unroll]
+    for r in 0..rows_per_warp {
+        #[unroll]
+        for t in 0..tb {
+            let s = plane_sum(acc[r * tb + t]);
+            let row = wrow0 + r;
+            if lane == 0 && row < n && t < tokens {
+                y[y_off + t * n + row] = s;
+            }
+        }
+    }
+}
+
+/// One lane's word of one staged chunk for the warp's rows, at `bits` bits: loads every
+/// plane word first (all in flight together), rebuilds four indices per shift/mask step,
+/// and reads each column's `x` once for all rows.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn chunk_rows(
+    planes: &Array<u32>,
+    plane_off: usize,
+    n: usize,
+    words: usize,
+    wi: usize,
+    wrow0: usize,
+    lut_s: &SharedMemory<f32>,
+    lrow0: usize,
+    x_s: &SharedMemory<f32>,
+    xs_stride: usize,
+    xbase: usize,
+    acc: &mut Array<f32>,
+    #[comptime] bits: usize,
+    #[comptime] tb: usize,
+    #[comptime] rows_per_warp: usize,
+) {
+    let mut pw = Array::<u32>::new(rows_per_warp * bits);
+    #[unroll]
+    for r in 0..rows_per_warp {
+        let row = wrow0 + r;
+        let live = row < n && wi < words;
+        #[unroll]
+        for p in 0..bits {
+            let mut v = 0u32;
+            if live {
+                v = planes[plane_off + (p * n + row) * words + wi];
+            }
+            pw[r * bits + p] = v;
+        }
+    }
+    let mut idx4 = Array::<u32>::new(rows_per_warp);
+    let mut xv = Array::<f32>::new(tb);
+    // Not unrolled: twelve bodies per kernel (6 widths × 2 token buckets) stay small enough
+    // to compile quickly, and the loop costs a few instructions per 32·rows·tokens FMAs.
+    for q in 0..8usize {
+        #[unroll]
+        for r in 0..rows_per_warp {
+            let mut v = 0u32;
+            #[unroll]
+            for p in 0..bits {
+                v = (v << 1u32) | ((pw[r * bits + p] >> (q as u32)) & 0x0101_0101u32);
+            }
+            idx4[r] = v;
+        }
+        #[unroll]
+        for kk in 0..4usize {
+            let xo = xbase + q + 8usize * kk;
+            #[unroll]
+            for t in 0..tb {
+                xv[t] = x_s[t * xs_stride + xo];
+            }
+            #[unroll]
+            for r in 0..rows_per_warp {
+                let idx = ((idx4[r] >> (8 * kk) as u32) & 0xFFu32) as usize;
+                let w = lut_s[(lrow0 + r) * LUT_SLOTS + idx];
+                #[unroll]
+                for t in 0..tb {
+                    acc[r * tb + t] += w * xv[t];
+                }
             }
         }
     }

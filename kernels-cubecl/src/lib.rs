@@ -176,6 +176,10 @@ pub struct GemmConfig {
     /// Rows each warp handles per staged chunk of `x` (amortises the staging
     /// and its barriers; costs `warps · rows_per_warp` KiB of LUT space).
     pub rows_per_warp: usize,
+    /// `true` (the default): the kernel with per-item bodies for each bit-width and for
+    /// few-token items; `false`: the first kernel, kept so `bench-kernels` can compare both
+    /// in one run.
+    pub specialized: bool,
 }
 
 impl GemmConfig {
@@ -184,7 +188,7 @@ impl GemmConfig {
         let hw = &client.properties().hardware;
         // Devices with little shared memory (lavapipe: 32 KiB) get one row per warp.
         let rows_per_warp = if hw.max_shared_memory_size >= 96 * 1024 { 4 } else { 1 };
-        Self { plane_size: hw.plane_size_max as usize, warps: 8, rows_per_warp }
+        Self { plane_size: hw.plane_size_max as usize, warps: 8, rows_per_warp, specialized: true }
     }
 }
 
@@ -268,22 +272,19 @@ pub fn ap_gemm<R: Runtime>(
     let tiles = max_rows.div_ceil(cfg.warps * cfg.rows_per_warp) as u32;
     let cube_dim = CubeDim::new_1d((cfg.warps * cfg.plane_size) as u32);
     // SAFETY: every offset and length was checked against the buffers above.
+    let count = CubeCount::Static(tiles, items.len() as u32, 1);
+    let (p, l, d, xa, ya) = (planes.arg(), luts.arg(), desc.arg(), x.arg(), y.arg());
+    let (ps, w, r, a) = (cfg.plane_size, cfg.warps, cfg.rows_per_warp, act.code());
     unsafe {
-        gemm::ap_gemm_kernel::launch_unchecked::<R>(
-            client,
-            CubeCount::Static(tiles, items.len() as u32, 1),
-            cube_dim,
-            planes.arg(),
-            luts.arg(),
-            desc.arg(),
-            x.arg(),
-            y.arg(),
-            max_tokens,
-            cfg.plane_size,
-            cfg.warps,
-            cfg.rows_per_warp,
-            act.code(),
-        )
+        if cfg.specialized {
+            gemm::ap_gemm_kernel::launch_unchecked::<R>(
+                client, count, cube_dim, p, l, d, xa, ya, max_tokens, ps, w, r, a,
+            )
+        } else {
+            gemm::ap_gemm_kernel_v1::launch_unchecked::<R>(
+                client, count, cube_dim, p, l, d, xa, ya, max_tokens, ps, w, r, a,
+            )
+        }
     };
     Ok(())
 }
