@@ -46,13 +46,31 @@ pub struct BenchKernelsArgs {
     /// Also time the first (unspecialised) grouped GEMM kernel, for a ratio in the same run.
     #[arg(long)]
     pub compare_v1: bool,
+    /// Only these bit-widths (comma-separated; default 3..=8).
+    #[arg(long, value_delimiter = ',')]
+    pub bits: Vec<u8>,
+    /// Token counts of the single-block runs (comma-separated; default 1,4,8,16).
+    #[arg(long, value_delimiter = ',')]
+    pub tokens: Vec<usize>,
+    /// Skip the prefill comparison (dequantize + Burn matmul vs Burn's f16 matmul; CUDA only).
+    #[arg(long)]
+    pub no_prefill: bool,
 }
 
 /// Runs the benchmark on the chosen runtime.
 pub fn bench_kernels(a: &BenchKernelsArgs) -> Result<()> {
     let records = match a.device.as_str() {
         #[cfg(feature = "cuda")]
-        "cuda" => run::<cubecl::cuda::CudaRuntime>(&cubecl::cuda::CudaDevice::new(0), a)?,
+        "cuda" => {
+            let device = cubecl::cuda::CudaDevice::new(0);
+            let mut records = run::<cubecl::cuda::CudaRuntime>(&device, a)?;
+            if !a.no_prefill {
+                records.extend(crate::bench_prefill::prefill_records::<cubecl::cuda::CudaRuntime>(
+                    &device, a.quick,
+                )?);
+            }
+            records
+        }
         #[cfg(not(feature = "cuda"))]
         "cuda" => {
             anyhow::bail!("--device cuda: this binary was built without CUDA; rebuild with `--features cuda`")
@@ -82,7 +100,7 @@ const LAYERS: [(&str, usize, usize, usize, usize, usize, Activation); 3] = [
     ("gemma4", 128, 2816, 704, 32, 8, Activation::GeluTanhMul),
 ];
 
-fn gaussian_block(rows: usize, cols: usize, seed: u64) -> Result<ApBlock> {
+pub(crate) fn gaussian_block(rows: usize, cols: usize, seed: u64) -> Result<ApBlock> {
     // Trained projections are close to Gaussian; a sum of uniforms is enough here.
     let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
     let mut uni = move || {
@@ -112,7 +130,7 @@ pub(crate) struct Timing {
 
 /// Median per-launch time of `f` (which enqueues one launch per call) over 7 batches of
 /// `launches` calls.
-fn time_batches<R: Runtime>(
+pub(crate) fn time_batches<R: Runtime>(
     client: &ComputeClient<R>,
     launches: usize,
     mut f: impl FnMut(usize) + Send,
@@ -172,7 +190,14 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchKernelsArgs) -> Result<Vec<Value
         json!({"kernel": "stream_read", "bytes": words * 4, "time_us": secs * 1e6, "hbm_read_gbps": hbm}),
     );
 
-    let bits_list: Vec<u8> = if a.quick { vec![3, 8] } else { (3..=8).collect() };
+    let bits_list: Vec<u8> = if !a.bits.is_empty() {
+        a.bits.clone()
+    } else if a.quick {
+        vec![3, 8]
+    } else {
+        (3..=8).collect()
+    };
+    let token_list = if a.tokens.is_empty() { vec![1usize, 4, 8, 16] } else { a.tokens.clone() };
     let shapes: &[_] = if a.quick { &SHAPES[2..4] } else { &SHAPES };
     for &(model, block_name, rows, cols) in shapes.iter().filter(|s| wanted(s.0)) {
         let block = gaussian_block(rows, cols, rows as u64 * 31 + cols as u64)?;
@@ -183,7 +208,7 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchKernelsArgs) -> Result<Vec<Value
             let slots: Vec<PoolSlot> = (0..copies).map(|_| pool.push(&block, bits)).collect();
             let planes = DeviceArray::from_slice(&client, &pool.planes);
             let luts = DeviceArray::from_slice(&client, &pool.luts);
-            for tokens in [1usize, 4, 8, 16] {
+            for &tokens in &token_list {
                 let x = DeviceArray::from_slice(&client, &vec![0.01f32; tokens * cols]);
                 let y = DeviceArray::empty::<R, f32>(&client, tokens * rows);
                 let descs: Vec<(WorkItem, DeviceArray)> = slots

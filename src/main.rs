@@ -2,6 +2,8 @@
 
 mod bench;
 mod bench_decode;
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+mod bench_prefill;
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};

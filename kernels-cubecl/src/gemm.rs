@@ -19,7 +19,7 @@ use half::f16;
 /// u32 fields per work item in the descriptor table.
 pub const DESC_WORDS: usize = 8;
 /// Largest LUT (8 bits): each row gets this many shared-memory slots.
-const LUT_SLOTS: usize = 256;
+pub const LUT_SLOTS: usize = 256;
 
 /// What the kernel applies to `x` while staging it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -211,6 +211,7 @@ pub fn ap_gemm_kernel(
     #[comptime] warps: usize,
     #[comptime] rows_per_warp: usize,
     #[comptime] act: u32,
+    #[comptime] lut_slots: usize,
 ) {
     let rows_per_cube = warps * rows_per_warp;
     let d = CUBE_POS_Y as usize * 8usize;
@@ -231,12 +232,14 @@ pub fn ap_gemm_kernel(
     let unit = UNIT_POS as usize;
     let cube_units = warps * plane_size;
 
-    let mut lut_s = SharedMemory::<f32>::new(warps * rows_per_warp * LUT_SLOTS);
+    // Each row's LUT gets the launch's widest LUT of slots: a launch of narrow blocks leaves
+    // shared memory (hence occupancy) to the `x` chunk.
+    let mut lut_s = SharedMemory::<f32>::new(warps * rows_per_warp * lut_slots);
     for i in range_stepped(unit, rows_per_cube * lut_len, cube_units) {
         let r = i / lut_len;
         let e = i % lut_len;
         if row0 + r < n {
-            lut_s[r * LUT_SLOTS + e] = f32::cast_from(luts[lut_off + (row0 + r) * lut_len + e]);
+            lut_s[r * lut_slots + e] = f32::cast_from(luts[lut_off + (row0 + r) * lut_len + e]);
         }
     }
     let mut x_s = SharedMemory::<f32>::new(max_tokens * (32usize * plane_size + plane_size));
@@ -263,6 +266,7 @@ pub fn ap_gemm_kernel(
             warps,
             rows_per_warp,
             act,
+            lut_slots,
         );
     } else {
         gemm_item(
@@ -284,6 +288,7 @@ pub fn ap_gemm_kernel(
             warps,
             rows_per_warp,
             act,
+            lut_slots,
         );
     }
 }
@@ -311,6 +316,7 @@ fn gemm_item(
     #[comptime] warps: usize,
     #[comptime] rows_per_warp: usize,
     #[comptime] act: u32,
+    #[comptime] lut_slots: usize,
 ) {
     let words = k.div_ceil(32usize);
     let unit = UNIT_POS as usize;
@@ -370,6 +376,7 @@ fn gemm_item(
                 3usize,
                 tb,
                 rows_per_warp,
+                lut_slots,
             );
         } else if bits == 4u32 {
             chunk_rows(
@@ -388,6 +395,7 @@ fn gemm_item(
                 4usize,
                 tb,
                 rows_per_warp,
+                lut_slots,
             );
         } else if bits == 5u32 {
             chunk_rows(
@@ -406,6 +414,7 @@ fn gemm_item(
                 5usize,
                 tb,
                 rows_per_warp,
+                lut_slots,
             );
         } else if bits == 6u32 {
             chunk_rows(
@@ -424,6 +433,7 @@ fn gemm_item(
                 6usize,
                 tb,
                 rows_per_warp,
+                lut_slots,
             );
         } else if bits == 7u32 {
             chunk_rows(
@@ -442,6 +452,7 @@ fn gemm_item(
                 7usize,
                 tb,
                 rows_per_warp,
+                lut_slots,
             );
         } else {
             chunk_rows(
@@ -460,6 +471,7 @@ fn gemm_item(
                 8usize,
                 tb,
                 rows_per_warp,
+                lut_slots,
             );
         }
     }
@@ -498,6 +510,7 @@ fn chunk_rows(
     #[comptime] bits: usize,
     #[comptime] tb: usize,
     #[comptime] rows_per_warp: usize,
+    #[comptime] lut_slots: usize,
 ) {
     let mut pw = Array::<u32>::new(rows_per_warp * bits);
     #[unroll]
@@ -537,7 +550,7 @@ fn chunk_rows(
             #[unroll]
             for r in 0..rows_per_warp {
                 let idx = ((idx4[r] >> (8 * kk) as u32) & 0xFFu32) as usize;
-                let w = lut_s[(lrow0 + r) * LUT_SLOTS + idx];
+                let w = lut_s[(lrow0 + r) * lut_slots + idx];
                 #[unroll]
                 for t in 0..tb {
                     acc[r * tb + t] += w * xv[t];

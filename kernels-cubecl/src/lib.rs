@@ -6,6 +6,8 @@
 //!   block in one launch, optionally fusing `act(gate) · up` into the load of
 //!   `x` (the down projection of a SwiGLU / GeGLU expert).
 //!
+//! - [`prefill`]: the many-token path: a block's committed planes + LUT expanded to dense f16
+//!   for Burn's matmul.
 //! - [`attention`]: the paged KV cache's append and decode-attention kernels.
 //! - [`decode`]: the small fused kernels of a decode step (embedding, RMSNorm, dense f16 GEMM,
 //!   RoPE, on-device routing into the grouped kernel's descriptors, gather, combine).
@@ -21,12 +23,15 @@ pub mod bandwidth;
 pub mod decode;
 #[allow(missing_docs)]
 pub mod gemm;
+#[allow(missing_docs)]
+pub mod prefill;
 pub mod step;
 
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 pub use gemm::Activation;
 use half::f16;
+pub use prefill::{ap_dequantize, ap_dequantize_reference};
 use pw_format::ApBlock;
 
 /// Largest token count of one work item.
@@ -275,10 +280,11 @@ pub fn ap_gemm<R: Runtime>(
     let count = CubeCount::Static(tiles, items.len() as u32, 1);
     let (p, l, d, xa, ya) = (planes.arg(), luts.arg(), desc.arg(), x.arg(), y.arg());
     let (ps, w, r, a) = (cfg.plane_size, cfg.warps, cfg.rows_per_warp, act.code());
+    let lut_slots = 1usize << items.iter().map(|i| i.bits).max().unwrap_or(8);
     unsafe {
         if cfg.specialized {
             gemm::ap_gemm_kernel::launch_unchecked::<R>(
-                client, count, cube_dim, p, l, d, xa, ya, max_tokens, ps, w, r, a,
+                client, count, cube_dim, p, l, d, xa, ya, max_tokens, ps, w, r, a, lut_slots,
             )
         } else {
             gemm::ap_gemm_kernel_v1::launch_unchecked::<R>(

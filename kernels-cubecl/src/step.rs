@@ -523,6 +523,8 @@ pub fn ap_gemm_routed<R: Runtime>(
             cfg.warps,
             cfg.rows_per_warp,
             act.code(),
+            // Bit-widths live in device descriptors: room for the widest LUT.
+            gemm::LUT_SLOTS,
         )
     };
     Ok(())

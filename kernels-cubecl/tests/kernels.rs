@@ -516,3 +516,36 @@ fn fill_hash_matches_reference() {
     fill_hash(&client, &out, 42);
     assert_eq!(read_u32(&client, &out).unwrap(), fill_hash_reference(300_001, 42));
 }
+
+/// The prefill expansion is a copy of LUT values: exact, and equal to pw-format's own
+/// dequantization of the block.
+#[test]
+fn dequantize_matches_reference() {
+    let client = client();
+    let mut rng = StdRng::seed_from_u64(7);
+    for (rows, cols) in [(5usize, 100usize), (33, 64), (3, 1000)] {
+        let block = random_block(&mut rng, rows, cols);
+        for bits in 3..=8u8 {
+            let mut pool = PoolImage::default();
+            // A leading block so the offsets are not zero.
+            pool.push(&random_block(&mut rng, 2, 40), 5);
+            let slot = pool.push(&block, bits);
+            let planes = DeviceArray::from_slice(&client, &pool.planes);
+            let luts = DeviceArray::from_slice(&client, &pool.luts);
+            let out = DeviceArray::empty::<WgpuRuntime, half::f16>(&client, rows * cols);
+            ap_dequantize(&client, &planes, &luts, slot, &out).unwrap();
+            let got = half::f16::from_bytes(&client.read_one(out.handle.clone()).unwrap()).to_vec();
+            let want = ap_dequantize_reference(&pool, slot);
+            assert_eq!(got[..rows * cols], want[..], "{rows}x{cols} b{bits}");
+            let fmt: Vec<half::f16> =
+                block.dequantize_reference(bits).iter().map(|&v| half::f16::from_f32(v)).collect();
+            assert_eq!(want, fmt, "{rows}x{cols} b{bits}: reference disagrees with pw-format");
+        }
+    }
+    let mut pool = PoolImage::default();
+    let slot = pool.push(&random_block(&mut rng, 4, 64), 4);
+    let planes = DeviceArray::from_slice(&client, &pool.planes);
+    let luts = DeviceArray::from_slice(&client, &pool.luts);
+    let small = DeviceArray::empty::<WgpuRuntime, half::f16>(&client, 10);
+    assert!(ap_dequantize(&client, &planes, &luts, slot, &small).is_err(), "short output accepted");
+}
