@@ -21,6 +21,8 @@ pub mod bandwidth;
 pub mod decode;
 #[allow(missing_docs)]
 pub mod gemm;
+#[allow(missing_docs)]
+pub mod families;
 pub mod step;
 
 use cubecl::prelude::*;
