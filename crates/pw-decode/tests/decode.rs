@@ -20,6 +20,10 @@ type B = NdArray<f32>;
 const F32_KV_TOL: f32 = 2e-4;
 /// f16 KV cache (as on the GPU): K/V rounded to 11 significant bits.
 const F16_KV_TOL: f32 = 5e-3;
+/// f16 KV cache on the Gemma-4 fixture: its scores are unscaled (scale 1 over unit-RMS q/k
+/// from random norm weights) and its logits soft-capped at 2, so the same K/V rounding moves
+/// the logits about twice as much relative to their largest.
+const GEMMA_F16_KV_TOL: f32 = 1.5e-2;
 
 fn asset(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets").join(name)
@@ -29,7 +33,8 @@ fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/pw-models/tests/fixtures").join(name)
 }
 
-/// The HF checkpoint with every expert replaced by its dequantized any-precision block, in
+/// The HF checkpoint with every expert replaced by its dequantized any-precision block (and
+/// every other matrix rounded to f16 as the decoder stores it), in
 /// either layout (per expert: `...experts.E.{w1|gate_proj, w3|up_proj, w2|down_proj}.weight`;
 /// fused: `...experts.{gate_up_proj, down_proj}`).
 struct Dequantized<'a> {
@@ -61,7 +66,14 @@ impl WeightSource<B> for Dequantized<'_> {
         let (Some(li), Some(xi)) =
             (parts.iter().position(|p| *p == "layers"), parts.iter().position(|p| *p == "experts"))
         else {
-            return self.inner.read(name, expected);
+            // The decoder keeps matrices in f16 (norms, biases, scales in f32): round the
+            // reference's the same way, so the fixtures' f32 weights compare exactly.
+            let v = self.inner.read(name, expected)?;
+            return Ok(if expected.len() == 2 {
+                v.into_iter().map(|x| half::f16::from_f32(x).to_f32()).collect()
+            } else {
+                v
+            });
         };
         let l: usize = parts[li + 1].parse().unwrap();
         if let Ok(e) = parts[xi + 1].parse::<usize>() {
@@ -246,15 +258,23 @@ fn gemma4_fixture_f32_cache() {
     check_short(&fixture("gemma4"), false, F32_KV_TOL);
 }
 
-#[test]
-fn gemma4_fixture_past_the_window_f16_cache() {
-    // Window 8: sequence 1 reaches 22 tokens, sequence 2 21, sequence 3 joins late and ends at 12.
-    let plan: Vec<Plan> = vec![
+/// Window 8: sequence 1 reaches 22 tokens, sequence 2 21, sequence 3 joins late and ends at 12.
+fn window_plan() -> Vec<Plan> {
+    vec![
         (1, vec![1, 49, 30, 12, 77, 5, 6, 7, 8, 9, 10, 11], 0, usize::MAX),
         (2, vec![1, 90, 91, 92, 93], 1, usize::MAX),
         (3, vec![1, 40, 5], 10, usize::MAX),
-    ];
-    check(&fixture("gemma4"), true, F16_KV_TOL, &plan, 22, 32);
+    ]
+}
+
+#[test]
+fn gemma4_fixture_past_the_window_f32_cache() {
+    check(&fixture("gemma4"), false, F32_KV_TOL, &window_plan(), 22, 32);
+}
+
+#[test]
+fn gemma4_fixture_past_the_window_f16_cache() {
+    check(&fixture("gemma4"), true, GEMMA_F16_KV_TOL, &window_plan(), 22, 32);
 }
 
 #[test]
