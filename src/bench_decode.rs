@@ -108,7 +108,7 @@ fn shape(name: &str) -> Result<DecodeConfig> {
         "gemma-4-26b-a4b" | "tiny-gemma" => {
             let tiny = name == "tiny-gemma";
             let (vocab, hidden, dense, inter, layers, heads, experts, top_k) = if tiny {
-                (4096, 256, 192, 64, 6, 4, 16, 4)
+                (4096, 256, 192, 64, 6, 8, 16, 4)
             } else {
                 (262144, 2816, 2112, 704, 30, 16, 128, 8)
             };
