@@ -50,11 +50,7 @@ pub struct BenchDecodeArgs {
 fn inv_freq(theta: f64, head_dim: usize, rotating_pairs: usize) -> Vec<f32> {
     (0..head_dim / 2)
         .map(|i| {
-            if i < rotating_pairs {
-                (1.0 / theta.powf((2 * i) as f64 / head_dim as f64)) as f32
-            } else {
-                0.0
-            }
+            if i < rotating_pairs { (1.0 / theta.powf((2 * i) as f64 / head_dim as f64)) as f32 } else { 0.0 }
         })
         .collect()
 }
@@ -113,12 +109,28 @@ fn shape(name: &str) -> Result<DecodeConfig> {
                 (262144, 2816, 2112, 704, 30, 16, 128, 8)
             };
             let (hd, ghd, window) = if tiny { (32, 64, 16) } else { (256, 512, 1024) };
-            let mut c = base(Family::Gemma4, vocab, hidden, inter, layers, heads, attn(8, hd, window, 1e4), experts, top_k);
+            let mut c = base(
+                Family::Gemma4,
+                vocab,
+                hidden,
+                inter,
+                layers,
+                heads,
+                attn(8, hd, window, 1e4),
+                experts,
+                top_k,
+            );
             for (l, a) in c.attn.iter_mut().enumerate() {
                 if l % 6 == 5 {
                     // Full layers: wider heads, 2 KV heads, K = V, proportional RoPE rotating the
                     // first quarter of the pairs.
-                    *a = AttnLayer { kv_heads: 2, head_dim: ghd, window: 0, k_eq_v: true, inv_freq: inv_freq(1e6, ghd, ghd / 8) };
+                    *a = AttnLayer {
+                        kv_heads: 2,
+                        head_dim: ghd,
+                        window: 0,
+                        k_eq_v: true,
+                        inv_freq: inv_freq(1e6, ghd, ghd / 8),
+                    };
                 }
             }
             c.dense_inter = dense;
@@ -188,10 +200,12 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
         let kv_blocks = max_batch * max_seq.div_ceil(block);
         let t = Instant::now();
         let first = &bits_list.first().context("--bits is empty")?.1;
-        let mut dec = Decoder::<R, half::f16>::synthetic(&client, cfg.clone(), first, kv_blocks, block, max_seq)?;
+        let mut dec =
+            Decoder::<R, half::f16>::synthetic(&client, cfg.clone(), first, kv_blocks, block, max_seq)?;
         sync(&client)?;
         let accountant = Accountant::new(u64::MAX / 2);
-        let _weights = accountant.lease(pw_pages::Use::Weights, (dec.dense_bytes() + dec.expert_bytes()) as u64)?;
+        let _weights =
+            accountant.lease(pw_pages::Use::Weights, (dec.dense_bytes() + dec.expert_bytes()) as u64)?;
         let _kv = accountant.lease_kv_blocks(kv_blocks as u64, geometry.block_bytes() as u64)?;
         eprintln!(
             "{model}: dense {:.2} GB, KV {:.2} GB ({kv_blocks} blocks), built in {:.1} s",
@@ -274,7 +288,12 @@ impl StepBytes {
 /// experts the batch touches (expected count under uniform routing), and the visible K/V of
 /// every sequence. With more than 16 sequences the kernels read the weights once per chunk;
 /// the bound does not count that.
-fn step_bytes<R: Runtime>(dec: &Decoder<R, half::f16>, cfg: &DecodeConfig, b: usize, ctx: usize) -> StepBytes {
+fn step_bytes<R: Runtime>(
+    dec: &Decoder<R, half::f16>,
+    cfg: &DecodeConfig,
+    b: usize,
+    ctx: usize,
+) -> StepBytes {
     let embed = cfg.vocab * cfg.hidden * 2;
     let dense = (dec.dense_bytes() - if cfg.tied { 0 } else { embed } + b * cfg.hidden * 2) as f64;
     let (e, k) = (cfg.experts as f64, cfg.top_k as f64);

@@ -319,7 +319,13 @@ pub fn gated_act<R: Runtime>(
 }
 
 /// CPU reference of [`gated_act`].
-pub fn gated_act_reference(x: &[f32], inter: usize, stride: usize, act: gemm::Activation, gated: bool) -> Vec<f32> {
+pub fn gated_act_reference(
+    x: &[f32],
+    inter: usize,
+    stride: usize,
+    act: gemm::Activation,
+    gated: bool,
+) -> Vec<f32> {
     let f = |g: f32| if act == gemm::Activation::SiluMul { crate::silu(g) } else { crate::gelu_tanh(g) };
     x.chunks(stride)
         .flat_map(|row| {
@@ -415,7 +421,11 @@ pub fn head_norm_reference(g: HeadNorm, src: &[f32], w: &[f32], eps: f32) -> Vec
             let su = if is_v && g.k_eq_v { u - g.kv_heads } else { u };
             let x = &row[su * hd..][..hd];
             let norm = if is_v { g.v_norm } else { g.qk_norm };
-            let inv = if norm { 1.0 / (x.iter().map(|v| v * v).sum::<f32>() / hd as f32 + eps).sqrt() } else { 1.0 };
+            let inv = if norm {
+                1.0 / (x.iter().map(|v| v * v).sum::<f32>() / hd as f32 + eps).sqrt()
+            } else {
+                1.0
+            };
             let woff = if u >= g.heads { hd } else { 0 };
             out.extend(x.iter().enumerate().map(|(c, v)| {
                 if !norm {
@@ -659,7 +669,10 @@ pub fn argmax<R: Runtime>(
 /// CPU reference of [`argmax`] (lowest index on ties).
 pub fn argmax_reference(x: &[f32], width: usize) -> Vec<u32> {
     x.chunks(width)
-        .map(|r| r.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b }).0 as u32)
+        .map(|r| {
+            r.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b }).0
+                as u32
+        })
         .collect()
 }
 

@@ -20,9 +20,9 @@ pub mod bandwidth;
 #[allow(missing_docs)]
 pub mod decode;
 #[allow(missing_docs)]
-pub mod gemm;
-#[allow(missing_docs)]
 pub mod families;
+#[allow(missing_docs)]
+pub mod gemm;
 pub mod step;
 
 use cubecl::prelude::*;

@@ -524,13 +524,24 @@ fn gated_act_matches_reference() {
     let client = client();
     let mut rng = StdRng::seed_from_u64(11);
     let inter = 40;
-    for (act, gated) in [(Activation::SiluMul, false), (Activation::SiluMul, true), (Activation::GeluTanhMul, false)] {
+    for (act, gated) in
+        [(Activation::SiluMul, false), (Activation::SiluMul, true), (Activation::GeluTanhMul, false)]
+    {
         let stride = 2 * inter + gated as usize;
         for tokens in [1usize, 5] {
             let x = rand_vec(&mut rng, tokens * stride, 3.0);
             let out = DeviceArray::empty::<WgpuRuntime, f32>(&client, tokens * inter);
-            gated_act(&client, tokens, inter, stride, act, gated, &DeviceArray::from_slice(&client, &x), &out)
-                .unwrap();
+            gated_act(
+                &client,
+                tokens,
+                inter,
+                stride,
+                act,
+                gated,
+                &DeviceArray::from_slice(&client, &x),
+                &out,
+            )
+            .unwrap();
             let want = gated_act_reference(&x, inter, stride, act, gated);
             assert_close(&read_f32(&client, &out).unwrap(), &want, FAMILY_TOL, &format!("gated_act {act:?}"));
         }
@@ -547,7 +558,8 @@ fn head_norm_matches_reference() {
     let (heads, kv_heads, head_dim) = (4, 2, 16);
     for (qk_norm, v_norm, k_eq_v) in [(true, true, false), (true, true, true), (false, false, false)] {
         let src_heads = if k_eq_v { heads + kv_heads } else { heads + 2 * kv_heads };
-        let g = HeadNorm { heads, kv_heads, head_dim, src_stride: src_heads * head_dim, qk_norm, v_norm, k_eq_v };
+        let g =
+            HeadNorm { heads, kv_heads, head_dim, src_stride: src_heads * head_dim, qk_norm, v_norm, k_eq_v };
         let tokens = 3;
         let src = rand_vec(&mut rng, tokens * g.src_stride, 2.0);
         let w = rand_vec(&mut rng, 2 * head_dim, 1.5);
@@ -639,5 +651,9 @@ fn fill_uniform_matches_reference() {
     fill_uniform::<WgpuRuntime, f32>(&client, &out, 9, 0.25).unwrap();
     let want = fill_uniform_reference(1_100_003, 9, 0.25);
     assert_close(&read_f32(&client, &out).unwrap(), &want, 0.0, "fill_uniform");
-    assert!(want.iter().all(|v| v.abs() <= 0.25) && want.iter().any(|v| *v > 0.2) && want.iter().any(|v| *v < -0.2));
+    assert!(
+        want.iter().all(|v| v.abs() <= 0.25)
+            && want.iter().any(|v| *v > 0.2)
+            && want.iter().any(|v| *v < -0.2)
+    );
 }

@@ -174,7 +174,9 @@ impl DecodeConfig {
     /// The shapes of a Gemma-4 text config.
     pub fn from_gemma4(c: &Gemma4Config) -> Result<Self, DecodeError> {
         if !c.enable_moe_block {
-            return Err(DecodeError::Unsupported("Gemma-4 without its MoE block in the fast decode path".into()));
+            return Err(DecodeError::Unsupported(
+                "Gemma-4 without its MoE block in the fast decode path".into(),
+            ));
         }
         let attn = c
             .layers

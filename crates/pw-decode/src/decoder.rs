@@ -6,14 +6,16 @@ use std::path::Path;
 
 use cubecl::prelude::*;
 use half::f16;
-use kernels_cubecl::families::{GemmaFfnOut, HeadNorm, add_rms_norm, argmax, gated_act, gemma_ffn_out, head_norm, softcap};
+use kernels_cubecl::families::{
+    GemmaFfnOut, HeadNorm, add_rms_norm, argmax, gated_act, gemma_ffn_out, head_norm, softcap,
+};
 use kernels_cubecl::step::{
-    DenseGemm, Rope, RouteBuffers, ap_gemm_routed, dense_gemm, embed, gather_rows, moe_combine, moe_route, rms_norm,
-    rope,
+    DenseGemm, Rope, RouteBuffers, ap_gemm_routed, dense_gemm, embed, gather_rows, moe_combine, moe_route,
+    rms_norm, rope,
 };
 use kernels_cubecl::{
-    Activation, DeviceArray, GemmConfig, MAX_TOKENS, RowLayout, kv_append_rows, paged_decode_attention_strided,
-    read_f32, read_u32,
+    Activation, DeviceArray, GemmConfig, MAX_TOKENS, RowLayout, kv_append_rows,
+    paged_decode_attention_strided, read_f32, read_u32,
 };
 use pw_hf::{Checkpoint, ModelConfig};
 use pw_kv::{BlockTables, DevicePools, SeqId};
@@ -166,10 +168,16 @@ impl<R: Runtime> Weights<R> for SyntheticWeights<'_, R> {
     }
     fn mat(&mut self, parts: &[(&str, usize)], cols: usize) -> Result<DeviceArray, DecodeError> {
         let rows: usize = parts.iter().map(|p| p.1).sum();
-        let gain = if parts[0].0.contains("router") || parts[0].0.contains("gate.weight") { 4.0 } else { 1.0 };
+        let gain =
+            if parts[0].0.contains("router") || parts[0].0.contains("gate.weight") { 4.0 } else { 1.0 };
         let a = DeviceArray::empty::<R, f16>(self.client, rows * cols);
         self.seed += 1;
-        kernels_cubecl::families::fill_uniform::<R, f16>(self.client, &a, self.seed, gain * (cols as f32).powf(-0.5))?;
+        kernels_cubecl::families::fill_uniform::<R, f16>(
+            self.client,
+            &a,
+            self.seed,
+            gain * (cols as f32).powf(-0.5),
+        )?;
         Ok(a)
     }
     fn host(&mut self, _name: &str, n: usize, default: Option<f32>) -> Result<Vec<f32>, DecodeError> {
@@ -213,11 +221,24 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
         let shape = cfg.moe_shape();
         let sparse = cfg.sparse.clone();
         let mut pools = (0..cfg.layers).map(|l| {
-            if sparse[l] { Some(LayerExperts::upload(client, shape, &experts.blocks[l], &experts.bits[l])) } else { None }
-                .transpose()
+            if sparse[l] {
+                Some(LayerExperts::upload(client, shape, &experts.blocks[l], &experts.bits[l]))
+            } else {
+                None
+            }
+            .transpose()
         });
         let mut src = HfWeights { client, ckpt: &ckpt };
-        Self::build(client, cfg, root(&ckpt), &mut src, &mut |_| pools.next().expect("one per layer"), kv_blocks, block_size, max_seq_len)
+        Self::build(
+            client,
+            cfg,
+            root(&ckpt),
+            &mut src,
+            &mut |_| pools.next().expect("one per layer"),
+            kv_blocks,
+            block_size,
+            max_seq_len,
+        )
     }
 
     /// A model of `cfg`'s shapes with random weights made on the device (expert planes: hashed
@@ -328,8 +349,11 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
             };
             let gemma_layer = if gemma {
                 let inv_sqrt_h = (h as f32).powf(-0.5);
-                let router_norm: Vec<f32> =
-                    src.host(&format!("{p}.router.scale"), h, None)?.into_iter().map(|s| s * inv_sqrt_h).collect();
+                let router_norm: Vec<f32> = src
+                    .host(&format!("{p}.router.scale"), h, None)?
+                    .into_iter()
+                    .map(|s| s * inv_sqrt_h)
+                    .collect();
                 let mut post = src.host(&format!("{p}.post_feedforward_layernorm_1.weight"), h, None)?;
                 post.extend(src.host(&format!("{p}.post_feedforward_layernorm_2.weight"), h, None)?);
                 post.extend(src.host(&format!("{p}.post_feedforward_layernorm.weight"), h, None)?);
@@ -363,7 +387,17 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
         let embed = src.mat(&[(&format!("{root}.embed_tokens.weight"), cfg.vocab)], h)?;
         let final_norm = src.vec(&format!("{root}.norm.weight"), h, None)?;
         let lm_head = if cfg.tied { None } else { Some(src.mat(&[("lm_head.weight", cfg.vocab)], h)?) };
-        Ok(Self::assemble(client, cfg, embed, final_norm, lm_head, layers, kv_blocks, block_size, max_seq_len))
+        Ok(Self::assemble(
+            client,
+            cfg,
+            embed,
+            final_norm,
+            lm_head,
+            layers,
+            kv_blocks,
+            block_size,
+            max_seq_len,
+        ))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -455,13 +489,17 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
             .layers
             .iter()
             .map(|l| {
-                let f16s = l.wqkv.len + l.wo.len + l.router.as_ref().map_or(0, |r| r.len)
+                let f16s = l.wqkv.len
+                    + l.wo.len
+                    + l.router.as_ref().map_or(0, |r| r.len)
                     + l.mlp.as_ref().map_or(0, |(a, b)| a.len + b.len);
                 let f32s = l.input_norm.len + l.post_attn_norm.len + l.bqkv.as_ref().map_or(0, |b| b.len);
                 f16s * 2 + f32s * 4
             })
             .sum();
-        per_layer + (self.embed.len + self.lm_head.as_ref().map_or(0, |x| x.len)) * 2 + self.final_norm.len * 4
+        per_layer
+            + (self.embed.len + self.lm_head.as_ref().map_or(0, |x| x.len)) * 2
+            + self.final_norm.len * 4
     }
 
     /// Bytes of one expert's gate_up and down pages at the committed width, averaged over
@@ -567,7 +605,12 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
         // Reserve every sequence's slot first so a full cache refuses the whole step.
         let needed: usize = seqs.iter().map(|&s| self.tables.blocks_needed(s, 1)).sum::<Result<_, _>>()?;
         if needed > self.tables.free_blocks() {
-            return Err(pw_kv::KvError::OutOfBlocks { seq: seqs[0], needed, free: self.tables.free_blocks() }.into());
+            return Err(pw_kv::KvError::OutOfBlocks {
+                seq: seqs[0],
+                needed,
+                free: self.tables.free_blocks(),
+            }
+            .into());
         }
         let mut slots = Vec::with_capacity(t);
         let mut positions = Vec::with_capacity(t);
@@ -594,7 +637,11 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
         }
         // Dense MLP: gate|up GEMM → act(gate)·up (· sigmoid of the shared expert's gate row)
         // → down GEMM, into `out` (added when `acc`).
-        let mlp = |x: &DeviceArray, l: usize, (gu, dn): &(DeviceArray, DeviceArray), out: &DeviceArray, acc: bool| {
+        let mlp = |x: &DeviceArray,
+                   l: usize,
+                   (gu, dn): &(DeviceArray, DeviceArray),
+                   out: &DeviceArray,
+                   acc: bool| {
             let (rows, inter) = (cfg.mlp_rows(l), cfg.mlp_inter(l));
             let g = DenseGemm { n: rows, k: h, bias: false, accumulate: false };
             dense_gemm(c, g, t, &meta, x, gu, &s.none, &s.mlp_gu)?;
@@ -606,8 +653,32 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
         // The routed experts of `x` up to their outputs in `s.down` (gathered rows).
         let experts = |x: &DeviceArray, ex: &LayerExperts| {
             gather_rows(c, t, cfg.top_k, h, &meta, x, &s.route.gather, &s.xg)?;
-            ap_gemm_routed(c, self.gemm, &ex.planes, &ex.luts, &s.route.desc_gate_up, e, 2 * i, t, &s.xg, &s.gate_up, Activation::None)?;
-            ap_gemm_routed(c, self.gemm, &ex.planes, &ex.luts, &s.route.desc_down, e, h, t, &s.gate_up, &s.down, cfg.act)?;
+            ap_gemm_routed(
+                c,
+                self.gemm,
+                &ex.planes,
+                &ex.luts,
+                &s.route.desc_gate_up,
+                e,
+                2 * i,
+                t,
+                &s.xg,
+                &s.gate_up,
+                Activation::None,
+            )?;
+            ap_gemm_routed(
+                c,
+                self.gemm,
+                &ex.planes,
+                &ex.luts,
+                &s.route.desc_down,
+                e,
+                h,
+                t,
+                &s.gate_up,
+                &s.down,
+                cfg.act,
+            )?;
             Ok::<usize, DecodeError>(3)
         };
 
@@ -621,7 +692,16 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
             let rows = cfg.proj_rows(li);
             let proj_out = if layer.head_norms.is_some() { &s.proj } else { &s.qkv };
             let g = DenseGemm { n: rows, k: h, bias: layer.bqkv.is_some(), accumulate: false };
-            launch!(dense_gemm(c, g, t, &meta, &s.xn, &layer.wqkv, layer.bqkv.as_ref().unwrap_or(&s.none), proj_out));
+            launch!(dense_gemm(
+                c,
+                g,
+                t,
+                &meta,
+                &s.xn,
+                &layer.wqkv,
+                layer.bqkv.as_ref().unwrap_or(&s.none),
+                proj_out
+            ));
             if let Some(w) = &layer.head_norms {
                 let g = HeadNorm {
                     heads: nh,
@@ -668,7 +748,16 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
                         launch!(dense_gemm(c, g, t, &meta, &s.xn, router, &s.none, &s.router_logits));
                         launch!(moe_route(c, shape, t, &meta, &s.router_logits, &ex.slots, &s.route));
                         n += experts(&s.xn, ex)?;
-                        launch!(moe_combine(c, t, cfg.top_k, h, &s.down, &s.route.pos, &s.route.weights, &s.h));
+                        launch!(moe_combine(
+                            c,
+                            t,
+                            cfg.top_k,
+                            h,
+                            &s.down,
+                            &s.route.pos,
+                            &s.route.weights,
+                            &s.h
+                        ));
                     }
                     if let Some(w) = &layer.mlp {
                         n += mlp(&s.xn, li, w, &s.h, true)?;
@@ -678,7 +767,8 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
                     // Gemma-4: h += norm(o); dense GeGLU branch and experts on the same
                     // residual, each through its norms; one epilogue sums, norms, adds, scales.
                     launch!(add_rms_norm(c, t, h, &s.o, &layer.post_attn_norm, &s.eps, &s.h));
-                    let (Some(router), Some(ex), Some(w)) = (&layer.router, &layer.experts, &layer.mlp) else {
+                    let (Some(router), Some(ex), Some(w)) = (&layer.router, &layer.experts, &layer.mlp)
+                    else {
                         return Err(DecodeError::Unsupported("Gemma-4 layer without experts or MLP".into()));
                     };
                     launch!(rms_norm(c, t, h, &s.h, &gl.pre_ff, &s.norm_params, &s.xn));
@@ -707,7 +797,16 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
         }
         launch!(rms_norm(c, t, h, &s.h, &self.final_norm, &s.norm_params, &s.xn));
         let head = DenseGemm { n: cfg.vocab, k: h, bias: false, accumulate: false };
-        launch!(dense_gemm(c, head, t, &meta, &s.xn, self.lm_head.as_ref().unwrap_or(&self.embed), &s.none, &s.logits));
+        launch!(dense_gemm(
+            c,
+            head,
+            t,
+            &meta,
+            &s.xn,
+            self.lm_head.as_ref().unwrap_or(&self.embed),
+            &s.none,
+            &s.logits
+        ));
         if cfg.softcap > 0.0 {
             launch!(softcap(c, t, cfg.vocab, &meta, &s.logits, &s.softcap));
         }

@@ -68,7 +68,9 @@ pub(crate) fn expert_keys(cfg: &DecodeConfig, root: &str, l: usize) -> (String, 
         Family::Qwen2Moe => {
             (format!("{p}.mlp.experts"), ["gate_proj", "up_proj", "down_proj"], format!("{p}.mlp.experts"))
         }
-        Family::Gemma4 => (format!("{p}.experts"), ["gate_proj", "up_proj", "down_proj"], format!("{p}.experts")),
+        Family::Gemma4 => {
+            (format!("{p}.experts"), ["gate_proj", "up_proj", "down_proj"], format!("{p}.experts"))
+        }
     }
 }
 
@@ -111,8 +113,11 @@ impl LayerExperts {
         bits: &[(u8, u8)],
     ) -> Result<Self, DecodeError> {
         let mut pool = PoolImage::default();
-        let slots: Vec<_> =
-            blocks.iter().zip(bits).map(|((gu, dn), &(bg, bd))| (pool.push(gu, bg), pool.push(dn, bd))).collect();
+        let slots: Vec<_> = blocks
+            .iter()
+            .zip(bits)
+            .map(|((gu, dn), &(bg, bd))| (pool.push(gu, bg), pool.push(dn, bd)))
+            .collect();
         let words = expert_slot_words(shape, &slots)?;
         Ok(Self {
             slots: DeviceArray::from_slice(client, &words),
@@ -165,7 +170,10 @@ impl LayerExperts {
 
 /// Slots of `bits.len()` experts packed back to back (expert `e`: gate_up then down, both at
 /// `bits[e]`), and the plane words and LUT entries they take.
-fn packed_slots(shape: MoeShape, bits: &[u8]) -> Result<(Vec<(PoolSlot, PoolSlot)>, usize, usize), DecodeError> {
+fn packed_slots(
+    shape: MoeShape,
+    bits: &[u8],
+) -> Result<(Vec<(PoolSlot, PoolSlot)>, usize, usize), DecodeError> {
     let (h, i) = (shape.hidden, shape.inter);
     let (gu_words, dn_words) = (2 * i * h.div_ceil(32), h * i.div_ceil(32));
     let (mut p, mut lu) = (0usize, 0usize);
@@ -175,16 +183,30 @@ fn packed_slots(shape: MoeShape, bits: &[u8]) -> Result<(Vec<(PoolSlot, PoolSlot
             return Err(DecodeError::Unsupported(format!("bits {b} outside 3..=8")));
         }
         let b = b as usize;
-        let gu = PoolSlot { plane_off: p as u32, lut_off: lu as u32, rows: 2 * i as u32, cols: h as u32, bits: b as u32 };
+        let gu = PoolSlot {
+            plane_off: p as u32,
+            lut_off: lu as u32,
+            rows: 2 * i as u32,
+            cols: h as u32,
+            bits: b as u32,
+        };
         p += gu_words * b;
         lu += (2 * i) << b;
-        let dn = PoolSlot { plane_off: p as u32, lut_off: lu as u32, rows: h as u32, cols: i as u32, bits: b as u32 };
+        let dn = PoolSlot {
+            plane_off: p as u32,
+            lut_off: lu as u32,
+            rows: h as u32,
+            cols: i as u32,
+            bits: b as u32,
+        };
         p += dn_words * b;
         lu += h << b;
         slots.push((gu, dn));
     }
     if p > u32::MAX as usize || lu > u32::MAX as usize {
-        return Err(DecodeError::Unsupported(format!("a layer's expert pool of {p} words exceeds u32 offsets")));
+        return Err(DecodeError::Unsupported(format!(
+            "a layer's expert pool of {p} words exceeds u32 offsets"
+        )));
     }
     Ok((slots, p, lu))
 }

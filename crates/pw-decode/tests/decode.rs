@@ -148,16 +148,27 @@ fn check(dir: &Path, kv_f16: bool, tol: f32, plan: &[Plan], steps: usize, max_se
             .collect();
         let got = fast.step(&batch);
         let greedy = fast.greedy_of_last(&batch);
-        for (((_, p, fed), ((id, tok), logits)), g) in seqs.iter_mut().zip(batch.iter().zip(&got)).zip(&greedy) {
+        for (((_, p, fed), ((id, tok), logits)), g) in
+            seqs.iter_mut().zip(batch.iter().zip(&got)).zip(&greedy)
+        {
             let mut next = fed.clone();
             if next.len() < p.len() {
                 next.push(*tok);
             }
             let all: Vec<u32> = if fed.len() < p.len() { next.clone() } else { fed.clone() };
-            let want = last_logits(reference.forward(ids_tensor::<B>(&all, &device), &mut reference.new_cache(), None));
+            let want = last_logits(reference.forward(
+                ids_tensor::<B>(&all, &device),
+                &mut reference.new_cache(),
+                None,
+            ));
             let scale = want.iter().fold(1f32, |m, x| m.max(x.abs()));
             let err = logits.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max) / scale;
-            assert!(err <= tol, "{}: step {step} seq {id} (len {}): logits error {err:e} > {tol:e}", dir.display(), all.len());
+            assert!(
+                err <= tol,
+                "{}: step {step} seq {id} (len {}): logits error {err:e} > {tol:e}",
+                dir.display(),
+                all.len()
+            );
             assert_eq!(argmax(logits), argmax(&want), "step {step} seq {id}: greedy choice differs");
             if let Some(g) = g {
                 assert_eq!(*g, argmax(logits), "step {step} seq {id}: on-device greedy id differs");
