@@ -45,6 +45,10 @@ pub struct BenchDecodeArgs {
     /// Untimed steps first (kernel compilation, caches).
     #[arg(long, default_value_t = 2)]
     pub warmup: usize,
+    /// Add the records to those already in `--out` (one process per model frees each model's
+    /// device memory before the next).
+    #[arg(long)]
+    pub append: bool,
 }
 
 fn inv_freq(theta: f64, head_dim: usize, rotating_pairs: usize) -> Vec<f32> {
@@ -148,9 +152,12 @@ fn shape(name: &str) -> Result<DecodeConfig> {
     })
 }
 
+/// Committed bits of expert `e` in layer `l`.
+type BitsFn = Box<dyn Fn(usize, usize) -> u8>;
+
 /// Committed bits of expert `e` in layer `l`: uniform, or the planner-like mix (a fixed hash of
 /// the page spread over 3..8).
-fn bits_fn(spec: &str) -> Result<Box<dyn Fn(usize, usize) -> u8>> {
+fn bits_fn(spec: &str) -> Result<BitsFn> {
     if spec == "mix" {
         return Ok(Box::new(|l, e| {
             let x = (l as u32).wrapping_mul(0x9E37_79B9) ^ (e as u32).wrapping_mul(0x85EB_CA6B);
@@ -174,6 +181,15 @@ pub fn bench_decode(a: &BenchDecodeArgs) -> Result<()> {
         "wgpu" => run::<cubecl::wgpu::WgpuRuntime>(&cubecl::wgpu::WgpuDevice::DefaultDevice, a)?,
         d => anyhow::bail!("--device {d}: expected cuda or wgpu"),
     };
+    let records = if a.append && a.out.exists() {
+        let text = std::fs::read_to_string(&a.out).with_context(|| format!("{}", a.out.display()))?;
+        let mut old: Vec<Value> =
+            serde_json::from_str(&text).with_context(|| format!("{}: not a JSON array", a.out.display()))?;
+        old.extend(records);
+        old
+    } else {
+        records
+    };
     std::fs::write(&a.out, serde_json::to_string_pretty(&records)?)
         .with_context(|| format!("{}", a.out.display()))?;
     Ok(())
@@ -189,7 +205,7 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
     let max_ctx = a.ctx.iter().copied().max().unwrap_or(0);
     let block = 16;
     let max_seq = max_ctx + a.steps + a.warmup + 1;
-    let bits_list: Vec<(String, Box<dyn Fn(usize, usize) -> u8>)> =
+    let bits_list: Vec<(String, BitsFn)> =
         a.bits.iter().map(|b| Ok((b.clone(), bits_fn(b)?))).collect::<Result<_>>()?;
 
     for model in &a.models {

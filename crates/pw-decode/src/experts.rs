@@ -173,10 +173,7 @@ type Packed = (Vec<(PoolSlot, PoolSlot)>, usize, usize);
 
 /// Slots of `bits.len()` experts packed back to back (expert `e`: gate_up then down, both at
 /// `bits[e]`), and the plane words and LUT entries they take.
-fn packed_slots(
-    shape: MoeShape,
-    bits: &[u8],
-) -> Result<Packed, DecodeError> {
+fn packed_slots(shape: MoeShape, bits: &[u8]) -> Result<Packed, DecodeError> {
     let (h, i) = (shape.hidden, shape.inter);
     let (gu_words, dn_words) = (2 * i * h.div_ceil(32), h * i.div_ceil(32));
     let (mut p, mut lu) = (0usize, 0usize);
