@@ -22,6 +22,8 @@ pub mod bandwidth;
 #[allow(missing_docs)]
 pub mod decode;
 #[allow(missing_docs)]
+pub mod families;
+#[allow(missing_docs)]
 pub mod gemm;
 #[allow(missing_docs)]
 pub mod prefill;

@@ -17,7 +17,7 @@ const STEP_BATCH: usize = kernels_cubecl::MAX_TOKENS;
 /// Tokens per KV block.
 const BLOCK: usize = 16;
 
-/// The fast path for Mixtral-architecture models, with a `KV` cache (f16 on the GPU).
+/// The fast path for the three families, with a `KV` cache (f16 on the GPU).
 pub struct FastStepModel<R: Runtime, KV: Float + CubeElement> {
     dec: MixtralDecoder<R, KV>,
     kv: KvLayout,
@@ -38,10 +38,7 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
     ) -> Result<Self, ServeError> {
         let model = |e: String| ServeError::Model(format!("{}: {e}", dir.display()));
         let config = ModelConfig::from_dir(dir).map_err(|e| model(e.to_string()))?;
-        let ModelConfig::Mixtral(mc) = &config else {
-            return Err(model("the fast decode path serves Mixtral-architecture models so far".into()));
-        };
-        let cfg = DecodeConfig::from_mixtral(mc);
+        let cfg = DecodeConfig::from_model(&config).map_err(|e| model(e.to_string()))?;
         let ckpt = Checkpoint::open(dir).map_err(|e| model(e.to_string()))?;
         let experts = ExpertBlocks::quantize_hf(&ckpt, &cfg, bits).map_err(|e| model(e.to_string()))?;
         let geometry = cfg.kv_geometry(BLOCK, size_of::<KV>(), max_context);
