@@ -548,6 +548,7 @@ fn dequantize_matches_reference() {
     let luts = DeviceArray::from_slice(&client, &pool.luts);
     let small = DeviceArray::empty::<WgpuRuntime, half::f16>(&client, 10);
     assert!(ap_dequantize(&client, &planes, &luts, slot, &small).is_err(), "short output accepted");
+}
 
 /// The Qwen2-MoE / Gemma-4 kernels of `families`: f32 arithmetic in another order than the CPU
 /// (plane sums), plus GPU exp/tanh.
