@@ -66,6 +66,20 @@ pub struct EvalPplArgs {
     /// `,no-sensitivity` (ablations). Default with a budget: `planner`.
     #[arg(long, requires = "expert_budget_bytes")]
     pub policy: Option<String>,
+    /// JSON file of `pw_planner::RoutingConfig` (buckets, floors, multipliers) for the
+    /// planner's routing statistics; default: `RoutingConfig::default()`.
+    #[arg(long, requires = "expert_budget_bytes")]
+    pub routing_config: Option<PathBuf>,
+}
+
+/// The routing options of `--routing-config`, or the defaults.
+fn routing_config(path: Option<&Path>) -> Result<RoutingConfig> {
+    let Some(path) = path else { return Ok(RoutingConfig::default()) };
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let cfg: RoutingConfig =
+        serde_json::from_str(&text).with_context(|| format!("{}: not a RoutingConfig", path.display()))?;
+    cfg.validate().with_context(|| format!("{}", path.display()))?;
+    Ok(cfg)
 }
 
 /// A `--policy` value.
@@ -159,7 +173,8 @@ fn eval_on<B: Backend>(args: &EvalPplArgs, device: &B::Device) -> Result<()> {
     if args.ctx < 2 {
         bail!("--ctx {}: a window needs at least 2 tokens", args.ctx);
     }
-    // Parse the policy before any work, so a typo fails at once.
+    // Parse the options before any work, so a typo fails at once.
+    routing_config(args.routing_config.as_deref())?;
     let policy = match (&args.policy, args.expert_budget_bytes) {
         (Some(p), _) => Some(Policy::parse(p)?),
         (None, Some(_)) => Some(Policy::Planner(PlannerConfig::default())),
@@ -250,7 +265,7 @@ fn stats_pass<B: Backend>(
 ) -> Result<PassStats> {
     let loaded = load::<B>(&args.model, Some(bits), device)?;
     check_vocab(&loaded, ids, &args.text)?;
-    let mut routing = RoutingStats::new(layers, experts, RoutingConfig::default())?;
+    let mut routing = RoutingStats::new(layers, experts, routing_config(args.routing_config.as_deref())?)?;
     let mut sum: Vec<f64> = Vec::new();
     let (mut forwards, mut model_layers) = (0usize, 0usize);
     let mut failed: Option<anyhow::Error> = None;
@@ -409,7 +424,7 @@ fn budgeted<B: Backend>(
                     "the planner cannot fit {budget} bytes: with its bit floors (hot experts' pages \
                      at {} bits and more) the experts still take {} bytes; the smallest without \
                      floors is {smallest} (policy `{}`)",
-                    RoutingConfig::default().hot_floor_bits,
+                    routing_config(args.routing_config.as_deref())?.hot_floor_bits,
                     p.bytes_after,
                     policy.name()
                 );
