@@ -135,27 +135,50 @@ impl Plan {
     }
 }
 
-/// One page's damage curve and legal range, resolved from all inputs.
+/// Most stored bit-widths a page can have (pw-format stores 1..=8 bits at most).
+const MAX_WIDTHS: usize = 8;
+
+/// One page's damage curve and legal range, resolved from all inputs. Damage and bytes are
+/// copied into inline arrays (index `b - min_bits`): the greedy reads them many times per page,
+/// and a Gemma-4 table (7680 pages) stays within the 1 ms budget only without chasing each
+/// page's two heap-allocated tables on every read.
 #[derive(Debug, Clone, Copy)]
 struct Curve<'a> {
     page: &'a PageState,
-    weight: f64,
     floor: u8,
-    proxy: bool,
+    min: u8,
+    dmg: [f64; MAX_WIDTHS],
+    bytes: [u64; MAX_WIDTHS],
 }
 
-impl Curve<'_> {
-    fn damage(&self, b: u8) -> f64 {
-        let s = if self.proxy {
-            self.page.bytes_at(self.page.max_bits) as f64 * 0.25f64.powi(b as i32)
-        } else {
-            self.page.sensitivity_at(b)
-        };
-        self.weight * s
+impl<'a> Curve<'a> {
+    fn new(page: &'a PageState, weight: f64, floor: u8, proxy: bool) -> Result<Self, PlanError> {
+        let n = (page.max_bits - page.min_bits + 1) as usize;
+        if n > MAX_WIDTHS {
+            return Err(PlanError::Page {
+                page: page.id.to_string(),
+                reason: format!("{n} stored bit-widths, more than the format's {MAX_WIDTHS}"),
+            });
+        }
+        let (mut dmg, mut bytes) = ([0.0; MAX_WIDTHS], [0; MAX_WIDTHS]);
+        let top = page.bytes[n - 1] as f64;
+        for i in 0..n {
+            let b = page.min_bits + i as u8;
+            let s = if proxy { top * 0.25f64.powi(b as i32) } else { page.sensitivity[i] };
+            dmg[i] = weight * s;
+            bytes[i] = page.bytes[i];
+        }
+        Ok(Self { page, floor, min: page.min_bits, dmg, bytes })
     }
 
+    #[inline]
+    fn damage(&self, b: u8) -> f64 {
+        self.dmg[(b - self.min) as usize]
+    }
+
+    #[inline]
     fn bytes(&self, b: u8) -> u64 {
-        self.page.bytes_at(b)
+        self.bytes[(b - self.min) as usize]
     }
 
     /// Cheapest lowering from `cur` by damage per byte freed: `(ratio, to)`.
@@ -251,7 +274,7 @@ fn curves<'a>(
                 }
                 weight *= f.get(p.id.layer, p.id.kind);
             }
-            Ok(Curve { page: p, weight, floor: floor.min(p.max_bits), proxy: !config.use_sensitivity })
+            Curve::new(p, weight, floor.min(p.max_bits), !config.use_sensitivity)
         })
         .collect()
 }
@@ -318,10 +341,9 @@ pub fn plan(
             true
         }
     };
-    let bytes_before = snapshot.desired_bytes();
+    let bytes_before = cs.iter().map(|c| c.bytes(c.page.desired)).sum();
     let bytes_after = cs.iter().zip(&cur).map(|(c, &b)| c.bytes(b)).sum();
-    let damage_delta =
-        cs.iter().zip(&cur).zip(&snapshot.pages).map(|((c, &b), p)| c.damage(b) - c.damage(p.desired)).sum();
+    let damage_delta = cs.iter().zip(&cur).map(|(c, &b)| c.damage(b) - c.damage(c.page.desired)).sum();
     Ok(Plan { desired: cur, target, bytes_before, bytes_after, damage_delta, met })
 }
 
@@ -369,7 +391,9 @@ fn lower(cs: &[Curve], cur: &mut [u8], target: u64) -> bool {
     // A bit step frees about an eighth of a page: up to ~pages/8 steps, the heap is cheaper.
     let desired: u64 = cs.iter().zip(cur.iter()).map(|(c, &b)| c.bytes(b)).sum();
     let max_pops = if target <= desired / 64 { cs.len() / 8 + 16 } else { 0 };
-    let outcome = lower_heap(cs, cur, target, max_pops).unwrap_or_else(|| {
+    // (With no pops allowed the heap is not even built.)
+    let heap = if max_pops > 0 { lower_heap(cs, cur, target, max_pops) } else { None };
+    let outcome = heap.unwrap_or_else(|| {
         cur.copy_from_slice(&orig);
         lower_select(cs, cur, target)
     });
