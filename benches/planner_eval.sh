@@ -5,6 +5,7 @@
 #
 #   bash benches/planner_eval.sh [MAX_TOKENS]      # default 32768 (the committed table)
 #
+# SKIP_BUILD=1 uses the binaries already in CARGO_TARGET_DIR.
 # Env: MODEL (default assets/tiny-mixtral), WORK (default /tmp/planner-eval), OUT (default
 # benches/results), CARGO_TARGET_DIR (default target).
 set -euo pipefail

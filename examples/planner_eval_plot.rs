@@ -49,12 +49,15 @@ const POLICIES: [&str; 6] = [
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let text = std::fs::read_to_string(&args.rows).with_context(|| format!("reading {}", args.rows.display()))?;
+    let text =
+        std::fs::read_to_string(&args.rows).with_context(|| format!("reading {}", args.rows.display()))?;
     let rows: Vec<Value> = text
         .lines()
         .filter(|l| !l.trim().is_empty())
         .enumerate()
-        .map(|(i, l)| serde_json::from_str(l).with_context(|| format!("{} line {}", args.rows.display(), i + 1)))
+        .map(|(i, l)| {
+            serde_json::from_str(l).with_context(|| format!("{} line {}", args.rows.display(), i + 1))
+        })
         .collect::<Result<_>>()?;
     std::fs::write(&args.json, serde_json::to_string_pretty(&rows)? + "\n")
         .with_context(|| format!("writing {}", args.json.display()))?;
@@ -122,7 +125,12 @@ fn plot(args: &Args, rows: &[Value], fp16_ppl: f64, fp16_bytes: f64) -> Result<(
             let mut pts: Vec<(f64, f64)> = rows
                 .iter()
                 .filter(|r| r["policy"] == *p && r["ppl"].is_f64())
-                .map(|r| (r["expert_bytes"].as_f64().unwrap_or_default() / 1e6, r["ppl"].as_f64().unwrap_or_default()))
+                .map(|r| {
+                    (
+                        r["expert_bytes"].as_f64().unwrap_or_default() / 1e6,
+                        r["ppl"].as_f64().unwrap_or_default(),
+                    )
+                })
                 .collect();
             pts.sort_by(|a, b| a.0.total_cmp(&b.0));
             (*p, pts)
@@ -166,9 +174,7 @@ fn plot(args: &Args, rows: &[Value], fp16_ppl: f64, fp16_bytes: f64) -> Result<(
             .map_err(|e| err(&e))?
             .label(*name)
             .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], style));
-        chart
-            .draw_series(pts.iter().map(|&p| Circle::new(p, 4, colour.filled())))
-            .map_err(|e| err(&e))?;
+        chart.draw_series(pts.iter().map(|&p| Circle::new(p, 4, colour.filled()))).map_err(|e| err(&e))?;
     }
     chart
         .draw_series([Cross::new((fp16_bytes / 1e6, fp16_ppl), 7, CYAN.stroke_width(3))])

@@ -217,7 +217,8 @@ fn eval_on<B: Backend>(args: &EvalPplArgs, device: &B::Device) -> Result<()> {
 }
 
 fn load<B: Backend>(dir: &Path, bits: Option<u8>, device: &B::Device) -> Result<LoadedModel<B>> {
-    LoadedModel::<B>::load(dir, bits, device).with_context(|| format!("loading the model in {}", dir.display()))
+    LoadedModel::<B>::load(dir, bits, device)
+        .with_context(|| format!("loading the model in {}", dir.display()))
 }
 
 /// Perplexity of a loaded model over `ids`, with a progress bar; checks the token ids first.
@@ -302,7 +303,10 @@ fn fold_trace<B: Backend>(
     for (l, r) in trace.routing.iter().enumerate() {
         let Some(r) = r else { continue };
         if l >= routing.layers() {
-            bail!("the model routes in layer {l}, but the checkpoint has expert blocks for {} layers", routing.layers());
+            bail!(
+                "the model routes in layer {l}, but the checkpoint has expert blocks for {} layers",
+                routing.layers()
+            );
         }
         let w: Vec<f32> = r
             .weights
@@ -395,10 +399,8 @@ fn budgeted<B: Backend>(
     let mut extra = String::new();
     let bits: Vec<u8> = match policy {
         Policy::Uniform => {
-            let b = (lo..=hi)
-                .rev()
-                .find(|&b| at(&|e| b.clamp(e.min_bits, e.max_bits)) <= budget)
-                .unwrap_or(lo);
+            let b =
+                (lo..=hi).rev().find(|&b| at(&|e| b.clamp(e.min_bits, e.max_bits)) <= budget).unwrap_or(lo);
             extra.push_str(&format!(",\"bits\":{b}"));
             manifest.blocks.iter().map(|e| b.clamp(e.min_bits, e.max_bits)).collect()
         }
@@ -415,7 +417,8 @@ fn budgeted<B: Backend>(
                 Some(s) if cfg.use_residual => residual_factors::<B>(dir, s, device)?,
                 _ => (None, "off"),
             };
-            let target = if largest > budget { MemoryTarget::Free(largest - budget) } else { MemoryTarget::Hold };
+            let target =
+                if largest > budget { MemoryTarget::Free(largest - budget) } else { MemoryTarget::Hold };
             let t0 = Instant::now();
             let p = plan(&snapshot, stats.as_ref().map(|s| &s.routing), factors.as_ref(), target, cfg)?;
             let plan_ms = t0.elapsed().as_secs_f64() * 1e3;
