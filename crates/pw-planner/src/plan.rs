@@ -135,50 +135,27 @@ impl Plan {
     }
 }
 
-/// Most stored bit-widths a page can have (pw-format stores 1..=8 bits at most).
-const MAX_WIDTHS: usize = 8;
-
-/// One page's damage curve and legal range, resolved from all inputs. Damage and bytes are
-/// copied into inline arrays (index `b - min_bits`): the greedy reads them many times per page,
-/// and a Gemma-4 table (7680 pages) stays within the 1 ms budget only without chasing each
-/// page's two heap-allocated tables on every read.
+/// One page's damage curve and legal range, resolved from all inputs.
 #[derive(Debug, Clone, Copy)]
 struct Curve<'a> {
     page: &'a PageState,
+    weight: f64,
     floor: u8,
-    min: u8,
-    dmg: [f64; MAX_WIDTHS],
-    bytes: [u64; MAX_WIDTHS],
+    proxy: bool,
 }
 
-impl<'a> Curve<'a> {
-    fn new(page: &'a PageState, weight: f64, floor: u8, proxy: bool) -> Result<Self, PlanError> {
-        let n = (page.max_bits - page.min_bits + 1) as usize;
-        if n > MAX_WIDTHS {
-            return Err(PlanError::Page {
-                page: page.id.to_string(),
-                reason: format!("{n} stored bit-widths, more than the format's {MAX_WIDTHS}"),
-            });
-        }
-        let (mut dmg, mut bytes) = ([0.0; MAX_WIDTHS], [0; MAX_WIDTHS]);
-        let top = page.bytes[n - 1] as f64;
-        for i in 0..n {
-            let b = page.min_bits + i as u8;
-            let s = if proxy { top * 0.25f64.powi(b as i32) } else { page.sensitivity[i] };
-            dmg[i] = weight * s;
-            bytes[i] = page.bytes[i];
-        }
-        Ok(Self { page, floor, min: page.min_bits, dmg, bytes })
-    }
-
-    #[inline]
+impl Curve<'_> {
     fn damage(&self, b: u8) -> f64 {
-        self.dmg[(b - self.min) as usize]
+        let s = if self.proxy {
+            self.page.bytes_at(self.page.max_bits) as f64 * 0.25f64.powi(b as i32)
+        } else {
+            self.page.sensitivity_at(b)
+        };
+        self.weight * s
     }
 
-    #[inline]
     fn bytes(&self, b: u8) -> u64 {
-        self.bytes[(b - self.min) as usize]
+        self.page.bytes_at(b)
     }
 
     /// Cheapest lowering from `cur` by damage per byte freed: `(ratio, to)`.
@@ -274,7 +251,7 @@ fn curves<'a>(
                 }
                 weight *= f.get(p.id.layer, p.id.kind);
             }
-            Curve::new(p, weight, floor.min(p.max_bits), !config.use_sensitivity)
+            Ok(Curve { page: p, weight, floor: floor.min(p.max_bits), proxy: !config.use_sensitivity })
         })
         .collect()
 }
@@ -341,9 +318,10 @@ pub fn plan(
             true
         }
     };
-    let bytes_before = cs.iter().map(|c| c.bytes(c.page.desired)).sum();
+    let bytes_before = snapshot.desired_bytes();
     let bytes_after = cs.iter().zip(&cur).map(|(c, &b)| c.bytes(b)).sum();
-    let damage_delta = cs.iter().zip(&cur).map(|(c, &b)| c.damage(b) - c.damage(c.page.desired)).sum();
+    let damage_delta =
+        cs.iter().zip(&cur).zip(&snapshot.pages).map(|((c, &b), p)| c.damage(b) - c.damage(p.desired)).sum();
     Ok(Plan { desired: cur, target, bytes_before, bytes_after, damage_delta, met })
 }
 
@@ -391,9 +369,7 @@ fn lower(cs: &[Curve], cur: &mut [u8], target: u64) -> bool {
     // A bit step frees about an eighth of a page: up to ~pages/8 steps, the heap is cheaper.
     let desired: u64 = cs.iter().zip(cur.iter()).map(|(c, &b)| c.bytes(b)).sum();
     let max_pops = if target <= desired / 64 { cs.len() / 8 + 16 } else { 0 };
-    // (With no pops allowed the heap is not even built.)
-    let heap = if max_pops > 0 { lower_heap(cs, cur, target, max_pops) } else { None };
-    let outcome = heap.unwrap_or_else(|| {
+    let outcome = lower_heap(cs, cur, target, max_pops).unwrap_or_else(|| {
         cur.copy_from_slice(&orig);
         lower_select(cs, cur, target)
     });
