@@ -25,8 +25,10 @@
 //! teaches nothing about language. `--save-data FILE` writes the collected pairs as JSON;
 //! `--data FILE` trains from such a file without touching a model. `--init DIR` starts from a
 //! saved head: fine-tuning on your own prompts is the same command with `--text` pointing at
-//! them. The sensitivities here are unweighted SSE (no Fisher importance is available in this
-//! example); a quantized checkpoint's manifest holds the importance-weighted ones.
+//! them. When `--out` is a quantized checkpoint (it holds `pagedweight.json`), `S(l, k)` comes
+//! from its manifest's importance-weighted sensitivities, the ones the planner multiplies;
+//! otherwise they are this example's unweighted SSE, and a head trained that way corrects the
+//! wrong baseline when used with a checkpoint (measured in benches/results/planner-eval.md).
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -291,6 +293,15 @@ fn kl(reference: &Tensor<B, 2>, lowered: &Tensor<B, 2>) -> Result<f64> {
 
 fn collect(args: &Args) -> Result<Data> {
     let dir = model_dir(args);
+    // A quantized checkpoint as --out: its manifest's sensitivities define S(l, k).
+    let manifest = match &args.out {
+        Some(out) if out.join(pw_format::MANIFEST_FILE).is_file() => {
+            let m = pw_format::Checkpoint::open(out)?.manifest().clone();
+            eprintln!("sensitivities: the manifest of {}", out.display());
+            Some(m)
+        }
+        _ => None,
+    };
     let config = ModelConfig::from_dir(&dir)?;
     let ckpt = Checkpoint::open(&dir)?;
     let device = Default::default();
@@ -321,12 +332,23 @@ fn collect(args: &Args) -> Result<Data> {
             let col = 2 * l + kind_tag(kind) as usize;
             let lowered = load(&config, &ckpt, &source(Some((l, kind))))?;
             let blocks = cache.borrow();
-            let (count, s) = blocks
+            let (count, mut s) = blocks
                 .iter()
                 .filter(|((bl, _, k), _)| *bl == l && *k == kind_tag(kind))
                 .fold((0, 0.0), |(c, s), (_, b)| {
                     (c + 1, s + b.sensitivity_at(args.bits) - b.sensitivity_at(8))
                 });
+            // The planner multiplies the checkpoint's own (Fisher-weighted) sensitivities: the
+            // head must correct those, not this example's unweighted SSE.
+            if let Some(m) = &manifest {
+                let at = |e: &pw_format::BlockEntry, b: u8| e.sensitivity[(b - e.min_bits) as usize];
+                s = m
+                    .blocks
+                    .iter()
+                    .filter(|e| e.layer == l && e.kind == kind)
+                    .map(|e| at(e, args.bits.clamp(e.min_bits, e.max_bits)) - at(e, e.max_bits))
+                    .sum();
+            }
             if count == 0 {
                 eprintln!("layer {l}: no routed experts, target left at 0");
                 continue;

@@ -1,13 +1,34 @@
 //! `pagedweight eval-ppl`: token perplexity of a model (Hugging Face or quantized checkpoint)
-//! over a text file, with the window convention of `pw_models::eval`.
+//! over a text file, with the window convention of `pw_models::eval`; with
+//! `--expert-budget-bytes` and `--policy`, the perplexity of a quantized checkpoint whose experts
+//! must fit a memory budget, allocated by one policy (issue 7):
+//!
+//! - `uniform`: the highest single bit-width whose expert bytes (planes + LUTs) fit;
+//! - `planner`: the mixed allocation `pw_planner::plan` reaches when lowering from the highest
+//!   stored bit-width down to the budget, with the checkpoint's offline sensitivities, routing
+//!   statistics and residual features gathered in a first pass over the same text at the
+//!   highest bit-width (router choices folded into `RoutingStats` once per forward, residual
+//!   features averaged over the windows), and the residual head saved beside the checkpoint
+//!   (`residual_head.json` + `.mpk`, written by `examples/train_residual_head.rs`; without it the
+//!   factors are 1 and the output says `"residual":"absent"`). `,no-routing`, `,no-residual`
+//!   and `,no-sensitivity` switch a component off (the ablations).
+//!
+//! On a Hugging Face directory the same command gives the FP16 figure (`"policy":"fp16"`).
 
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
+use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorData};
 use indicatif::{ProgressBar, ProgressStyle};
-use pw_models::eval::{perplexity, token_windows};
-use pw_models::{CausalLm, LoadedModel};
+use pw_models::eval::{Perplexity, perplexity, perplexity_traced, token_windows};
+use pw_models::{CausalLm, LoadedModel, Trace, is_quantized_dir};
+use pw_planner::{
+    HEAD_CONFIG_FILE, MemoryTarget, PlannerConfig, ResidualFactors, ResidualHead, RoutingConfig,
+    RoutingStats, Snapshot, accumulate_choices, plan, residual_features,
+};
 
 use crate::models_cmd::{DeviceKind, load_tokenizer, on_device};
 
@@ -27,7 +48,7 @@ pub struct EvalPplArgs {
     #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
     pub device: DeviceKind,
     /// Bit-width of every expert (quantized checkpoints only; default: the highest stored).
-    #[arg(long)]
+    #[arg(long, conflicts_with_all = ["policy", "expert_budget_bytes"])]
     pub bits: Option<u8>,
     /// Evaluate only the first N tokens of the text (default: all).
     #[arg(long)]
@@ -36,6 +57,88 @@ pub struct EvalPplArgs {
     /// no faster on the CPU backend (hence 1); on a GPU it cuts per-operation overhead.
     #[arg(long, default_value_t = 1)]
     pub batch: usize,
+    /// Device bytes the experts may occupy (planes + LUTs of every expert block); the
+    /// `--policy` decides the bit-widths. On a Hugging Face directory: reported against.
+    #[arg(long)]
+    pub expert_budget_bytes: Option<u64>,
+    /// How bit-widths are chosen under the budget: `uniform` (the highest single bit-width
+    /// that fits) or `planner`, optionally with `,no-routing`, `,no-residual`,
+    /// `,no-sensitivity` (ablations). Default with a budget: `planner`.
+    #[arg(long, requires = "expert_budget_bytes")]
+    pub policy: Option<String>,
+    /// JSON file of `pw_planner::RoutingConfig` (buckets, floors, multipliers) for the
+    /// planner's routing statistics; default: `RoutingConfig::default()`.
+    #[arg(long, requires = "expert_budget_bytes")]
+    pub routing_config: Option<PathBuf>,
+}
+
+/// The routing options of `--routing-config`, or the defaults.
+fn routing_config(path: Option<&Path>) -> Result<RoutingConfig> {
+    let Some(path) = path else { return Ok(RoutingConfig::default()) };
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let cfg: RoutingConfig =
+        serde_json::from_str(&text).with_context(|| format!("{}: not a RoutingConfig", path.display()))?;
+    cfg.validate().with_context(|| format!("{}", path.display()))?;
+    Ok(cfg)
+}
+
+/// A `--policy` value.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Policy {
+    /// The highest single bit-width that fits.
+    Uniform,
+    /// The planner with these switches.
+    Planner(PlannerConfig),
+}
+
+impl Policy {
+    /// Parses `uniform` or `planner[,no-routing][,no-residual][,no-sensitivity]`.
+    pub(crate) fn parse(s: &str) -> Result<Self> {
+        let mut tokens = s.split(',').map(str::trim);
+        let mut policy = match tokens.next().unwrap_or_default() {
+            "uniform" => Self::Uniform,
+            "planner" => Self::Planner(PlannerConfig::default()),
+            other => bail!(
+                "--policy {s}: unknown policy `{other}` (expected `uniform` or \
+                 `planner[,no-routing][,no-residual][,no-sensitivity]`)"
+            ),
+        };
+        for t in tokens {
+            let Self::Planner(cfg) = &mut policy else {
+                bail!("--policy {s}: `{t}` switches off a planner component; `uniform` takes no options")
+            };
+            match t {
+                "no-routing" => cfg.use_routing = false,
+                "no-residual" => cfg.use_residual = false,
+                "no-sensitivity" => cfg.use_sensitivity = false,
+                other => bail!(
+                    "--policy {s}: unknown option `{other}` (expected no-routing, no-residual or \
+                     no-sensitivity)"
+                ),
+            }
+        }
+        Ok(policy)
+    }
+
+    /// Canonical name, as printed.
+    pub(crate) fn name(&self) -> String {
+        match self {
+            Self::Uniform => "uniform".into(),
+            Self::Planner(c) => {
+                let mut n = String::from("planner");
+                for (off, t) in [
+                    (!c.use_routing, ",no-routing"),
+                    (!c.use_residual, ",no-residual"),
+                    (!c.use_sensitivity, ",no-sensitivity"),
+                ] {
+                    if off {
+                        n.push_str(t);
+                    }
+                }
+                n
+            }
+        }
+    }
 }
 
 /// Prints `{"ppl":…, "tokens":…, "expert_bytes":…}` for the model on the text.
@@ -70,6 +173,13 @@ fn eval_on<B: Backend>(args: &EvalPplArgs, device: &B::Device) -> Result<()> {
     if args.ctx < 2 {
         bail!("--ctx {}: a window needs at least 2 tokens", args.ctx);
     }
+    // Parse the options before any work, so a typo fails at once.
+    routing_config(args.routing_config.as_deref())?;
+    let policy = match (&args.policy, args.expert_budget_bytes) {
+        (Some(p), _) => Some(Policy::parse(p)?),
+        (None, Some(_)) => Some(Policy::Planner(PlannerConfig::default())),
+        (None, None) => None,
+    };
     let mut ids = tokenize_text_file(&args.model, &args.text)?;
     if let Some(n) = args.max_tokens {
         ids.truncate(n);
@@ -77,21 +187,286 @@ fn eval_on<B: Backend>(args: &EvalPplArgs, device: &B::Device) -> Result<()> {
     if ids.len() < 2 {
         bail!("{} has {} tokens; at least 2 are needed", args.text.display(), ids.len());
     }
-    let loaded = LoadedModel::<B>::load(&args.model, args.bits, device)
-        .with_context(|| format!("loading the model in {}", args.model.display()))?;
+    let (Some(policy), Some(budget)) = (policy, args.expert_budget_bytes) else {
+        let loaded = load::<B>(&args.model, args.bits, device)?;
+        let result = run_ppl(&loaded, &ids, args, device)?;
+        // Written by hand to keep the documented key order (serde_json sorts keys).
+        println!(
+            "{{\"ppl\":{},\"tokens\":{},\"expert_bytes\":{}}}",
+            serde_json::to_string(&result.ppl())?,
+            result.tokens,
+            loaded.expert_bytes
+        );
+        return Ok(());
+    };
+    if !is_quantized_dir(&args.model) {
+        // The reference: the checkpoint's own weights, whatever the budget.
+        let loaded = load::<B>(&args.model, None, device)?;
+        let result = run_ppl(&loaded, &ids, args, device)?;
+        println!(
+            "{{\"policy\":\"fp16\",\"ppl\":{},\"expert_bytes\":{},\"budget_bytes\":{budget},\"fits\":{},\
+             \"tokens\":{}}}",
+            serde_json::to_string(&result.ppl())?,
+            loaded.expert_bytes,
+            loaded.expert_bytes <= budget,
+            result.tokens
+        );
+        return Ok(());
+    }
+    budgeted::<B>(args, &ids, &policy, budget, device)
+}
+
+fn load<B: Backend>(dir: &Path, bits: Option<u8>, device: &B::Device) -> Result<LoadedModel<B>> {
+    LoadedModel::<B>::load(dir, bits, device)
+        .with_context(|| format!("loading the model in {}", dir.display()))
+}
+
+/// Perplexity of a loaded model over `ids`, with a progress bar; checks the token ids first.
+fn run_ppl<B: Backend>(
+    loaded: &LoadedModel<B>,
+    ids: &[u32],
+    args: &EvalPplArgs,
+    device: &B::Device,
+) -> Result<Perplexity> {
+    check_vocab(loaded, ids, &args.text)?;
+    let pb = bar(token_windows(ids, args.ctx).len(), "windows");
+    let result = perplexity(&loaded.model, ids, args.ctx, args.batch, device, |n| pb.inc(n as u64));
+    pb.finish_and_clear();
+    Ok(result)
+}
+
+fn check_vocab<B: Backend>(loaded: &LoadedModel<B>, ids: &[u32], text: &Path) -> Result<()> {
     let vocab = loaded.model.vocab_size();
     if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab) {
-        bail!("token id {bad} of {} is outside the model's vocabulary of {vocab}", args.text.display());
+        bail!("token id {bad} of {} is outside the model's vocabulary of {vocab}", text.display());
     }
-    let pb = bar(token_windows(&ids, args.ctx).len(), "windows");
-    let result = perplexity(&loaded.model, &ids, args.ctx, args.batch, device, |n| pb.inc(n as u64));
+    Ok(())
+}
+
+/// What the first pass over the text gathered for the planner.
+struct PassStats {
+    /// Router choices, folded in once per forward.
+    routing: RoutingStats,
+    /// Residual features averaged over the forwards (`None` when no forward ran).
+    features: Option<Vec<f32>>,
+    /// Decoder layers the features cover.
+    layers: usize,
+    /// Perplexity of the pass (the highest stored bit-width).
+    ppl: f64,
+}
+
+/// Runs the checkpoint at `bits` over the text, gathering routing statistics over
+/// `layers × experts` and residual features.
+fn stats_pass<B: Backend>(
+    args: &EvalPplArgs,
+    ids: &[u32],
+    bits: u8,
+    (layers, experts): (usize, usize),
+    device: &B::Device,
+) -> Result<PassStats> {
+    let loaded = load::<B>(&args.model, Some(bits), device)?;
+    check_vocab(&loaded, ids, &args.text)?;
+    let mut routing = RoutingStats::new(layers, experts, routing_config(args.routing_config.as_deref())?)?;
+    let mut sum: Vec<f64> = Vec::new();
+    let (mut forwards, mut model_layers) = (0usize, 0usize);
+    let mut failed: Option<anyhow::Error> = None;
+    let pb = bar(token_windows(ids, args.ctx).len(), "statistics");
+    let result = perplexity_traced(&loaded.model, ids, args.ctx, args.batch, device, true, |n, trace| {
+        pb.inc(n as u64);
+        if failed.is_none()
+            && let Err(e) = fold_trace(trace, &mut routing, &mut sum, &mut model_layers, experts)
+        {
+            failed = Some(e);
+        }
+        forwards += 1;
+    });
     pb.finish_and_clear();
-    // Written by hand to keep the documented key order (serde_json sorts keys).
+    if let Some(e) = failed {
+        return Err(e);
+    }
+    let features = (forwards > 0).then(|| sum.iter().map(|v| (*v / forwards as f64) as f32).collect());
+    Ok(PassStats { routing, features, layers: model_layers, ppl: result.ppl() })
+}
+
+/// Folds one forward's router outputs into `routing` (one step) and adds its residual features
+/// to `sum`.
+fn fold_trace<B: Backend>(
+    trace: &Trace<B>,
+    routing: &mut RoutingStats,
+    sum: &mut Vec<f64>,
+    model_layers: &mut usize,
+    experts: usize,
+) -> Result<()> {
+    let n = routing.layers() * experts;
+    let (mut counts, mut mass) = (vec![0u32; n], vec![0f32; n]);
+    let mut tokens = 0;
+    for (l, r) in trace.routing.iter().enumerate() {
+        let Some(r) = r else { continue };
+        if l >= routing.layers() {
+            bail!(
+                "the model routes in layer {l}, but the checkpoint has expert blocks for {} layers",
+                routing.layers()
+            );
+        }
+        let w: Vec<f32> = r
+            .weights
+            .clone()
+            .into_data()
+            .convert::<f32>()
+            .to_vec()
+            .map_err(|e| anyhow::anyhow!("layer {l} routing weights: {e:?}"))?;
+        accumulate_choices(&mut counts, &mut mass, experts, l, &r.indices, &w)?;
+        tokens = r.indices.len() / r.k.max(1);
+    }
+    routing.update(tokens as u32, &counts, &mass)?;
+    *model_layers = trace.hidden.len().saturating_sub(1);
+    let f: Vec<f32> = residual_features(&trace.hidden, *model_layers)?
+        .into_data()
+        .convert::<f32>()
+        .to_vec()
+        .map_err(|e| anyhow::anyhow!("residual features: {e:?}"))?;
+    if sum.is_empty() {
+        sum.resize(f.len(), 0.0);
+    }
+    for (s, v) in sum.iter_mut().zip(&f) {
+        *s += *v as f64;
+    }
+    Ok(())
+}
+
+/// The residual factors from the head beside the checkpoint, or why there are none.
+fn residual_factors<B: Backend>(
+    dir: &Path,
+    stats: &PassStats,
+    device: &B::Device,
+) -> Result<(Option<ResidualFactors>, &'static str)> {
+    if !dir.join(HEAD_CONFIG_FILE).is_file() {
+        eprintln!(
+            "no {HEAD_CONFIG_FILE} in {}: residual factors 1 (train one with `cargo run --release \
+             --example train_residual_head -- --model HF_DIR --out {}`)",
+            dir.display(),
+            dir.display()
+        );
+        return Ok((None, "absent"));
+    }
+    let head = ResidualHead::<B>::load(dir, device)?;
+    let Some(f) = &stats.features else { return Ok((None, "absent")) };
+    if head.config().layers != stats.layers {
+        bail!(
+            "{}: the residual head is for {} layers, the model has {}",
+            dir.join(HEAD_CONFIG_FILE).display(),
+            head.config().layers,
+            stats.layers
+        );
+    }
+    let x = Tensor::<B, 1>::from_data(TensorData::new(f.clone(), [f.len()]), device);
+    Ok((Some(head.factors(x)?), "head"))
+}
+
+/// `eval-ppl` on a quantized checkpoint under an expert byte budget.
+fn budgeted<B: Backend>(
+    args: &EvalPplArgs,
+    ids: &[u32],
+    policy: &Policy,
+    budget: u64,
+    device: &B::Device,
+) -> Result<()> {
+    let dir = &args.model;
+    let ckpt = pw_format::Checkpoint::open(dir)?;
+    let manifest = ckpt.manifest();
+    let Some((lo, hi)) = manifest.bit_range() else {
+        bail!("{}: the checkpoint has no expert blocks", dir.display());
+    };
+    let at = |bits: &dyn Fn(&pw_format::BlockEntry) -> u8| -> u64 {
+        manifest
+            .blocks
+            .iter()
+            .map(|b| {
+                let (p, l) = b.bytes_at(bits(b));
+                (p + l) as u64
+            })
+            .sum()
+    };
+    let smallest = at(&|b| b.min_bits);
+    if budget < smallest {
+        bail!(
+            "--expert-budget-bytes {budget} is below the smallest size of this checkpoint's experts: \
+             {smallest} bytes with every block at its lowest stored bit-width ({lo} bits); \
+             a budget needs at least that"
+        );
+    }
+    let largest = at(&|b| b.max_bits);
+    let mut extra = String::new();
+    let bits: Vec<u8> = match policy {
+        Policy::Uniform => {
+            let b =
+                (lo..=hi).rev().find(|&b| at(&|e| b.clamp(e.min_bits, e.max_bits)) <= budget).unwrap_or(lo);
+            extra.push_str(&format!(",\"bits\":{b}"));
+            manifest.blocks.iter().map(|e| b.clamp(e.min_bits, e.max_bits)).collect()
+        }
+        Policy::Planner(cfg) => {
+            let snapshot = Snapshot::from_manifest(manifest, hi)?;
+            let extent = snapshot.extent();
+            // Routing and residual need the first pass; the bytes-only ablation does not.
+            let stats = if cfg.use_routing || cfg.use_residual {
+                Some(stats_pass::<B>(args, ids, hi, extent, device)?)
+            } else {
+                None
+            };
+            let (factors, residual) = match &stats {
+                Some(s) if cfg.use_residual => residual_factors::<B>(dir, s, device)?,
+                _ => (None, "off"),
+            };
+            let target =
+                if largest > budget { MemoryTarget::Free(largest - budget) } else { MemoryTarget::Hold };
+            let t0 = Instant::now();
+            let p = plan(&snapshot, stats.as_ref().map(|s| &s.routing), factors.as_ref(), target, cfg)?;
+            let plan_ms = t0.elapsed().as_secs_f64() * 1e3;
+            if !p.met {
+                bail!(
+                    "the planner cannot fit {budget} bytes: with its bit floors (hot experts' pages \
+                     at {} bits and more) the experts still take {} bytes; the smallest without \
+                     floors is {smallest} (policy `{}`)",
+                    routing_config(args.routing_config.as_deref())?.hot_floor_bits,
+                    p.bytes_after,
+                    policy.name()
+                );
+            }
+            if let Some(s) = &stats {
+                extra.push_str(&format!(
+                    ",\"ppl_stats_pass\":{},\"stats_bits\":{hi},\"routing_steps\":{}",
+                    serde_json::to_string(&s.ppl)?,
+                    s.routing.steps()
+                ));
+            }
+            extra.push_str(&format!(",\"residual\":\"{residual}\",\"plan_ms\":{plan_ms:.3}"));
+            p.desired
+        }
+    };
+    let block_bits: HashMap<String, u8> =
+        manifest.blocks.iter().zip(&bits).map(|(e, &b)| (e.name.clone(), b)).collect();
+    let loaded = LoadedModel::<B>::load_mixed(dir, &block_bits, device)
+        .with_context(|| format!("loading the model in {}", dir.display()))?;
+    if loaded.expert_bytes > budget {
+        bail!(
+            "internal: policy `{}` chose {} expert bytes over the budget of {budget}",
+            policy.name(),
+            loaded.expert_bytes
+        );
+    }
+    let result = run_ppl(&loaded, ids, args, device)?;
+    let mut hist = BTreeMap::new();
+    for b in &bits {
+        *hist.entry(b.to_string()).or_insert(0usize) += 1;
+    }
     println!(
-        "{{\"ppl\":{},\"tokens\":{},\"expert_bytes\":{}}}",
+        "{{\"policy\":{},\"ppl\":{},\"expert_bytes\":{},\"budget_bytes\":{budget},\"tokens\":{},\
+         \"bits_histogram\":{}{extra}}}",
+        serde_json::to_string(&policy.name())?,
         serde_json::to_string(&result.ppl())?,
+        loaded.expert_bytes,
         result.tokens,
-        loaded.expert_bytes
+        serde_json::to_string(&hist)?
     );
     Ok(())
 }

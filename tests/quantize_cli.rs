@@ -183,3 +183,96 @@ fn shipped_model_quantizes_with_8_bit_perplexity_within_half_a_percent() {
     assert!((p8 - p).abs() / p <= SHIPPED_Q8_RTOL, "8-bit ppl {p8} vs {p}");
     assert!(p3 > p8, "3-bit ppl {p3} should exceed 8-bit {p8}");
 }
+
+/// `eval-ppl --expert-budget-bytes --policy`: uniform takes the highest single bit-width that
+/// fits, the planner a mixed allocation within the budget (using the residual head saved beside
+/// the checkpoint); an HF directory gives the FP16 figure; a budget below every block at 3 bits
+/// and an unknown policy token are errors that say so.
+#[test]
+fn eval_ppl_under_an_expert_budget() {
+    let src = model_dir("mixtral");
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("q");
+    let (ok, _, err) = run(&[
+        "quantize",
+        "--model",
+        src.path().to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--ctx",
+        "16",
+        "--calib-tokens",
+        "64",
+    ]);
+    assert!(ok, "{err}");
+    // A head with zero weights (multipliers 1) beside the checkpoint: the planner must load it.
+    let head = pw_planner::ResidualHeadConfig::new(3).init::<burn_ndarray::NdArray<f32>>(&Default::default());
+    head.save(&out).unwrap();
+    let heldout = tmp.path().join("heldout.txt");
+    std::fs::write(&heldout, text(150, 11)).unwrap();
+    // Same byte formula as `quantize_then_eval_ppl_mixtral`: 24 blocks of the fixture.
+    let bytes = |b: u64| 12 * (b * 96 * 4 + 96 * (1 << b) * 2 + b * 32 * 2 * 4 + 32 * (1 << b) * 2);
+    let budget = bytes(4) + (bytes(5) - bytes(4)) / 2;
+    let at = |model: &Path, policy: &str, budget: u64| {
+        let b = budget.to_string();
+        let (ok, out, err) = run(&[
+            "eval-ppl",
+            "--model",
+            model.to_str().unwrap(),
+            "--text",
+            heldout.to_str().unwrap(),
+            "--ctx",
+            "32",
+            "--expert-budget-bytes",
+            &b,
+            "--policy",
+            policy,
+        ]);
+        (ok, out, err)
+    };
+    let get = |model: &Path, policy: &str| {
+        let (ok, out, err) = at(model, policy, budget);
+        assert!(ok, "{policy}: {err}");
+        // The documented leading keys, in order.
+        let at = |k: &str| out.find(&format!("\"{k}\":")).unwrap_or_else(|| panic!("no {k} in {out}"));
+        assert!(out.starts_with("{\"policy\":") && at("ppl") < at("expert_bytes"), "{out}");
+        json(&out)
+    };
+    let uniform = get(&out, "uniform");
+    assert_eq!(uniform["policy"], "uniform");
+    assert_eq!(uniform["bits"], 4, "{uniform}");
+    assert_eq!(uniform["expert_bytes"], bytes(4));
+    assert_eq!(uniform["bits_histogram"], serde_json::json!({"4": 24}));
+    let q4 = eval(&out, &heldout, &["--ctx", "32", "--bits", "4"]);
+    assert_eq!(uniform["ppl"], q4["ppl"], "uniform at 4 bits is the --bits 4 model");
+
+    for policy in ["planner", "planner,no-routing,no-residual,no-sensitivity"] {
+        let p = get(&out, policy);
+        assert_eq!(p["policy"], policy);
+        let used = p["expert_bytes"].as_u64().unwrap();
+        assert!(used <= budget && used > bytes(4), "{policy}: {used} bytes for a budget of {budget}");
+        let hist = p["bits_histogram"].as_object().unwrap();
+        assert!(hist.len() >= 2, "{policy}: a mixed allocation, got {p}");
+        assert_eq!(hist.values().map(|v| v.as_u64().unwrap()).sum::<u64>(), 24);
+        assert!(p["ppl"].as_f64().unwrap().is_finite());
+    }
+    assert_eq!(get(&out, "planner")["residual"], "head");
+    // The bytes-only ablation skips the statistics pass.
+    assert_eq!(get(&out, "planner,no-routing,no-residual")["residual"], "off");
+
+    let fp16 = get(src.path(), "planner");
+    assert_eq!(fp16["policy"], "fp16");
+    assert_eq!(fp16["expert_bytes"], 3 * 4 * 3 * 48 * 32 * 4);
+
+    let (ok, _, err) = at(&out, "uniform", bytes(3) - 1);
+    assert!(!ok && err.contains("below") && err.contains(&bytes(3).to_string()), "{err}");
+    let (ok, _, err) = at(&out, "planner", bytes(3) - 1);
+    assert!(!ok && err.contains(&bytes(3).to_string()), "{err}");
+    let (ok, _, err) = at(&out, "planner,no-routin", budget);
+    assert!(!ok && err.contains("no-routin") && err.contains("no-routing"), "{err}");
+    let (ok, _, err) = at(&out, "greedy", budget);
+    assert!(!ok && err.contains("greedy") && err.contains("uniform"), "{err}");
+    let (ok, _, err) = at(&out, "uniform,no-routing", budget);
+    assert!(!ok && err.contains("uniform"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}

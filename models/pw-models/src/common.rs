@@ -1,4 +1,5 @@
 use std::cell::RefCell;
+use std::collections::HashMap;
 use std::path::Path;
 
 use burn::tensor::{Int, Tensor, backend::Backend};
@@ -37,6 +38,14 @@ pub enum ModelError {
         bits: u8,
         /// What is stored.
         range: String,
+    },
+    /// A per-block allocation does not match the checkpoint's blocks.
+    #[error("{dir}: {reason}")]
+    Allocation {
+        /// The model directory.
+        dir: String,
+        /// What is wrong.
+        reason: String,
     },
 }
 
@@ -175,7 +184,8 @@ pub struct LoadedModel<B: Backend> {
     /// tensors' bytes (parameters × element size); for a quantized one the planes and LUTs
     /// of every block at [`Self::bits`].
     pub expert_bytes: u64,
-    /// Bit-width the experts were dequantized at (`None` for a Hugging Face checkpoint).
+    /// Bit-width the experts were dequantized at (`None` for a Hugging Face checkpoint and
+    /// for a mixed allocation, [`LoadedModel::load_mixed`]).
     pub bits: Option<u8>,
 }
 
@@ -223,6 +233,45 @@ impl<B: Backend> LoadedModel<B> {
             }
             Ok(Self { model, config, banks, expert_bytes, bits: None })
         }
+    }
+
+    /// Loads the quantized checkpoint in `dir` with every expert block at its own bit-width:
+    /// `block_bits` maps each block name of the manifest to its bits (a block left out is an
+    /// error, so an allocation cannot silently miss a block). `expert_bytes` is the planes and
+    /// LUTs of every block at its bit-width.
+    pub fn load_mixed(
+        dir: impl AsRef<Path>,
+        block_bits: &HashMap<String, u8>,
+        device: &B::Device,
+    ) -> Result<Self, ModelError> {
+        let dir = dir.as_ref();
+        let config = ModelConfig::from_dir(dir)?;
+        let ckpt = pw_format::Checkpoint::open(dir)?;
+        let mut expert_bytes = 0u64;
+        for b in &ckpt.manifest().blocks {
+            let Some(&bits) = block_bits.get(&b.name) else {
+                return Err(ModelError::Allocation {
+                    dir: dir.display().to_string(),
+                    reason: format!("no bit-width given for block `{}`", b.name),
+                });
+            };
+            if !(b.min_bits..=b.max_bits).contains(&bits) {
+                let range = format!("bits {}..={} for block `{}`", b.min_bits, b.max_bits, b.name);
+                return Err(ModelError::Bits { dir: dir.display().to_string(), bits, range });
+            }
+            let (planes, lut) = b.bytes_at(bits);
+            expert_bytes += (planes + lut) as u64;
+        }
+        let Some((_, hi)) = ckpt.manifest().bit_range() else {
+            return Err(ModelError::Format(FormatError::Manifest {
+                path: dir.join(MANIFEST_FILE),
+                reason: "no expert blocks".into(),
+            }));
+        };
+        let src = PwSource::<B>::new(&ckpt, hi, device).with_block_bits(block_bits.clone());
+        let (model, banks) = Self::build(&config, &src)
+            .map_err(|source| ModelError::Load { dir: dir.display().to_string(), source })?;
+        Ok(Self { model, config, banks, expert_bytes, bits: None })
     }
 
     fn build(

@@ -9,7 +9,7 @@
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Int, Tensor, TensorData, backend::Backend};
 
-use crate::common::CausalLm;
+use crate::common::{CausalLm, Trace};
 
 /// Disjoint consecutive windows of `ctx` tokens; the last partial one is kept when it has at
 /// least two tokens (one prediction).
@@ -32,6 +32,21 @@ pub fn token_nll<B: Backend, M: CausalLm<B>>(
     windows: &[&[u32]],
     device: &B::Device,
 ) -> Tensor<B, 2> {
+    token_nll_traced(model, windows, device, None)
+}
+
+/// [`token_nll`] that also records the forward pass into `trace` (residual stream entering
+/// each layer, router outputs), for statistics gathered while evaluating.
+///
+/// # Shapes
+/// - `windows`: `batch` windows of `len >= 2` tokens
+/// - output: `[batch, len - 1]`; `trace.hidden`: `[batch, len, hidden]` each
+pub fn token_nll_traced<B: Backend, M: CausalLm<B>>(
+    model: &M,
+    windows: &[&[u32]],
+    device: &B::Device,
+    trace: Option<&mut Trace<B>>,
+) -> Tensor<B, 2> {
     let b = windows.len();
     let len = windows.first().map_or(0, |w| w.len());
     assert!(b > 0 && len >= 2, "token_nll needs windows of at least 2 tokens");
@@ -39,7 +54,7 @@ pub fn token_nll<B: Backend, M: CausalLm<B>>(
     let ids: Vec<i64> = windows.iter().flat_map(|w| w.iter().map(|&i| i as i64)).collect();
     let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [b, len]), device);
     let mut cache = model.new_cache();
-    let logits = model.forward(ids.clone(), &mut cache, None);
+    let logits = model.forward(ids.clone(), &mut cache, trace);
     let logp = log_softmax(logits.narrow(1, 0, len - 1), 2);
     let targets = ids.narrow(1, 1, len - 1).reshape([b, len - 1, 1]);
     logp.gather(2, targets).reshape([b, len - 1]).neg()
@@ -79,14 +94,30 @@ pub fn perplexity<B: Backend, M: CausalLm<B>>(
     device: &B::Device,
     mut on_windows: impl FnMut(usize),
 ) -> Perplexity {
+    perplexity_traced(model, ids, ctx, batch, device, false, |n, _| on_windows(n))
+}
+
+/// [`perplexity`] that hands each forward's [`Trace`] to `on_windows(n, trace)` (an empty
+/// trace unless `traced`): routing statistics and residual features gathered in the same pass.
+pub fn perplexity_traced<B: Backend, M: CausalLm<B>>(
+    model: &M,
+    ids: &[u32],
+    ctx: usize,
+    batch: usize,
+    device: &B::Device,
+    traced: bool,
+    mut on_windows: impl FnMut(usize, &Trace<B>),
+) -> Perplexity {
     let windows = token_windows(ids, ctx);
     let mut total = Perplexity::default();
     let mut i = 0;
     while i < windows.len() {
         let len = windows[i].len();
         let n = windows[i..].iter().take(batch.max(1)).take_while(|w| w.len() == len).count();
-        total.add(token_nll(model, &windows[i..i + n], device));
-        on_windows(n);
+        let mut trace = Trace::default();
+        let t = if traced { Some(&mut trace) } else { None };
+        total.add(token_nll_traced(model, &windows[i..i + n], device, t));
+        on_windows(n, &trace);
         i += n;
     }
     total

@@ -5,7 +5,7 @@
 //! [`Experts`] bank (the paged bank that keeps planes on the device comes later and will
 //! override [`WeightSource::experts`] the same way).
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use burn::tensor::backend::Backend;
 use pw_format::{BlockKind, Checkpoint, FormatError, view_to_f32};
@@ -22,10 +22,13 @@ pub fn expert_block_name(prefix: &str, expert: usize, kind: BlockKind) -> String
     }
 }
 
-/// [`WeightSource`] over a quantized checkpoint whose experts are dequantized at `bits`.
+/// [`WeightSource`] over a quantized checkpoint whose experts are dequantized at `bits`, or
+/// each block at its own bit-width ([`PwSource::with_block_bits`]).
 pub struct PwSource<'a, B: Backend> {
     ckpt: &'a Checkpoint,
     bits: u8,
+    /// Per-block bit-widths by block name, overriding `bits` (mixed allocations of the planner).
+    block_bits: HashMap<String, u8>,
     device: B::Device,
     /// The original checkpoint tensors the blocks were made from: they still "exist" for
     /// [`WeightSource::has`], so models resolve the same expert layout as on the source model.
@@ -37,7 +40,14 @@ impl<'a, B: Backend> PwSource<'a, B> {
     /// experts are built).
     pub fn new(ckpt: &'a Checkpoint, bits: u8, device: &B::Device) -> Self {
         let block_sources = ckpt.manifest().blocks.iter().flat_map(|b| b.sources.iter().cloned()).collect();
-        Self { ckpt, bits, device: device.clone(), block_sources }
+        Self { ckpt, bits, block_bits: HashMap::new(), device: device.clone(), block_sources }
+    }
+
+    /// Dequantizes each block named in `block_bits` at its own bit-width (the others at the
+    /// `bits` given to [`PwSource::new`]); checked against each block's stored range.
+    pub fn with_block_bits(mut self, block_bits: HashMap<String, u8>) -> Self {
+        self.block_bits = block_bits;
+        self
     }
 
     fn block_rows(&self, name: &str, rows: usize, cols: usize) -> Result<Vec<f32>, LoadError> {
@@ -49,13 +59,14 @@ impl<'a, B: Backend> PwSource<'a, B> {
                 got: vec![block.rows, block.cols],
             });
         }
-        if !(block.min_bits..=block.max_bits).contains(&self.bits) {
+        let bits = self.block_bits.get(name).copied().unwrap_or(self.bits);
+        if !(block.min_bits..=block.max_bits).contains(&bits) {
             return Err(LoadError::Source(format!(
-                "block `{name}` stores bits {}..={}, not {}",
-                block.min_bits, block.max_bits, self.bits
+                "block `{name}` stores bits {}..={}, not {bits}",
+                block.min_bits, block.max_bits
             )));
         }
-        Ok(block.dequantize_reference(self.bits))
+        Ok(block.dequantize_reference(bits))
     }
 }
 
