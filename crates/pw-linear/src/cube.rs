@@ -108,6 +108,16 @@ fn launch<R: Runtime>(
         .map_err(kernel_err)
 }
 
+/// Whether layers over `table` run the CubeCL kernels for tensors of `B` on `device`.
+pub(crate) fn runs_kernels<B: Backend>(table: &PageTable, device: &B::Device) -> bool {
+    match &*table.lock() {
+        Pages::Wgpu(_, dev) => runs_on::<B, WgpuRuntime>(device, dev),
+        #[cfg(feature = "cuda")]
+        Pages::Cuda(_, dev) => runs_on::<B, cubecl::cuda::CudaRuntime>(device, dev),
+        Pages::Host(_) => false,
+    }
+}
+
 /// `x · Wᵀ` for the weight of `page` at its committed bits.
 ///
 /// # Shapes

@@ -150,6 +150,12 @@ impl PageTable {
         }
     }
 
+    /// Whether layers over this table run the CubeCL kernels for tensors of backend `B` on
+    /// `device` (else the CPU reference path).
+    pub fn runs_kernels<B: burn::tensor::backend::Backend>(&self, device: &B::Device) -> bool {
+        crate::cube::runs_kernels::<B>(self, device)
+    }
+
     /// Number of pages.
     pub fn len(&self) -> usize {
         self.names.len()
