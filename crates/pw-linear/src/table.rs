@@ -204,44 +204,54 @@ impl PageTable {
         with_pages!(&mut *self.lock(), t => t.boundary())
     }
 
-    /// Runs boundaries until no raising is in flight or deferred, i.e. every page is at its
-    /// desired bits (startup, tests, `set_bits` of a standalone layer). Errors when a raising
-    /// cannot start for lack of budget or space, naming the page and the numbers.
+    /// Runs boundaries until every page is at its desired bits (startup, tests, `set_bits` of a
+    /// standalone layer). A raising deferred for budget or space is retried while others make
+    /// progress (their commits free the LUTs they replace); when a boundary makes none and
+    /// nothing is in flight, the error names the page and the numbers.
     pub fn settle(&self) -> Result<CommitReport, PageError> {
         let mut all = CommitReport::default();
         loop {
             let r = self.boundary()?;
-            if let Some(d) = r.deferred.iter().find(|d| !matches!(d.reason, DeferReason::InFlight)) {
-                let info = self.info(d.page)?;
-                // Fragmentation is retried while the boundary relocates pages.
-                if !(matches!(d.reason, DeferReason::Fragmented { .. }) && !r.relocating.is_empty()) {
-                    return Err(PageError::BadBlock {
-                        name: info.name,
-                        reason: format!("cannot raise to {} bits: {}", d.target, d.reason),
-                    });
-                }
-            }
-            let busy = !r.started.is_empty() || !r.relocating.is_empty() || !r.deferred.is_empty();
+            let progress = !(r.started.is_empty()
+                && r.raised.is_empty()
+                && r.lowered.is_empty()
+                && r.relocating.is_empty()
+                && r.relocated.is_empty()
+                && r.reclaimed.is_empty());
+            let stuck = r.deferred.iter().find(|d| !matches!(d.reason, DeferReason::InFlight));
             all.raised.extend(r.raised);
             all.lowered.extend(r.lowered);
             all.started.extend(r.started);
+            all.deferred = r.deferred.clone();
             all.published |= r.published;
-            if !busy && self.all_committed()? {
+            let (done, in_flight) = self.progress()?;
+            if done {
+                all.deferred.clear();
                 return Ok(all);
             }
-            std::thread::sleep(Duration::from_micros(50));
+            if let (false, false, Some(d)) = (progress, in_flight, stuck) {
+                let info = self.info(d.page)?;
+                return Err(PageError::BadBlock {
+                    name: info.name,
+                    reason: format!("cannot raise to {} bits: {}", d.target, d.reason),
+                });
+            }
+            if !progress {
+                std::thread::sleep(Duration::from_micros(50));
+            }
         }
     }
 
-    fn all_committed(&self) -> Result<bool, PageError> {
+    /// (every page at its desired bits, some transfer in flight).
+    fn progress(&self) -> Result<(bool, bool), PageError> {
         with_pages!(&*self.lock(), t => {
+            let (mut done, mut in_flight) = (true, false);
             for id in t.ids() {
                 let i = t.info(id)?;
-                if i.desired != 0 && i.committed != i.desired {
-                    return Ok(false);
-                }
+                done &= i.desired == 0 || i.committed == i.desired;
+                in_flight |= i.raising_to.is_some();
             }
-            Ok(true)
+            Ok((done, in_flight))
         })
     }
 

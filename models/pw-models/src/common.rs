@@ -320,11 +320,12 @@ impl<B: Backend> LoadedModel<B> {
                 });
             }
         }
-        let budget = opts.weight_budget.unwrap_or_else(|| bytes_at(bits));
+        let (planes, luts, lut_slack) = pw_pages_arena(&ckpt, bits);
+        // Without a budget: the bytes at `bits` plus the LUT headroom a raising needs (its new
+        // LUT is held beside the committed one until it commits), so pages lowered through the
+        // boundary API can be raised back.
+        let budget = opts.weight_budget.unwrap_or_else(|| bytes_at(bits) + 2 * lut_slack as u64);
         let pages_err = |e: &dyn std::fmt::Display| ModelError::Pages { dir: dir_s.clone(), reason: e.to_string() };
-        // Arenas for the chosen bits, plus room for one page's largest LUT: a raising holds its
-        // new LUT beside the committed one until it commits.
-        let (planes, luts) = pw_pages_arena(&ckpt, bits);
         let table = PageTable::from_checkpoint(&ckpt, Accountant::new(budget), (planes, luts), device)
             .map_err(|e| pages_err(&e))?;
         table.set_desired_all(bits);
@@ -356,9 +357,10 @@ impl<B: Backend> LoadedModel<B> {
     }
 }
 
-/// Arena sizes (plane words, LUT entries) for every block of `ckpt` at `bits`, plus one block's
-/// largest LUT of slack.
-fn pw_pages_arena(ckpt: &pw_format::Checkpoint, bits: u8) -> (usize, usize) {
+/// Arena sizes (plane words, LUT entries) for every block of `ckpt` at `bits`, the LUT arena
+/// with a few of the largest LUTs of slack (raisings hold a new LUT beside the old one, and the
+/// slack keeps the LUT arena from fragmenting into runs too short for them), and that slack.
+fn pw_pages_arena(ckpt: &pw_format::Checkpoint, bits: u8) -> (usize, usize, usize) {
     let (mut planes, mut luts, mut slack) = (0, 0, 0);
     for e in &ckpt.manifest().blocks {
         let (p, l) = e.bytes_at(bits.clamp(e.min_bits, e.max_bits));
@@ -366,7 +368,7 @@ fn pw_pages_arena(ckpt: &pw_format::Checkpoint, bits: u8) -> (usize, usize) {
         luts += l / 2;
         slack = slack.max(e.bytes_at(e.max_bits).1 / 2);
     }
-    (planes, luts + slack)
+    (planes, luts + 4 * slack, 4 * slack)
 }
 
 /// One KV cache per layer.
