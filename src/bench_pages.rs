@@ -88,7 +88,8 @@ pub fn bench_pages(a: &BenchPagesArgs) -> Result<()> {
         }
         d => bail!("--device {d}: expected cuda or wgpu"),
     };
-    std::fs::write(&a.out, serde_json::to_string_pretty(&result)?).with_context(|| format!("{}", a.out.display()))?;
+    std::fs::write(&a.out, serde_json::to_string_pretty(&result)?)
+        .with_context(|| format!("{}", a.out.display()))?;
     eprintln!("{}", serde_json::to_string(&result)?);
     Ok(())
 }
@@ -124,14 +125,18 @@ fn blocks(a: &BenchPagesArgs) -> Vec<(String, PageKey, ApBlock)> {
     for layer in 0..a.layers {
         for e in 0..a.experts {
             for (kind, r, c) in [(BlockKind::GateUp, 2 * i, h), (BlockKind::Down, h, i)] {
-                let seed = (out.len() as u64) << 1 | 1;
-                out.push((format!("{layer}.{e}.{kind:?}"), PageKey { layer, expert: e, kind }, random_block(r, c, a.bits, seed)));
+                let seed = ((out.len() as u64) << 1) | 1;
+                out.push((
+                    format!("{layer}.{e}.{kind:?}"),
+                    PageKey { layer, expert: e, kind },
+                    random_block(r, c, a.bits, seed),
+                ));
             }
         }
     }
     for e in 0..a.reload_pages {
         let key = PageKey { layer: a.layers, expert: e, kind: BlockKind::GateUp };
-        out.push((format!("reload.{e}"), key, random_block(2 * i, h, 8, (out.len() as u64) << 1 | 1)));
+        out.push((format!("reload.{e}"), key, random_block(2 * i, h, 8, ((out.len() as u64) << 1) | 1)));
     }
     out
 }
@@ -143,7 +148,7 @@ fn arena(a: &BenchPagesArgs) -> (usize, usize) {
     let (wg, wd) = (h.div_ceil(32), i.div_ceil(32));
     let b = a.bits as usize;
     let step_planes = a.layers * a.experts * b * (2 * i * wg + h * wd);
-    let step_luts = a.layers * a.experts * (2 * i + h) << b;
+    let step_luts = (a.layers * a.experts * (2 * i + h)) << b;
     let reload_planes = a.reload_pages * 8 * 2 * i * wg;
     let reload_luts = a.reload_pages * 2 * i * ((1 << 8) + (1 << 3));
     (step_planes + reload_planes, step_luts + reload_luts)
@@ -155,16 +160,31 @@ fn raise_bytes(a: &BenchPagesArgs) -> usize {
     5 * rows * a.hidden.div_ceil(32) * 4 + rows * 256 * 2
 }
 
-/// Settles the table: boundaries until no reload page is in flight.
+/// Settles the table: boundaries until every page of `ids` is at its desired bits. Raisings
+/// deferred for space are retried while others commit (freeing the extents they replace).
 fn settle<M: Mover>(t: &mut PagedWeights<M>, ids: &[PageId]) -> Result<()> {
     loop {
         let r = t.boundary()?;
-        if let Some(d) = r.deferred.first() {
-            bail!("page {:?} cannot reach {} bits: {}", d.page, d.target, d.reason);
+        let mut done = true;
+        let mut in_flight = false;
+        for &id in ids {
+            let i = t.info(id)?;
+            done &= i.committed == i.desired;
+            in_flight |= i.raising_to.is_some();
         }
-        let busy = ids.iter().any(|&id| t.info(id).map(|i| i.committed != i.desired).unwrap_or(true));
-        if !busy && r.started.is_empty() {
+        if done {
             return Ok(());
+        }
+        let progress = !(r.started.is_empty()
+            && r.raised.is_empty()
+            && r.relocating.is_empty()
+            && r.relocated.is_empty());
+        if !progress && !in_flight {
+            let d = r
+                .deferred
+                .first()
+                .map(|d| format!("page {:?} cannot reach {} bits: {}", d.page, d.target, d.reason));
+            bail!("the page table is stuck: {}", d.unwrap_or_default());
         }
         std::thread::sleep(std::time::Duration::from_micros(20));
     }

@@ -184,12 +184,18 @@ fn generate_on<B: Backend>(args: &GenerateArgs, device: &B::Device) -> Result<()
             );
         }
         let weight_budget = match args.weight_budget_gb {
-            Some(gb) if !(gb.is_finite() && gb > 0.0) => bail!("--weight-budget-gb {gb}: expected a positive size"),
+            Some(gb) if !(gb.is_finite() && gb > 0.0) => {
+                bail!("--weight-budget-gb {gb}: expected a positive size")
+            }
             Some(gb) => Some((gb * 1e9) as u64),
             None => None,
         };
-        let l = LoadedModel::<B>::load_paged(&args.model, PagedOptions { bits: args.bits, weight_budget }, device)
-            .with_context(|| format!("loading the model in {}", args.model.display()))?;
+        let l = LoadedModel::<B>::load_paged(
+            &args.model,
+            PagedOptions { bits: args.bits, weight_budget },
+            device,
+        )
+        .with_context(|| format!("loading the model in {}", args.model.display()))?;
         if let Some(p) = &l.pages {
             let u = p.usage();
             eprintln!(

@@ -204,29 +204,30 @@ fn generate_runs_a_quantized_model_through_paged_experts() {
     ]);
     assert!(ok, "{err}");
     let q = out.to_str().unwrap();
-    let gen = |extra: &[&str]| {
+    let generate = |extra: &[&str]| {
         let mut args = vec!["generate", "--model", q, "--prompt", "w3 w5 w7", "--max-tokens", "5"];
         args.extend_from_slice(extra);
         run(&args)
     };
     // Dequantized at 8 bits vs paged at 8 bits: the same greedy tokens.
-    let (ok, dense, err) = gen(&[]);
+    let (ok, dense, err) = generate(&[]);
     assert!(ok, "{err}");
-    let (ok, paged, err) = gen(&["--bits", "8"]);
+    let (ok, paged, err) = generate(&["--bits", "8"]);
     assert!(ok, "{err}");
     assert_eq!(paged, dense);
     assert!(err.contains("paged experts: 24 pages at 8 bits"), "{err}");
     // Bytes per bit-width as in `quantize_then_eval_ppl_mixtral`: 3 bits 47616, 4 bits 79872.
-    let (ok, _, err) = gen(&["--weight-budget-gb", "0.00005"]);
+    let (ok, _, err) = generate(&["--weight-budget-gb", "0.00005"]);
     assert!(ok && err.contains("at 3 bits"), "{err}");
-    let (ok, _, err) = gen(&["--weight-budget-gb", "0.00008"]);
+    let (ok, _, err) = generate(&["--weight-budget-gb", "0.00008"]);
     assert!(ok && err.contains("at 4 bits"), "{err}");
-    let (ok, _, err) = gen(&["--weight-budget-gb", "0.00004"]);
+    let (ok, _, err) = generate(&["--weight-budget-gb", "0.00004"]);
     assert!(!ok);
     assert!(err.contains("need 47616 bytes at 3 bits") && err.contains("budget of 40000 bytes"), "{err}");
-    let (ok, _, err) = gen(&["--weight-budget-gb", "0.00008", "--bits", "5"]);
+    let (ok, _, err) = generate(&["--weight-budget-gb", "0.00008", "--bits", "5"]);
     assert!(!ok && err.contains("need 136704 bytes at 5 bits"), "{err}");
     // Paged experts need a quantized checkpoint.
-    let (ok, _, err) = run(&["generate", "--model", src.path().to_str().unwrap(), "--prompt", "w1", "--bits", "4"]);
+    let (ok, _, err) =
+        run(&["generate", "--model", src.path().to_str().unwrap(), "--prompt", "w1", "--bits", "4"]);
     assert!(!ok && err.contains("pagedweight.json"), "{err}");
 }

@@ -17,7 +17,9 @@ use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 use cubecl::wgpu::WgpuRuntime;
-use kernels_cubecl::{Activation, DeviceArray, GemmConfig, MAX_TOKENS, PoolSlot, WorkItem, ap_gemm, upload_items};
+use kernels_cubecl::{
+    Activation, DeviceArray, GemmConfig, MAX_TOKENS, PoolSlot, WorkItem, ap_gemm, upload_items,
+};
 use pw_pages::{Mover, PageError, PageId, PagedWeights};
 
 use crate::PagedLinearError;
@@ -215,7 +217,8 @@ fn group_slots<M: Mover>(
     (gate_up, down): (&[PageId], &[PageId]),
     g: &ExpertGroup,
 ) -> Result<(PoolSlot, PoolSlot), PageError> {
-    let id = |v: &[PageId]| v.get(g.expert).copied().ok_or(PageError::BadPageId { id: g.expert, pages: v.len() });
+    let id =
+        |v: &[PageId]| v.get(g.expert).copied().ok_or(PageError::BadPageId { id: g.expert, pages: v.len() });
     Ok((slot(t, id(gate_up)?)?, slot(t, id(down)?)?))
 }
 
@@ -256,7 +259,11 @@ fn experts_reference<B: Backend, M: Mover>(
 ) -> Result<Tensor<B, 2>, PagedLinearError> {
     let [rows, h] = x.dims();
     let device = x.device();
-    let xv = x.into_data().convert::<f32>().into_vec::<f32>().map_err(|e| PagedLinearError::Data(format!("{e:?}")))?;
+    let xv = x
+        .into_data()
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .map_err(|e| PagedLinearError::Data(format!("{e:?}")))?;
     let mut y = vec![0f32; rows * h];
     for g in groups {
         let (sg, sd) = group_slots(t, pages, g)?;

@@ -113,7 +113,11 @@ impl<B: Backend> PagedExperts<B> {
     /// # Shapes
     /// - `x`: `[tokens, hidden]`
     /// - output: `[tokens, hidden]`
-    pub fn try_forward(&self, x: Tensor<B, 2>, routing: &Routing<B>) -> Result<Tensor<B, 2>, PagedLinearError> {
+    pub fn try_forward(
+        &self,
+        x: Tensor<B, 2>,
+        routing: &Routing<B>,
+    ) -> Result<Tensor<B, 2>, PagedLinearError> {
         let [t, h] = x.dims();
         let k = routing.k;
         let device = x.device();

@@ -152,7 +152,11 @@ impl<B: Backend> PagedLinear<B> {
 
     /// A view of page `page` of a shared table (no copy of its planes): what
     /// [`PagedExperts`] hands out for each expert's gate_up and down.
-    pub fn view(table: PageTable, page: PageId, bias: Option<Tensor<B, 1>>) -> Result<Self, PagedLinearError> {
+    pub fn view(
+        table: PageTable,
+        page: PageId,
+        bias: Option<Tensor<B, 1>>,
+    ) -> Result<Self, PagedLinearError> {
         let info = table.info(page)?;
         Ok(Self { bias: bias.map(Param::from_tensor), table, page, shape: (info.rows, info.cols) })
     }
@@ -230,7 +234,12 @@ fn check_bits(block: &ApBlock, bits: u8) -> Result<(), PagedLinearError> {
 }
 
 /// The `[rows, cols]` host matrix as a `[cols, rows]` tensor (Burn's `[in, out]` layout).
-pub(crate) fn dequantized<B: Backend>(w: Vec<f32>, rows: usize, cols: usize, device: &B::Device) -> Tensor<B, 2> {
+pub(crate) fn dequantized<B: Backend>(
+    w: Vec<f32>,
+    rows: usize,
+    cols: usize,
+    device: &B::Device,
+) -> Tensor<B, 2> {
     Tensor::<B, 2>::from_data(TensorData::new(w, [rows, cols]), device).transpose()
 }
 

@@ -275,4 +275,3 @@ impl PageTable {
         with_pages!(&*self.lock(), t => t.audit())
     }
 }
-

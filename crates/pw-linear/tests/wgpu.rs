@@ -101,15 +101,23 @@ fn bank_blocks(rng: &mut StdRng) -> Vec<(String, PageKey, ApBlock)> {
     out
 }
 
-fn bank<B: Backend>(blocks: &[(String, PageKey, ApBlock)], act: Act, bits: &[u8], dev: &B::Device) -> PagedExperts<B> {
+fn bank<B: Backend>(
+    blocks: &[(String, PageKey, ApBlock)],
+    act: Act,
+    bits: &[u8],
+    dev: &B::Device,
+) -> PagedExperts<B> {
     let arena = arena_size_at(blocks.iter().map(|b| &b.2), 8);
-    let table = PageTable::new(blocks.to_vec(), Accountant::new(u64::MAX / 2), (arena.0, 2 * arena.1), dev).unwrap();
+    let table =
+        PageTable::new(blocks.to_vec(), Accountant::new(u64::MAX / 2), (arena.0, 2 * arena.1), dev).unwrap();
     for (i, (_, key, _)) in blocks.iter().enumerate() {
         table.set_desired(table.page(*key).unwrap(), bits[i % bits.len()]).unwrap();
     }
     table.settle().unwrap();
     table.audit().unwrap();
-    let ids = |k: BlockKind| (0..E).map(|e| table.page(PageKey { layer: 0, expert: e, kind: k }).unwrap()).collect();
+    let ids = |k: BlockKind| {
+        (0..E).map(|e| table.page(PageKey { layer: 0, expert: e, kind: k }).unwrap()).collect()
+    };
     let cfg = GatedMlpConfig { hidden: H, intermediate: I, act };
     PagedExperts::new(table.clone(), ids(BlockKind::GateUp), ids(BlockKind::Down), cfg).unwrap()
 }
@@ -142,7 +150,9 @@ fn paged_experts_mixed_bits_match_the_cpu_reference() {
         let gpu = bank::<Gpu>(&blocks, act, &bits, &dev);
         let cpu = bank::<Cpu>(&blocks, act, &bits, &Default::default());
         assert_eq!(cpu.table().device_kind(), "host");
-        assert!(gpu.table().runs_kernels::<Gpu>(&dev) && !cpu.table().runs_kernels::<Cpu>(&Default::default()));
+        assert!(
+            gpu.table().runs_kernels::<Gpu>(&dev) && !cpu.table().runs_kernels::<Cpu>(&Default::default())
+        );
         assert_eq!(gpu.table().committed_bits(), cpu.table().committed_bits());
         let y = host(ExpertBank::forward(
             &gpu,

@@ -9,8 +9,8 @@ use pw_nn::{
 };
 
 use crate::quantized::PwSource;
-use pw_linear::{Accountant, CommitReport, PageTable};
 use crate::{Gemma4, Mixtral, Qwen2Moe};
+use pw_linear::{Accountant, CommitReport, PageTable};
 
 /// Why a model could not be loaded.
 #[derive(Debug, thiserror::Error)]
@@ -272,7 +272,11 @@ impl<B: Backend> LoadedModel<B> {
     /// parents on the host), the banks [`PagedExperts`](pw_linear::PagedExperts) running the
     /// grouped kernel on CubeCL backends and the CPU reference elsewhere. With a budget the
     /// bits are the highest uniform width whose bytes fit it (or an error naming the numbers).
-    pub fn load_paged(dir: impl AsRef<Path>, opts: PagedOptions, device: &B::Device) -> Result<Self, ModelError> {
+    pub fn load_paged(
+        dir: impl AsRef<Path>,
+        opts: PagedOptions,
+        device: &B::Device,
+    ) -> Result<Self, ModelError> {
         let dir = dir.as_ref();
         let dir_s = dir.display().to_string();
         let config = ModelConfig::from_dir(dir)?;
@@ -325,7 +329,8 @@ impl<B: Backend> LoadedModel<B> {
         // LUT is held beside the committed one until it commits), so pages lowered through the
         // boundary API can be raised back.
         let budget = opts.weight_budget.unwrap_or_else(|| bytes_at(bits) + 2 * lut_slack as u64);
-        let pages_err = |e: &dyn std::fmt::Display| ModelError::Pages { dir: dir_s.clone(), reason: e.to_string() };
+        let pages_err =
+            |e: &dyn std::fmt::Display| ModelError::Pages { dir: dir_s.clone(), reason: e.to_string() };
         let table = PageTable::from_checkpoint(&ckpt, Accountant::new(budget), (planes, luts), device)
             .map_err(|e| pages_err(&e))?;
         table.set_desired_all(bits);

@@ -342,9 +342,10 @@ fn quantize_fixture(name: &str, out: &Path) {
         expert_tensors.extend(bank.layout.tensor_names(bank.num_experts));
         for e in 0..bank.num_experts {
             let (gu_src, dn_src) = bank.layout.expert_sources(e);
-            for (kind, m, r, c, sources) in
-                [(BlockKind::GateUp, &rows.gate_up[e], 2 * i, h, gu_src), (BlockKind::Down, &rows.down[e], h, i, dn_src)]
-            {
+            for (kind, m, r, c, sources) in [
+                (BlockKind::GateUp, &rows.gate_up[e], 2 * i, h, gu_src),
+                (BlockKind::Down, &rows.down[e], h, i, dn_src),
+            ] {
                 let name = expert_block_name(bank.layout.prefix(), e, kind);
                 let block = ApBlock::quantize(&name, m, None, r, c, 3, 8).unwrap();
                 w.add_block(BlockMeta { name, layer: bank.layer, expert: e, kind, sources }, &block).unwrap();
@@ -445,7 +446,9 @@ fn paged_weight_budget_picks_the_highest_bits_that_fit() {
     let q = tmp.path().join("q");
     quantize_fixture("mixtral", &q);
     let ck = pw_format::Checkpoint::open(&q).unwrap();
-    let at = |b: u8| -> u64 { ck.manifest().blocks.iter().map(|e| e.bytes_at(b)).map(|(p, l)| (p + l) as u64).sum() };
+    let at = |b: u8| -> u64 {
+        ck.manifest().blocks.iter().map(|e| e.bytes_at(b)).map(|(p, l)| (p + l) as u64).sum()
+    };
     let dev = Default::default();
     let opts = |bits, budget| PagedOptions { bits, weight_budget: Some(budget) };
     // Just under the 6-bit size: 5 bits.
