@@ -149,7 +149,8 @@ fn arena(a: &BenchPagesArgs) -> (usize, usize) {
     let b = a.bits as usize;
     let step_planes = a.layers * a.experts * b * (2 * i * wg + h * wd);
     let step_luts = (a.layers * a.experts * (2 * i + h)) << b;
-    let reload_planes = a.reload_pages * 8 * 2 * i * wg;
+    // One spare 8-bit page: a raising that cannot grow in place copies all its planes anew.
+    let reload_planes = (a.reload_pages + 1) * 8 * 2 * i * wg;
     let reload_luts = a.reload_pages * 2 * i * ((1 << 8) + (1 << 3));
     (step_planes + reload_planes, step_luts + reload_luts)
 }
