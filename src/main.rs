@@ -4,6 +4,7 @@ mod bench;
 mod bench_decode;
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
 mod bench_prefill;
+mod bench_pages;
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
@@ -65,6 +66,10 @@ enum Command {
     /// GPU benchmark of the fused decode step (pw-decode) of a Mixtral-8x7B-shaped model with
     /// synthetic weights at several batch sizes, against bytes read / measured bandwidth.
     BenchDecode(bench_decode::BenchDecodeArgs),
+    /// GPU benchmark of the weight page table: host→GPU reload bandwidth through the mover vs a
+    /// plain pinned copy, and a Mixtral-8x7B-shaped decode step's expert work with and without
+    /// pages reloading in the background (JSON to --out).
+    BenchPages(bench_pages::BenchPagesArgs),
     /// Serve the model over an OpenAI-compatible HTTP API (continuous batching), or complete
     /// one prompt with --once.
     Serve(pagedweight::serve_cmd::ServeArgs),
@@ -101,6 +106,7 @@ fn main() -> Result<()> {
         Command::Generate(args) => models_cmd::generate(&args),
         Command::BenchKernels(args) => bench::bench_kernels(&args),
         Command::BenchDecode(args) => bench_decode::bench_decode(&args),
+        Command::BenchPages(args) => bench_pages::bench_pages(&args),
         Command::Quantize(args) => quantize_cmd::quantize(&args),
         Command::EvalPpl(args) => eval_cmd::eval_ppl(&args),
         Command::Serve(args) => pagedweight::serve_cmd::serve_command(&args),

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, bail};
 use burn::tensor::backend::Backend;
 use pw_models::generate::ids_tensor;
-use pw_models::{AnyModel, CausalLm, Sampler, SamplingConfig};
+use pw_models::{AnyModel, CausalLm, LoadedModel, PagedOptions, Sampler, SamplingConfig, is_quantized_dir};
 use tokenizers::Tokenizer;
 
 /// Where the model runs.
@@ -74,6 +74,15 @@ pub struct GenerateArgs {
     /// Backend.
     #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
     pub device: DeviceKind,
+    /// Quantized checkpoint only: run the experts paged (planes + LUTs in a page table on the
+    /// device, the grouped kernel on GPU backends) with every page at this bit-width.
+    #[arg(long)]
+    pub bits: Option<u8>,
+    /// Quantized checkpoint only: run the experts paged under this weight budget (GB = 10^9
+    /// bytes, the page table's memory accountant); the bits are the highest uniform width
+    /// that fits (with --bits: that width, or an error).
+    #[arg(long)]
+    pub weight_budget_gb: Option<f64>,
 }
 
 /// Calls `$f::<Backend>(args, &device)` for the chosen device.
@@ -166,7 +175,50 @@ fn generate_on<B: Backend>(args: &GenerateArgs, device: &B::Device) -> Result<()
     }
     let mut stop = pw_serve::eos_token_ids(&args.model)?;
     stop.extend(&args.stop);
-    let model = load_model::<B>(&args.model, device)?;
+    let paged = args.bits.is_some() || args.weight_budget_gb.is_some();
+    let loaded = if paged {
+        if !is_quantized_dir(&args.model) {
+            bail!(
+                "--bits / --weight-budget-gb need a quantized checkpoint (pagedweight.json), {} has none",
+                args.model.display()
+            );
+        }
+        let weight_budget = match args.weight_budget_gb {
+            Some(gb) if !(gb.is_finite() && gb > 0.0) => {
+                bail!("--weight-budget-gb {gb}: expected a positive size")
+            }
+            Some(gb) => Some((gb * 1e9) as u64),
+            None => None,
+        };
+        let l = LoadedModel::<B>::load_paged(
+            &args.model,
+            PagedOptions { bits: args.bits, weight_budget },
+            device,
+        )
+        .with_context(|| format!("loading the model in {}", args.model.display()))?;
+        if let Some(p) = &l.pages {
+            let u = p.usage();
+            eprintln!(
+                "paged experts: {} pages at {} bits on {}, {:.3} GB of {:.3} GB budget",
+                p.len(),
+                l.bits.unwrap_or(0),
+                p.device_kind(),
+                u.weights as f64 / 1e9,
+                u.budget as f64 / 1e9
+            );
+        }
+        Some(l)
+    } else {
+        None
+    };
+    let plain;
+    let model = match &loaded {
+        Some(l) => &l.model,
+        None => {
+            plain = load_model::<B>(&args.model, device)?;
+            &plain
+        }
+    };
     let mut sampler = Sampler::new(SamplingConfig {
         temperature: args.temperature,
         top_k: args.top_k,
@@ -180,8 +232,16 @@ fn generate_on<B: Backend>(args: &GenerateArgs, device: &B::Device) -> Result<()
     let mut generated: Vec<u32> = Vec::new();
     let mut printed = String::new();
     let mut write_err = None;
-    pw_models::generate(&model, &prompt_ids, &mut sampler, device, |t| {
+    let mut page_err = None;
+    pw_models::generate(model, &prompt_ids, &mut sampler, device, |t| {
         generated.push(t);
+        // Between decode steps: the safe point where finished page moves commit.
+        if let Some(l) = &loaded
+            && let Err(e) = l.boundary()
+        {
+            page_err = Some(e);
+            return false;
+        }
         // Decode the whole completion each time: byte-level pieces only form text together.
         if let Ok(text) = tok.decode(&generated, true)
             && let Some(new) = text.strip_prefix(printed.as_str())
@@ -198,6 +258,9 @@ fn generate_on<B: Backend>(args: &GenerateArgs, device: &B::Device) -> Result<()
     });
     if let Some(e) = write_err {
         return Err(e).context("writing to stdout");
+    }
+    if let Some(e) = page_err {
+        return Err(e).context("page table boundary");
     }
     writeln!(out)?;
     Ok(())

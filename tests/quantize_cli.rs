@@ -276,3 +276,51 @@ fn eval_ppl_under_an_expert_budget() {
     assert!(!ok && err.contains("uniform"), "{err}");
     assert!(!err.contains("panicked"), "{err}");
 }
+
+/// `generate --bits` / `--weight-budget-gb` run a quantized model through the paged experts
+/// (the page table on the host arenas here; the grouped kernel on GPU backends).
+#[test]
+fn generate_runs_a_quantized_model_through_paged_experts() {
+    let src = model_dir("mixtral");
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("q");
+    let (ok, _, err) = run(&[
+        "quantize",
+        "--model",
+        src.path().to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--ctx",
+        "16",
+        "--calib-tokens",
+        "32",
+    ]);
+    assert!(ok, "{err}");
+    let q = out.to_str().unwrap();
+    let generate = |extra: &[&str]| {
+        let mut args = vec!["generate", "--model", q, "--prompt", "w3 w5 w7", "--max-tokens", "5"];
+        args.extend_from_slice(extra);
+        run(&args)
+    };
+    // Dequantized at 8 bits vs paged at 8 bits: the same greedy tokens.
+    let (ok, dense, err) = generate(&[]);
+    assert!(ok, "{err}");
+    let (ok, paged, err) = generate(&["--bits", "8"]);
+    assert!(ok, "{err}");
+    assert_eq!(paged, dense);
+    assert!(err.contains("paged experts: 24 pages at 8 bits"), "{err}");
+    // Bytes per bit-width as in `quantize_then_eval_ppl_mixtral`: 3 bits 47616, 4 bits 79872.
+    let (ok, _, err) = generate(&["--weight-budget-gb", "0.00005"]);
+    assert!(ok && err.contains("at 3 bits"), "{err}");
+    let (ok, _, err) = generate(&["--weight-budget-gb", "0.00008"]);
+    assert!(ok && err.contains("at 4 bits"), "{err}");
+    let (ok, _, err) = generate(&["--weight-budget-gb", "0.00004"]);
+    assert!(!ok);
+    assert!(err.contains("need 47616 bytes at 3 bits") && err.contains("budget of 40000 bytes"), "{err}");
+    let (ok, _, err) = generate(&["--weight-budget-gb", "0.00008", "--bits", "5"]);
+    assert!(!ok && err.contains("need 136704 bytes at 5 bits"), "{err}");
+    // Paged experts need a quantized checkpoint.
+    let (ok, _, err) =
+        run(&["generate", "--model", src.path().to_str().unwrap(), "--prompt", "w1", "--bits", "4"]);
+    assert!(!ok && err.contains("pagedweight.json"), "{err}");
+}

@@ -41,6 +41,9 @@ impl<B: Backend> ExpertGrad<B> {
 fn bank_params<B: Backend>(bank: &ExpertBank<B>) -> Vec<(Tensor<B, 2>, Tensor<B, 2>)> {
     match &bank.experts {
         Experts::Dense(d) => d.gate_up.iter().zip(&d.down).map(|(g, w)| (g.val(), w.val())).collect(),
+        // Calibration runs on dense checkpoints; a paged bank is already quantized and has no
+        // trainable weights.
+        Experts::External(_) => Vec::new(),
     }
 }
 

@@ -1,6 +1,8 @@
 //! [`PagedLinear`]: a drop-in replacement for Burn's `Linear` whose weight is an
 //! any-precision block (3..8 nested bits) with a bit-width that can change
-//! between calls.
+//! between calls; [`PagedExperts`]: an MoE layer's expert bank whose
+//! gate_up/down blocks are pages of a shared [`PageTable`], each of them also
+//! usable as a [`PagedLinear`] view.
 //!
 //! ```
 //! use burn_ndarray::NdArray;
@@ -21,17 +23,29 @@
 //! # let _ = y8;
 //! ```
 //!
-//! The forward pass here multiplies by the weight dequantized at the committed
-//! bit-width, which runs on every Burn backend and is the reference the CubeCL
-//! kernels (`kernels-cubecl`, used by the paged experts) are tested against.
-//! [`PagedLinear::device_bytes`] reports what the bit-plane form needs.
+//! # Where the weight lives and how `forward` runs
+//! A `PagedLinear` is a view of one page of a [`PageTable`]: a standalone layer
+//! owns a table of one page, the layers of a [`PagedExperts`] bank share their
+//! model's table (no copy of the planes). On a CubeCL backend (Burn's wgpu and
+//! CUDA backends without fusion) whose device holds the table, `forward` launches
+//! the grouped bit-plane + LUT kernel of `kernels-cubecl` on the planes and LUT
+//! of the page's committed bit-width; on every other backend (ndarray, autodiff)
+//! it multiplies by the block dequantized on the host at that bit-width, the
+//! format crate's CPU reference.
+
+mod cube;
+mod experts;
+mod table;
+
+pub use experts::{ExpertLinears, PagedExperts};
+pub use pw_pages::{Accountant, CommitReport, MemoryUsage, PageError, PageId, PageInfo, PageKey};
+pub use table::{PageTable, arena_size_at};
 
 use burn::module::{Module, Param};
 use burn::nn::Linear;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
-use pw_format::ApBlock;
-use std::sync::Arc;
+use pw_format::{ApBlock, BlockKind};
 
 /// Errors of [`PagedLinear`].
 #[derive(Debug, thiserror::Error)]
@@ -49,24 +63,36 @@ pub enum PagedLinearError {
     /// Quantization or format error.
     #[error(transparent)]
     Format(#[from] pw_format::FormatError),
+    /// The page table refused an operation.
+    #[error(transparent)]
+    Page(#[from] PageError),
     /// The weight could not be read back as f32.
     #[error("weight tensor: {0}")]
     Data(String),
+    /// A kernel launch was refused (inconsistent work items or buffers).
+    #[error("kernel: {0}")]
+    Kernel(String),
+    /// A bank's pages do not fit the model's expert shape or activation.
+    #[error("expert bank: {0}")]
+    Bank(String),
 }
 
-/// A linear layer `y = x · Wᵀ + b` over an any-precision weight.
+/// A linear layer `y = x · Wᵀ + b` over an any-precision weight: a view of one page of a
+/// [`PageTable`].
 #[derive(Module, Debug)]
 pub struct PagedLinear<B: Backend> {
-    /// `W` dequantized at the committed bit-width, `[d_input, d_output]` (Burn's layout).
-    weight: Tensor<B, 2>,
     /// Optional bias `[d_output]`.
     pub bias: Option<Param<Tensor<B, 1>>>,
-    /// The 8-bit parent, kept on the host so nothing is lost by lowering.
+    /// The table holding the weight (the host keeps its 8-bit parent, so nothing is lost by
+    /// lowering; the device its committed planes and LUT).
     #[module(skip)]
-    block: Arc<ApBlock>,
-    /// Committed bit-width.
+    table: PageTable,
+    /// The weight's page.
     #[module(skip)]
-    bits: u8,
+    page: PageId,
+    /// `(d_output, d_input)`.
+    #[module(skip)]
+    shape: (usize, usize),
 }
 
 impl<B: Backend> PagedLinear<B> {
@@ -99,7 +125,8 @@ impl<B: Backend> PagedLinear<B> {
         Self::from_block(block, bias, bits, &device)
     }
 
-    /// Wraps a quantized block (`rows` = outputs), e.g. from a checkpoint.
+    /// Wraps a quantized block (`rows` = outputs), e.g. from a checkpoint, in a table of its
+    /// own on `device` with room for every stored bit-width.
     pub fn from_block(
         block: ApBlock,
         bias: Option<Tensor<B, 1>>,
@@ -107,34 +134,69 @@ impl<B: Backend> PagedLinear<B> {
         device: &B::Device,
     ) -> Result<Self, PagedLinearError> {
         check_bits(&block, bits)?;
-        let weight = dequantized(&block, bits, device);
-        Ok(Self { weight, bias: bias.map(Param::from_tensor), block: Arc::new(block), bits })
+        let (planes, luts) = arena_size_at([&block], block.max_bits);
+        // A raising holds its new LUT beside the committed one until it commits.
+        let arena = (planes, 2 * luts);
+        let key = PageKey { layer: 0, expert: 0, kind: BlockKind::GateUp };
+        let table = PageTable::new(
+            vec![("PagedLinear".to_string(), key, block)],
+            Accountant::new(u64::MAX / 2),
+            arena,
+            device,
+        )?;
+        let page = table.page(key)?;
+        table.set_desired(page, bits)?;
+        table.settle()?;
+        Self::view(table, page, bias)
     }
 
-    /// Commits a new bit-width; takes effect at the next `forward`.
+    /// A view of page `page` of a shared table (no copy of its planes): what
+    /// [`PagedExperts`] hands out for each expert's gate_up and down.
+    pub fn view(
+        table: PageTable,
+        page: PageId,
+        bias: Option<Tensor<B, 1>>,
+    ) -> Result<Self, PagedLinearError> {
+        let info = table.info(page)?;
+        Ok(Self { bias: bias.map(Param::from_tensor), table, page, shape: (info.rows, info.cols) })
+    }
+
+    /// Asks for a new bit-width and commits it: on a standalone layer at once; on a view of a
+    /// shared table this is a full [`PageTable::settle`] (every page's desired bits commit).
+    /// Takes effect at the next `forward`.
     pub fn set_bits(&mut self, bits: u8) -> Result<(), PagedLinearError> {
-        check_bits(&self.block, bits)?;
-        if bits != self.bits {
-            self.weight = dequantized(&self.block, bits, &self.weight.device());
-            self.bits = bits;
+        let info = self.table.info(self.page)?;
+        if !(info.min_bits..=info.max_bits).contains(&bits) {
+            return Err(PagedLinearError::Bits { bits, min: info.min_bits, max: info.max_bits });
         }
+        self.table.set_desired(self.page, bits)?;
+        self.table.settle()?;
         Ok(())
     }
 
-    /// The committed bit-width.
+    /// The committed bit-width (0 if the page is not resident).
     pub fn bits(&self) -> u8 {
-        self.bits
+        self.table.info(self.page).map_or(0, |i| i.committed)
     }
 
-    /// The any-precision block (host copy of all bit-widths).
-    pub fn block(&self) -> &ApBlock {
-        &self.block
+    /// A copy of the any-precision block (host copy of all bit-widths).
+    pub fn block(&self) -> ApBlock {
+        self.table.parent(self.page).expect("a view's page exists")
     }
 
-    /// Bytes of planes + LUT the committed bit-width needs on a device.
+    /// The table the weight lives in.
+    pub fn table(&self) -> &PageTable {
+        &self.table
+    }
+
+    /// The weight's page in [`Self::table`].
+    pub fn page(&self) -> PageId {
+        self.page
+    }
+
+    /// Bytes of planes + LUT the committed bit-width holds on the device.
     pub fn device_bytes(&self) -> usize {
-        let (p, l) = self.block.bytes_at(self.bits);
-        p + l
+        self.table.info(self.page).map_or(0, |i| i.gpu_bytes)
     }
 
     /// `y = x · Wᵀ + b` at the committed bit-width.
@@ -142,8 +204,24 @@ impl<B: Backend> PagedLinear<B> {
     /// # Shapes
     /// - `input`: `[..., d_input]`
     /// - returns `[..., d_output]`
+    ///
+    /// # Panics
+    /// If `d_input` does not match the weight, or the page is not resident (committed bits 0),
+    /// as Burn's own layers panic on mismatched shapes.
     pub fn forward<const D: usize>(&self, input: Tensor<B, D>) -> Tensor<B, D> {
-        burn::tensor::module::linear(input, self.weight.clone(), self.bias.as_ref().map(|b| b.val()))
+        let dims = input.dims();
+        let (n, k) = self.shape;
+        assert_eq!(dims[D - 1], k, "PagedLinear: input has {} features, the weight {k}", dims[D - 1]);
+        let t = dims[..D - 1].iter().product::<usize>();
+        let y = cube::linear(&self.table, self.page, input.reshape([t, k]))
+            .unwrap_or_else(|e| panic!("PagedLinear: {e}"));
+        let mut out = dims;
+        out[D - 1] = n;
+        let y = y.reshape(out);
+        match &self.bias {
+            Some(b) => y + b.val().unsqueeze(),
+            None => y,
+        }
     }
 }
 
@@ -155,10 +233,14 @@ fn check_bits(block: &ApBlock, bits: u8) -> Result<(), PagedLinearError> {
     }
 }
 
-/// The block at `bits` as a `[d_input, d_output]` tensor.
-fn dequantized<B: Backend>(block: &ApBlock, bits: u8, device: &B::Device) -> Tensor<B, 2> {
-    let w = block.dequantize_reference(bits);
-    Tensor::<B, 2>::from_data(TensorData::new(w, [block.rows, block.cols]), device).transpose()
+/// The `[rows, cols]` host matrix as a `[cols, rows]` tensor (Burn's `[in, out]` layout).
+pub(crate) fn dequantized<B: Backend>(
+    w: Vec<f32>,
+    rows: usize,
+    cols: usize,
+    device: &B::Device,
+) -> Tensor<B, 2> {
+    Tensor::<B, 2>::from_data(TensorData::new(w, [rows, cols]), device).transpose()
 }
 
 #[cfg(test)]

@@ -15,8 +15,8 @@ pub use attention::{Attention, AttentionConfig, KvCache};
 pub use linear::{Embedding, Linear};
 pub use mlp::{Act, GatedMlp, GatedMlpConfig};
 pub use moe::{
-    DenseExperts, ExpertKeys, ExpertLayout, ExpertRows, Experts, Router, RouterConfig, Routing, SharedExpert,
-    SparseMoe,
+    DenseExperts, ExpertBank, ExpertKeys, ExpertLayout, ExpertRows, Experts, ExternalExperts, Router,
+    RouterConfig, Routing, SharedExpert, SparseMoe,
 };
 pub use norm::{NormKind, RmsNorm};
 pub use rope::Rope;

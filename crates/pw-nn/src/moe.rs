@@ -4,6 +4,10 @@
 //! [`Experts::forward`] with a [`Routing`], so another storage (paged, quantized) is one more
 //! enum variant here and no change in the model files.
 
+use std::any::Any;
+use std::marker::PhantomData;
+use std::sync::Arc;
+
 use burn::module::{Module, Param};
 use burn::tensor::activation::{sigmoid, softmax};
 use burn::tensor::{Int, Tensor, TensorData, backend::Backend};
@@ -260,11 +264,65 @@ pub struct DenseExperts<B: Backend> {
     pub act: Act,
 }
 
+/// An expert bank implemented outside this crate (the paged bank of `pw-linear`, whose weights
+/// live in a page table on the device): the models only call [`ExpertBank::forward`].
+pub trait ExpertBank<B: Backend>: Send + Sync + std::fmt::Debug {
+    /// Number of routed experts.
+    fn num_experts(&self) -> usize;
+
+    /// Sum over each token's chosen experts of `weight · expert(x)`.
+    ///
+    /// # Shapes
+    /// - `x`: `[tokens, hidden]`
+    /// - output: `[tokens, hidden]`
+    fn forward(&self, x: Tensor<B, 2>, routing: &Routing<B>) -> Tensor<B, 2>;
+
+    /// The concrete bank, for callers that know its type.
+    fn as_any(&self) -> &dyn std::any::Any;
+}
+
+/// A shared handle on an [`ExpertBank`]. Its weights are not Burn parameters (they are not
+/// trained or saved through Burn records), so the module skips them. Burn's derive cannot skip
+/// a field generic over the backend (its autodiff mapping would have to change the bank's
+/// backend), so the bank is stored type-erased and recovered in [`Self::bank`].
+#[derive(Module, Debug)]
+pub struct ExternalExperts<B: Backend> {
+    #[module(skip)]
+    bank: Arc<dyn Any + Send + Sync>,
+    num_experts: usize,
+    backend: PhantomData<B>,
+}
+
+/// What [`ExternalExperts`] stores.
+struct BankOf<B: Backend>(Arc<dyn ExpertBank<B>>);
+
+impl<B: Backend> ExternalExperts<B> {
+    /// Wraps `bank`.
+    pub fn new(bank: Arc<dyn ExpertBank<B>>) -> Self {
+        let num_experts = bank.num_experts();
+        Self { bank: Arc::new(BankOf(bank)), num_experts, backend: PhantomData }
+    }
+
+    /// The bank, or `None` when the module was mapped to another backend (e.g. the inner
+    /// backend of autodiff), which an external bank does not follow.
+    pub fn bank(&self) -> Option<&Arc<dyn ExpertBank<B>>> {
+        self.bank.downcast_ref::<BankOf<B>>().map(|b| &b.0)
+    }
+
+    fn forward(&self, x: Tensor<B, 2>, routing: &Routing<B>) -> Tensor<B, 2> {
+        self.bank()
+            .expect("an external expert bank runs only on the backend it was built for")
+            .forward(x, routing)
+    }
+}
+
 /// The expert bank of one MoE layer.
 #[derive(Module, Debug)]
 pub enum Experts<B: Backend> {
     /// Full-precision weights, all resident.
     Dense(DenseExperts<B>),
+    /// Weights in another storage (the paged any-precision bank).
+    External(ExternalExperts<B>),
 }
 
 impl<B: Backend> DenseExperts<B> {
@@ -300,6 +358,7 @@ impl<B: Backend> Experts<B> {
     pub fn num_experts(&self) -> usize {
         match self {
             Experts::Dense(d) => d.gate_up.len(),
+            Experts::External(e) => e.num_experts,
         }
     }
 
@@ -311,6 +370,7 @@ impl<B: Backend> Experts<B> {
     pub fn forward(&self, x: Tensor<B, 2>, routing: &Routing<B>) -> Tensor<B, 2> {
         match self {
             Experts::Dense(d) => d.forward(x, routing),
+            Experts::External(e) => e.forward(x, routing),
         }
     }
 }

@@ -53,6 +53,13 @@ pub struct CudaMover {
     next: u64,
 }
 
+// SAFETY: the raw handles (context, stream, events) are CUDA driver objects that any host
+// thread may use once the mover's context is current there, which every method that calls the
+// driver makes it first; the pinned buffers are host memory owned by the mover alone; the
+// CubeCL resources are only held to keep the arenas alive. The mover is used by one thread at
+// a time (`&mut self`, or behind the caller's lock), so `Send` is all it needs.
+unsafe impl Send for CudaMover {}
+
 impl CudaMover {
     /// Arenas of `plane_words` words and `lut_entries` entries on `client`'s
     /// device (ordinal `device`), and a copy stream in CubeCL's (primary) context.
@@ -188,6 +195,8 @@ impl Mover for CudaMover {
 
     fn finished(&mut self, ticket: Ticket) -> Result<bool, MoveError> {
         let Some(&(event, _)) = self.in_flight.get(&ticket) else { return Ok(true) };
+        // SAFETY: `ctx` is retained for the mover's life (this thread may not have it current).
+        unsafe { cu::ctx::set_current(self.ctx) }.map_err(|e| err("set context", e))?;
         // SAFETY: `event` is live until removed below.
         match unsafe { cu::event::query(event) } {
             Ok(()) => {

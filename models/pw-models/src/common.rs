@@ -11,6 +11,7 @@ use pw_nn::{
 
 use crate::quantized::PwSource;
 use crate::{Gemma4, Mixtral, Qwen2Moe};
+use pw_linear::{Accountant, CommitReport, PageTable};
 
 /// Why a model could not be loaded.
 #[derive(Debug, thiserror::Error)]
@@ -29,6 +30,32 @@ pub enum ModelError {
     /// The quantized checkpoint (`pagedweight.json` and its shards) is invalid.
     #[error(transparent)]
     Format(#[from] FormatError),
+    /// The page table of the paged experts could not be built or settled.
+    #[error("{dir}: paged experts: {reason}")]
+    Pages {
+        /// The model directory.
+        dir: String,
+        /// The cause.
+        reason: String,
+    },
+    /// The expert weights do not fit the weight budget at any stored uniform bit-width.
+    #[error(
+        "{dir}: the expert weights need {needed} bytes at {bits} bits ({needed_gb:.3} GB), over the weight budget of {budget} bytes ({budget_gb:.3} GB)"
+    )]
+    Budget {
+        /// The model directory.
+        dir: String,
+        /// The bit-width tried (the lowest stored, or the one asked for).
+        bits: u8,
+        /// Bytes of planes + LUTs at `bits`.
+        needed: u64,
+        /// `needed` in GB (10^9 bytes).
+        needed_gb: f64,
+        /// The budget in bytes.
+        budget: u64,
+        /// `budget` in GB.
+        budget_gb: f64,
+    },
     /// The requested bit-width is not stored by the checkpoint.
     #[error("{dir}: bit-width {bits} requested, but the checkpoint stores {range}")]
     Bits {
@@ -184,9 +211,24 @@ pub struct LoadedModel<B: Backend> {
     /// tensors' bytes (parameters × element size); for a quantized one the planes and LUTs
     /// of every block at [`Self::bits`].
     pub expert_bytes: u64,
-    /// Bit-width the experts were dequantized at (`None` for a Hugging Face checkpoint and
-    /// for a mixed allocation, [`LoadedModel::load_mixed`]).
+    /// Bit-width the experts were dequantized at, or the uniform width the paged experts were
+    /// committed at (`None` for a Hugging Face checkpoint and for a mixed allocation,
+    /// [`LoadedModel::load_mixed`]).
     pub bits: Option<u8>,
+    /// The page table of paged experts ([`Self::load_paged`]): the boundary API of a decode
+    /// loop (desired bits, [`PageTable::boundary`] between steps, memory usage).
+    pub pages: Option<PageTable>,
+}
+
+/// How [`LoadedModel::load_paged`] sizes and fills the page table.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct PagedOptions {
+    /// Uniform bit-width to commit (default: the highest that fits the budget, or the highest
+    /// stored without one).
+    pub bits: Option<u8>,
+    /// The accountant's byte budget for weights (and, later, the KV cache); `None`: exactly
+    /// what the experts need at the chosen bits.
+    pub weight_budget: Option<u64>,
 }
 
 impl<B: Backend> LoadedModel<B> {
@@ -213,7 +255,7 @@ impl<B: Backend> LoadedModel<B> {
             let (model, banks) = Self::build(&config, &src).map_err(wrap)?;
             let expert_bytes =
                 ckpt.manifest().blocks.iter().map(|b| b.bytes_at(bits)).map(|(p, l)| (p + l) as u64).sum();
-            Ok(Self { model, config, banks, expert_bytes, bits: Some(bits) })
+            Ok(Self { model, config, banks, expert_bytes, bits: Some(bits), pages: None })
         } else {
             if let Some(b) = bits {
                 return Err(ModelError::Bits {
@@ -231,7 +273,7 @@ impl<B: Backend> LoadedModel<B> {
                     expert_bytes += ckpt.raw(&name)?.2.len() as u64;
                 }
             }
-            Ok(Self { model, config, banks, expert_bytes, bits: None })
+            Ok(Self { model, config, banks, expert_bytes, bits: None, pages: None })
         }
     }
 
@@ -271,7 +313,92 @@ impl<B: Backend> LoadedModel<B> {
         let src = PwSource::<B>::new(&ckpt, hi, device).with_block_bits(block_bits.clone());
         let (model, banks) = Self::build(&config, &src)
             .map_err(|source| ModelError::Load { dir: dir.display().to_string(), source })?;
-        Ok(Self { model, config, banks, expert_bytes, bits: None })
+        Ok(Self { model, config, banks, expert_bytes, bits: None, pages: None })
+    }
+
+    /// Loads a quantized checkpoint with its experts paged: every expert block a page of one
+    /// [`PageTable`] on `device` (planes + LUTs of the committed bits on the device, the 8-bit
+    /// parents on the host), the banks [`PagedExperts`](pw_linear::PagedExperts) running the
+    /// grouped kernel on CubeCL backends and the CPU reference elsewhere. With a budget the
+    /// bits are the highest uniform width whose bytes fit it (or an error naming the numbers).
+    pub fn load_paged(
+        dir: impl AsRef<Path>,
+        opts: PagedOptions,
+        device: &B::Device,
+    ) -> Result<Self, ModelError> {
+        let dir = dir.as_ref();
+        let dir_s = dir.display().to_string();
+        let config = ModelConfig::from_dir(dir)?;
+        let ckpt = pw_format::Checkpoint::open(dir)?;
+        let Some((lo, hi)) = ckpt.manifest().bit_range() else {
+            return Err(ModelError::Format(FormatError::Manifest {
+                path: dir.join(MANIFEST_FILE),
+                reason: "no expert blocks".into(),
+            }));
+        };
+        if let Some(b) = opts.bits.filter(|b| !(lo..=hi).contains(b)) {
+            return Err(ModelError::Bits { dir: dir_s, bits: b, range: format!("bits {lo}..={hi}") });
+        }
+        let bytes_at = |b: u8| -> u64 {
+            ckpt.manifest().blocks.iter().map(|e| e.bytes_at(b)).map(|(p, l)| (p + l) as u64).sum()
+        };
+        let top = opts.bits.unwrap_or(hi);
+        let bits = match opts.weight_budget {
+            None => top,
+            Some(budget) => (lo..=top).rev().find(|&b| bytes_at(b) <= budget).ok_or_else(|| {
+                let b = opts.bits.unwrap_or(lo);
+                let needed = bytes_at(b);
+                ModelError::Budget {
+                    dir: dir_s.clone(),
+                    bits: b,
+                    needed,
+                    needed_gb: needed as f64 / 1e9,
+                    budget,
+                    budget_gb: budget as f64 / 1e9,
+                }
+            })?,
+        };
+        if let (Some(asked), true) = (opts.bits, opts.weight_budget.is_some()) {
+            // The budget fits a lower width only: say so rather than silently lowering.
+            if bits != asked {
+                let needed = bytes_at(asked);
+                let budget = opts.weight_budget.unwrap_or(0);
+                return Err(ModelError::Budget {
+                    dir: dir_s,
+                    bits: asked,
+                    needed,
+                    needed_gb: needed as f64 / 1e9,
+                    budget,
+                    budget_gb: budget as f64 / 1e9,
+                });
+            }
+        }
+        let (planes, luts, lut_slack) = pw_pages_arena(&ckpt, bits);
+        // Without a budget: the bytes at `bits` plus the LUT headroom a raising needs (its new
+        // LUT is held beside the committed one until it commits), so pages lowered through the
+        // boundary API can be raised back.
+        let budget = opts.weight_budget.unwrap_or_else(|| bytes_at(bits) + 2 * lut_slack as u64);
+        let pages_err =
+            |e: &dyn std::fmt::Display| ModelError::Pages { dir: dir_s.clone(), reason: e.to_string() };
+        let table = PageTable::from_checkpoint(&ckpt, Accountant::new(budget), (planes, luts), device)
+            .map_err(|e| pages_err(&e))?;
+        table.set_desired_all(bits);
+        table.settle().map_err(|e| pages_err(&e))?;
+        let src = PwSource::<B>::paged(&ckpt, table.clone(), device);
+        let (model, banks) =
+            Self::build(&config, &src).map_err(|source| ModelError::Load { dir: dir_s.clone(), source })?;
+        let expert_bytes = table.usage().weights;
+        Ok(Self { model, config, banks, expert_bytes, bits: Some(bits), pages: Some(table) })
+    }
+
+    /// The decode loop's safe point: commits finished page moves and starts the next ones
+    /// (see [`PageTable::boundary`]). Does nothing for a model without paged experts.
+    pub fn boundary(&self) -> Result<Option<CommitReport>, ModelError> {
+        self.pages
+            .as_ref()
+            .map(|p| p.boundary())
+            .transpose()
+            .map_err(|e| ModelError::Pages { dir: String::new(), reason: e.to_string() })
     }
 
     fn build(
@@ -282,6 +409,20 @@ impl<B: Backend> LoadedModel<B> {
         let model = AnyModel::from_source(config, &rec)?;
         Ok((model, rec.banks.into_inner()))
     }
+}
+
+/// Arena sizes (plane words, LUT entries) for every block of `ckpt` at `bits`, the LUT arena
+/// with a few of the largest LUTs of slack (raisings hold a new LUT beside the old one, and the
+/// slack keeps the LUT arena from fragmenting into runs too short for them), and that slack.
+fn pw_pages_arena(ckpt: &pw_format::Checkpoint, bits: u8) -> (usize, usize, usize) {
+    let (mut planes, mut luts, mut slack) = (0, 0, 0);
+    for e in &ckpt.manifest().blocks {
+        let (p, l) = e.bytes_at(bits.clamp(e.min_bits, e.max_bits));
+        planes += p / 4;
+        luts += l / 2;
+        slack = slack.max(e.bytes_at(e.max_bits).1 / 2);
+    }
+    (planes, luts + 4 * slack, 4 * slack)
 }
 
 /// One KV cache per layer.

@@ -13,7 +13,8 @@ pub mod quantized;
 pub mod qwen2_moe;
 
 pub use common::{
-    AnyModel, CausalLm, ExpertBank, HfSource, LoadedModel, ModelCache, ModelError, Trace, is_quantized_dir,
+    AnyModel, CausalLm, ExpertBank, HfSource, LoadedModel, ModelCache, ModelError, PagedOptions, Trace,
+    is_quantized_dir,
 };
 pub use gemma4::Gemma4;
 pub use generate::{Sampler, SamplingConfig, generate};

@@ -1,14 +1,15 @@
 //! Models over a quantized PagedWeight checkpoint directory (`pagedweight.json`).
 //!
 //! Non-expert tensors are stored unchanged and served as they are; every expert block is an
-//! any-precision block that [`PwSource`] dequantizes at one bit-width into the dense
-//! [`Experts`] bank (the paged bank that keeps planes on the device comes later and will
-//! override [`WeightSource::experts`] the same way).
+//! any-precision block that [`PwSource`] either dequantizes at one bit-width into the dense
+//! [`Experts`] bank, or (over a [`PageTable`]) serves as pages of a [`PagedExperts`] bank that
+//! keeps planes + LUTs on the device at per-page bit-widths.
 
 use std::collections::{HashMap, HashSet};
 
 use burn::tensor::backend::Backend;
 use pw_format::{BlockKind, Checkpoint, FormatError, view_to_f32};
+use pw_linear::{PageTable, PagedExperts};
 use pw_nn::{DenseExperts, ExpertKeys, ExpertRows, Experts, GatedMlpConfig, LoadError, WeightSource};
 
 /// Name of the block holding expert `expert`'s `kind` projection of the bank at `prefix`
@@ -33,6 +34,8 @@ pub struct PwSource<'a, B: Backend> {
     /// The original checkpoint tensors the blocks were made from: they still "exist" for
     /// [`WeightSource::has`], so models resolve the same expert layout as on the source model.
     block_sources: HashSet<String>,
+    /// Paged experts: the table holding every expert block.
+    pages: Option<PageTable>,
 }
 
 impl<'a, B: Backend> PwSource<'a, B> {
@@ -40,7 +43,7 @@ impl<'a, B: Backend> PwSource<'a, B> {
     /// experts are built).
     pub fn new(ckpt: &'a Checkpoint, bits: u8, device: &B::Device) -> Self {
         let block_sources = ckpt.manifest().blocks.iter().flat_map(|b| b.sources.iter().cloned()).collect();
-        Self { ckpt, bits, block_bits: HashMap::new(), device: device.clone(), block_sources }
+        Self { ckpt, bits, block_bits: HashMap::new(), device: device.clone(), block_sources, pages: None }
     }
 
     /// Dequantizes each block named in `block_bits` at its own bit-width (the others at the
@@ -48,6 +51,13 @@ impl<'a, B: Backend> PwSource<'a, B> {
     pub fn with_block_bits(mut self, block_bits: HashMap<String, u8>) -> Self {
         self.block_bits = block_bits;
         self
+    }
+
+    /// Serves `ckpt` with every expert bank a [`PagedExperts`] over `table` (built from the
+    /// same checkpoint, see [`PageTable::from_checkpoint`]).
+    pub fn paged(ckpt: &'a Checkpoint, table: PageTable, device: &B::Device) -> Self {
+        let max = ckpt.manifest().bit_range().map_or(8, |r| r.1);
+        Self { pages: Some(table), ..Self::new(ckpt, max, device) }
     }
 
     fn block_rows(&self, name: &str, rows: usize, cols: usize) -> Result<Vec<f32>, LoadError> {
@@ -120,6 +130,17 @@ impl<B: Backend> WeightSource<B> for PwSource<'_, B> {
         cfg: GatedMlpConfig,
     ) -> Result<Experts<B>, LoadError> {
         let layout = keys.resolve(self)?;
+        if let Some(table) = &self.pages {
+            let page = |e: usize, kind: BlockKind| {
+                let name = expert_block_name(layout.prefix(), e, kind);
+                table.page_named(&name).ok_or(LoadError::Missing { name })
+            };
+            let gate_up = (0..num_experts).map(|e| page(e, BlockKind::GateUp)).collect::<Result<_, _>>()?;
+            let down = (0..num_experts).map(|e| page(e, BlockKind::Down)).collect::<Result<_, _>>()?;
+            let bank = PagedExperts::new(table.clone(), gate_up, down, cfg)
+                .map_err(|e| LoadError::Source(format!("{}: {e}", layout.prefix())))?;
+            return Ok(bank.into_experts());
+        }
         let (h, i) = (cfg.hidden, cfg.intermediate);
         let mut rows = ExpertRows { gate_up: Vec::new(), down: Vec::new() };
         for e in 0..num_experts {

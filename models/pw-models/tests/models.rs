@@ -315,3 +315,152 @@ fn shipped_tiny_mixtral_matches_transformers() {
 fn shipped_tiny_qwen2_moe_matches_transformers() {
     check_shipped("tiny-qwen2-moe");
 }
+
+// ---- Paged experts (issue 6): the quantized checkpoint through the page table -------------
+
+/// Every page at 8 bits vs the dense forward of the source checkpoint: the 8-bit
+/// quantization error of the expert weights, relative to the largest logit.
+const PAGED_Q8_TOL: f32 = 5e-3;
+/// The wgpu kernels vs the CPU reference of the same (mixed) configuration: f32 summation
+/// order only, carried through every layer.
+const PAGED_KERNEL_TOL: f32 = 1e-4;
+
+/// Quantizes every expert block of a fixture (uniform importance) into a PagedWeight
+/// checkpoint in `out`: the same layout `pagedweight quantize` writes, without the Fisher pass.
+fn quantize_fixture(name: &str, out: &Path) {
+    use pw_format::{ApBlock, BlockKind, BlockMeta, CheckpointWriter};
+    use pw_models::{HfSource, LoadedModel, expert_block_name};
+    let dir = fixture(name);
+    let loaded = LoadedModel::<B>::load(&dir, None, &Default::default()).unwrap();
+    let hf = Checkpoint::open(&dir).unwrap();
+    let src = HfSource::<B>::new(&hf, &Default::default());
+    let mut w = CheckpointWriter::create(out).unwrap();
+    let mut expert_tensors = std::collections::HashSet::new();
+    for bank in &loaded.banks {
+        let (h, i) = (bank.cfg.hidden, bank.cfg.intermediate);
+        let rows = bank.layout.read_rows(&src, bank.num_experts, bank.cfg).unwrap();
+        expert_tensors.extend(bank.layout.tensor_names(bank.num_experts));
+        for e in 0..bank.num_experts {
+            let (gu_src, dn_src) = bank.layout.expert_sources(e);
+            for (kind, m, r, c, sources) in [
+                (BlockKind::GateUp, &rows.gate_up[e], 2 * i, h, gu_src),
+                (BlockKind::Down, &rows.down[e], h, i, dn_src),
+            ] {
+                let name = expert_block_name(bank.layout.prefix(), e, kind);
+                let block = ApBlock::quantize(&name, m, None, r, c, 3, 8).unwrap();
+                w.add_block(BlockMeta { name, layer: bank.layer, expert: e, kind, sources }, &block).unwrap();
+            }
+        }
+    }
+    for n in hf.names().filter(|n| !expert_tensors.contains(*n)).collect::<Vec<_>>() {
+        let (dtype, shape, bytes) = hf.raw(n).unwrap();
+        w.add_dense(n, dtype, shape.to_vec(), bytes.to_vec()).unwrap();
+    }
+    w.copy_file(&dir.join("config.json")).unwrap();
+    w.finish().unwrap();
+}
+
+fn wgpu_device() -> burn_wgpu::WgpuDevice {
+    if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
+        // SAFETY: set once before any thread reads the environment.
+        unsafe { std::env::set_var("XDG_RUNTIME_DIR", std::env::temp_dir()) };
+    }
+    burn_wgpu::WgpuDevice::DefaultDevice
+}
+
+fn logits<Bk: burn::tensor::backend::Backend>(m: &AnyModel<Bk>, ids: &[u32], dev: &Bk::Device) -> Vec<f32> {
+    let out = m.forward(ids_tensor::<Bk>(ids, dev), &mut m.new_cache(), None);
+    out.into_data().convert::<f32>().to_vec::<f32>().unwrap()
+}
+
+/// Per family: the paged model at q = 8 on wgpu (grouped kernels) against the dense forward;
+/// then a mixed configuration (pages at 3..8 bits, set through the boundary API) on wgpu
+/// against the same configuration on the CPU reference path.
+fn check_paged(name: &str) {
+    use pw_models::{LoadedModel, PagedOptions};
+    type Gpu = burn_wgpu::Wgpu;
+    let tmp = tempfile::tempdir().unwrap();
+    let q = tmp.path().join("q");
+    quantize_fixture(name, &q);
+    let ids: Vec<u32> = (0..11).map(|i| (i * 37 + 5) % 64).collect();
+    let cpu_dev = Default::default();
+    let dense = logits(&AnyModel::<B>::load(fixture(name), &cpu_dev).unwrap(), &ids, &cpu_dev);
+
+    let gdev = wgpu_device();
+    let opts = PagedOptions { bits: Some(8), weight_budget: None };
+    let gpu = LoadedModel::<Gpu>::load_paged(&q, opts, &gdev).unwrap();
+    let pages = gpu.pages.clone().unwrap();
+    assert!(pages.runs_kernels::<Gpu>(&gdev), "{name}: wgpu tensors take the kernel path");
+    assert!(pages.committed_bits().iter().all(|&b| b == 8));
+    let g8 = logits(&gpu.model, &ids, &gdev);
+    let e8 = rel_err(&g8, &dense);
+    assert!(e8 < PAGED_Q8_TOL, "{name}: paged q=8 vs dense: {e8}");
+    assert!(e8 > 0.0, "{name}: the paged model is not the dense one");
+
+    let cpu = LoadedModel::<B>::load_paged(&q, opts, &cpu_dev).unwrap();
+    let cpages = cpu.pages.clone().unwrap();
+    assert_eq!(cpages.device_kind(), "host");
+    for p in [&pages, &cpages] {
+        for i in 0..p.len() {
+            p.set_desired(pw_linear::PageId(i), [3, 8, 5, 4, 7, 6][(i * 5 + 1) % 6]).unwrap();
+        }
+    }
+    // Lowerings commit at the boundary; the mixed state is then what both sides read.
+    let rep = gpu.boundary().unwrap().unwrap();
+    assert!(!rep.lowered.is_empty() && rep.published, "{name}: {rep:?}");
+    cpu.boundary().unwrap();
+    assert_eq!(pages.committed_bits(), cpages.committed_bits());
+    pages.audit().unwrap();
+    let gm = logits(&gpu.model, &ids, &gdev);
+    let cm = logits(&cpu.model, &ids, &cpu_dev);
+    let em = rel_err(&gm, &cm);
+    assert!(em < PAGED_KERNEL_TOL, "{name}: mixed bits, wgpu vs CPU reference: {em}");
+    assert!(rel_err(&gm, &g8) > em, "{name}: lowering pages changed nothing");
+    eprintln!("{name}: paged q=8 vs dense {e8:.2e}; mixed bits wgpu vs CPU {em:.2e}");
+    // Raising back restores the 8-bit outputs bit for bit.
+    pages.set_desired_all(8);
+    pages.settle().unwrap();
+    let back = logits(&gpu.model, &ids, &gdev);
+    assert!(back.iter().zip(&g8).all(|(a, b)| a.to_bits() == b.to_bits()), "{name}: 8 → mixed → 8");
+}
+
+#[test]
+fn paged_mixtral_matches_dense_and_cpu_reference() {
+    check_paged("mixtral");
+}
+
+#[test]
+fn paged_qwen2_moe_matches_dense_and_cpu_reference() {
+    check_paged("qwen2_moe");
+}
+
+#[test]
+fn paged_gemma4_matches_dense_and_cpu_reference() {
+    check_paged("gemma4");
+}
+
+#[test]
+fn paged_weight_budget_picks_the_highest_bits_that_fit() {
+    use pw_models::{LoadedModel, ModelError, PagedOptions};
+    let tmp = tempfile::tempdir().unwrap();
+    let q = tmp.path().join("q");
+    quantize_fixture("mixtral", &q);
+    let ck = pw_format::Checkpoint::open(&q).unwrap();
+    let at = |b: u8| -> u64 {
+        ck.manifest().blocks.iter().map(|e| e.bytes_at(b)).map(|(p, l)| (p + l) as u64).sum()
+    };
+    let dev = Default::default();
+    let opts = |bits, budget| PagedOptions { bits, weight_budget: Some(budget) };
+    // Just under the 6-bit size: 5 bits.
+    let m = LoadedModel::<B>::load_paged(&q, opts(None, at(6) - 1), &dev).unwrap();
+    assert_eq!(m.bits, Some(5));
+    let usage = m.pages.as_ref().unwrap().usage();
+    assert_eq!((usage.weights, usage.budget), (at(5), at(6) - 1));
+    assert_eq!(m.expert_bytes, at(5));
+    // Too small for 3 bits, or for the bits asked for: errors with the numbers.
+    let e = LoadedModel::<B>::load_paged(&q, opts(None, at(3) - 1), &dev).unwrap_err();
+    assert!(matches!(e, ModelError::Budget { bits: 3, .. }), "{e}");
+    assert!(e.to_string().contains(&format!("need {} bytes at 3 bits", at(3))), "{e}");
+    let e = LoadedModel::<B>::load_paged(&q, opts(Some(7), at(6)), &dev).unwrap_err();
+    assert!(e.to_string().contains(&format!("need {} bytes at 7 bits", at(7))), "{e}");
+}
