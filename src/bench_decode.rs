@@ -35,7 +35,8 @@ pub struct BenchDecodeArgs {
     pub steps: usize,
 }
 
-fn shape(name: &str) -> Result<DecodeConfig> {
+/// The synthetic shapes of the GPU benches.
+pub(crate) fn shape(name: &str) -> Result<DecodeConfig> {
     let (vocab, hidden, inter, layers, heads, kv_heads, head_dim, theta) = match name {
         "mixtral-8x7b" => (32000, 4096, 14336, 32, 32, 8, 128, 1e6f64),
         "tiny" => (4096, 256, 256, 5, 8, 2, 32, 1e4),

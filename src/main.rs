@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_decode;
+mod bench_serve;
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
@@ -63,6 +64,10 @@ enum Command {
     /// GPU benchmark of the fused decode step (pw-decode) of a Mixtral-8x7B-shaped model with
     /// synthetic weights at several batch sizes, against bytes read / measured bandwidth.
     BenchDecode(bench_decode::BenchDecodeArgs),
+    /// GPU benchmark of serving: a stream of requests at a fixed arrival rate through the
+    /// engine over a synthetic full-size model under a fixed memory limit, experts pinned at
+    /// 8 bits vs the planner free to lower them. Writes JSON records to --out.
+    BenchServe(bench_serve::BenchServeArgs),
     /// Serve the model over an OpenAI-compatible HTTP API (continuous batching), or complete
     /// one prompt with --once.
     Serve(pagedweight::serve_cmd::ServeArgs),
@@ -99,6 +104,7 @@ fn main() -> Result<()> {
         Command::Generate(args) => models_cmd::generate(&args),
         Command::BenchKernels(args) => bench::bench_kernels(&args),
         Command::BenchDecode(args) => bench_decode::bench_decode(&args),
+        Command::BenchServe(args) => bench_serve::bench_serve(&args),
         Command::Quantize(args) => quantize_cmd::quantize(&args),
         Command::EvalPpl(args) => eval_cmd::eval_ppl(&args),
         Command::Serve(args) => pagedweight::serve_cmd::serve_command(&args),

@@ -13,9 +13,13 @@
 //! once. A new sequence's prompt goes through the same kernels token by token (prefill).
 //! The Burn-ops models in `pw-models` stay the reference the tests compare against.
 
+mod experts;
 mod mixtral;
+mod route_stats;
 
+pub use experts::{ExpertCommit, ExpertMover, ExpertPage, PagedExperts, synthetic_block, synthetic_luts};
 pub use mixtral::{DecodeConfig, ExpertBlocks, MixtralDecoder};
+pub use route_stats::{RouteStats, RoutingCounts, route_stats_reference};
 
 /// Why loading or a step failed.
 #[derive(Debug, thiserror::Error)]
@@ -42,6 +46,9 @@ pub enum DecodeError {
     /// The KV cache refused.
     #[error(transparent)]
     Kv(#[from] pw_kv::KvError),
+    /// The weight page table refused.
+    #[error(transparent)]
+    Pages(#[from] pw_pages::PageError),
     /// A kernel launch failed.
     #[error(transparent)]
     Kernel(#[from] kernels_cubecl::KernelError),

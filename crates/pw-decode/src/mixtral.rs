@@ -6,17 +6,20 @@ use std::path::Path;
 use cubecl::prelude::*;
 use half::f16;
 use kernels_cubecl::step::{
-    DenseGemm, MoeShape, Rope, RouteBuffers, ap_gemm_routed, dense_gemm, embed, expert_slot_words,
-    gather_rows, moe_combine, moe_route, rms_norm, rope,
+    DenseGemm, MoeShape, Rope, RouteBuffers, ap_gemm_routed, dense_gemm, embed, gather_rows, moe_combine,
+    moe_route, rms_norm, rope,
 };
 use kernels_cubecl::{
-    Activation, DeviceArray, GemmConfig, MAX_TOKENS, PoolImage, PoolSlot, RowLayout, kv_append_rows,
-    paged_decode_attention_strided, read_f32,
+    Activation, DeviceArray, GemmConfig, MAX_TOKENS, RowLayout, kv_append_rows, paged_decode_attention_strided,
+    read_f32,
 };
 use pw_format::ApBlock;
 use pw_hf::{Checkpoint, MixtralConfig, ModelConfig};
 use pw_kv::{BlockTables, DevicePools, KvGeometry, LayerGeometry, SeqId};
+use pw_pages::Accountant;
 
+use crate::experts::{PagedExperts, synthetic_block, synthetic_luts};
+use crate::route_stats::RouteStats;
 use crate::DecodeError;
 
 /// The shapes the decode path needs.
@@ -84,8 +87,8 @@ impl DecodeConfig {
 }
 
 /// The any-precision experts of every layer (`[layer][expert] = (gate_up [2I, H], down [H, I])`)
-/// and the bit-width each is committed at. The page table will own this; until then the
-/// decoder uploads them once.
+/// and the bit-width each starts committed at; the decoder hands them to its page table
+/// ([`PagedExperts`]).
 #[derive(Debug, Clone)]
 pub struct ExpertBlocks {
     /// Blocks per layer and expert.
@@ -161,11 +164,6 @@ struct Layer {
     wo: DeviceArray,
     post_norm: DeviceArray,
     router: DeviceArray,
-    slots: DeviceArray,
-    /// This layer's expert pool: plane words and f16 LUT entries (one pool per layer keeps
-    /// offsets within u32 even for Mixtral-8x7B).
-    planes: DeviceArray,
-    luts: DeviceArray,
 }
 
 /// Per-step scratch buffers, sized for `MAX_TOKENS` tokens.
@@ -195,6 +193,10 @@ pub struct MixtralDecoder<R: Runtime, KV: Float + CubeElement> {
     final_norm: DeviceArray,
     lm_head: DeviceArray,
     layers: Vec<Layer>,
+    /// The experts under the weight page table (arenas, committed slot tables).
+    experts: PagedExperts<R>,
+    /// Routing counts of the armed steps, for the planner.
+    stats: RouteStats,
     gemm: GemmConfig,
     kv: DevicePools<R>,
     tables: BlockTables,
@@ -204,11 +206,25 @@ pub struct MixtralDecoder<R: Runtime, KV: Float + CubeElement> {
 
 impl<R: Runtime, KV: Float + CubeElement> MixtralDecoder<R, KV> {
     /// Loads the dense weights of an HF Mixtral checkpoint in f16 and the experts from
-    /// `experts`, with a KV cache of `kv_blocks` blocks of `block_size` tokens.
+    /// `experts`, with a KV cache of `kv_blocks` blocks of `block_size` tokens; no memory limit.
     pub fn load(
         client: &ComputeClient<R>,
         dir: impl AsRef<Path>,
         experts: &ExpertBlocks,
+        kv_blocks: usize,
+        block_size: usize,
+        max_seq_len: usize,
+    ) -> Result<Self, DecodeError> {
+        Self::load_paged(client, dir, experts.clone(), Accountant::new(u64::MAX), kv_blocks, block_size, max_seq_len)
+    }
+
+    /// [`Self::load`] with the experts' pages leasing from `accountant` (the budget the KV
+    /// cache shares).
+    pub fn load_paged(
+        client: &ComputeClient<R>,
+        dir: impl AsRef<Path>,
+        experts: ExpertBlocks,
+        accountant: Accountant,
         kv_blocks: usize,
         block_size: usize,
         max_seq_len: usize,
@@ -241,17 +257,10 @@ impl<R: Runtime, KV: Float + CubeElement> MixtralDecoder<R, KV> {
         }
         let mut layers = Vec::with_capacity(cfg.layers);
         for l in 0..cfg.layers {
-            let mut pool = PoolImage::default();
             let p = format!("model.layers.{l}");
             let mut wqkv = read(&ckpt, &format!("{p}.self_attn.q_proj.weight"), &[cfg.heads * hd, h])?;
             wqkv.extend(read(&ckpt, &format!("{p}.self_attn.k_proj.weight"), &[cfg.kv_heads * hd, h])?);
             wqkv.extend(read(&ckpt, &format!("{p}.self_attn.v_proj.weight"), &[cfg.kv_heads * hd, h])?);
-            let slots: Vec<_> = experts.blocks[l]
-                .iter()
-                .zip(&experts.bits[l])
-                .map(|((gu, dn), &(bg, bd))| (pool.push(gu, bg), pool.push(dn, bd)))
-                .collect();
-            let words = expert_slot_words(moe_shape(&cfg), &slots)?;
             layers.push(Layer {
                 input_norm: up32(&format!("{p}.input_layernorm.weight"), &[h])?,
                 wqkv: DeviceArray::from_slice(client, &half(&wqkv)),
@@ -259,11 +268,9 @@ impl<R: Runtime, KV: Float + CubeElement> MixtralDecoder<R, KV> {
                 post_norm: up32(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
                 router: up16(&format!("{p}.block_sparse_moe.gate.weight"), &[cfg.experts, h])
                     .or_else(|_| up16(&format!("{p}.mlp.gate.weight"), &[cfg.experts, h]))?,
-                slots: DeviceArray::from_slice(client, &words),
-                planes: DeviceArray::from_slice(client, &pool.planes),
-                luts: DeviceArray::from_slice(client, &pool.luts),
             });
         }
+        let paged = PagedExperts::new(client, moe_shape(&cfg), experts.blocks, &experts.bits, accountant, false)?;
         let embed = up16("model.embed_tokens.weight", &[cfg.vocab, h])?;
         let final_norm = up32("model.norm.weight", &[h])?;
         let lm_head = up16("lm_head.weight", &[cfg.vocab, h])?;
@@ -274,6 +281,7 @@ impl<R: Runtime, KV: Float + CubeElement> MixtralDecoder<R, KV> {
             final_norm,
             lm_head,
             layers,
+            paged,
             kv_blocks,
             block_size,
             max_seq_len,
@@ -283,11 +291,25 @@ impl<R: Runtime, KV: Float + CubeElement> MixtralDecoder<R, KV> {
     /// A model of `cfg`'s shapes with random weights made on the device side where they are
     /// large (expert planes: hashed words; LUTs, dense weights: small uniform values), every
     /// expert committed at `bits`: for speed measurements of full-size models that are not
-    /// available offline.
+    /// available offline. No memory limit.
     pub fn synthetic(
         client: &ComputeClient<R>,
         cfg: DecodeConfig,
         bits: u8,
+        kv_blocks: usize,
+        block_size: usize,
+        max_seq_len: usize,
+    ) -> Result<Self, DecodeError> {
+        Self::synthetic_paged(client, cfg, bits, Accountant::new(u64::MAX), kv_blocks, block_size, max_seq_len)
+    }
+
+    /// [`Self::synthetic`] with the experts under a page table leasing from `accountant`:
+    /// every page stores widths 3..=8 (random planes hashed on the device, random LUTs).
+    pub fn synthetic_paged(
+        client: &ComputeClient<R>,
+        cfg: DecodeConfig,
+        bits: u8,
+        accountant: Accountant,
         kv_blocks: usize,
         block_size: usize,
         max_seq_len: usize,
@@ -310,49 +332,29 @@ impl<R: Runtime, KV: Float + CubeElement> MixtralDecoder<R, KV> {
         };
         let ones = |n: usize| DeviceArray::from_slice(client, &vec![1.0f32; n]);
         let wscale = (h as f32).powf(-0.5);
-        let (gu_words, dn_words) = (2 * i * h.div_ceil(32), h * i.div_ceil(32));
-        let (gu_lut, dn_lut) = ((2 * i) << bits, h << bits);
+        let (gu_luts, dn_luts) = (synthetic_luts(2 * i, 0.05, 1), synthetic_luts(h, 0.05, 2));
+        let blocks: Vec<Vec<(ApBlock, ApBlock)>> = (0..cfg.layers)
+            .map(|_| {
+                (0..cfg.experts)
+                    .map(|_| (synthetic_block(2 * i, h, &gu_luts), synthetic_block(h, i, &dn_luts)))
+                    .collect()
+            })
+            .collect();
+        let initial = vec![vec![(bits, bits); cfg.experts]; cfg.layers];
+        let paged = PagedExperts::new(client, moe_shape(&cfg), blocks, &initial, accountant, true)?;
         let mut layers = Vec::with_capacity(cfg.layers);
-        for l in 0..cfg.layers {
-            let per_expert = (gu_words + dn_words) * bits as usize;
-            let planes = DeviceArray::empty::<R, u32>(client, cfg.experts * per_expert);
-            kernels_cubecl::fill_hash(client, &planes, l as u32);
-            let slots: Vec<_> = (0..cfg.experts)
-                .map(|e| {
-                    let p0 = (e * per_expert) as u32;
-                    let l0 = (e * (gu_lut + dn_lut)) as u32;
-                    let gu = PoolSlot {
-                        plane_off: p0,
-                        lut_off: l0,
-                        rows: 2 * i as u32,
-                        cols: h as u32,
-                        bits: bits as u32,
-                    };
-                    let dn = PoolSlot {
-                        plane_off: p0 + (gu_words * bits as usize) as u32,
-                        lut_off: l0 + gu_lut as u32,
-                        rows: h as u32,
-                        cols: i as u32,
-                        bits: bits as u32,
-                    };
-                    (gu, dn)
-                })
-                .collect();
-            let words = expert_slot_words(moe_shape(&cfg), &slots)?;
+        for _ in 0..cfg.layers {
             layers.push(Layer {
                 input_norm: ones(h),
                 wqkv: rand16(cfg.qkv_width() * h, wscale),
                 wo: rand16(h * cfg.heads * hd, wscale),
                 post_norm: ones(h),
                 router: rand16(cfg.experts * h, 4.0 * wscale),
-                slots: DeviceArray::from_slice(client, &words),
-                planes,
-                luts: rand16(cfg.experts * (gu_lut + dn_lut), 0.05),
             });
         }
         let embed = rand16(cfg.vocab * h, 1.0);
         let lm_head = rand16(cfg.vocab * h, wscale);
-        Ok(Self::assemble(client, cfg, embed, ones(h), lm_head, layers, kv_blocks, block_size, max_seq_len))
+        Ok(Self::assemble(client, cfg, embed, ones(h), lm_head, layers, paged, kv_blocks, block_size, max_seq_len))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -363,6 +365,7 @@ impl<R: Runtime, KV: Float + CubeElement> MixtralDecoder<R, KV> {
         final_norm: DeviceArray,
         lm_head: DeviceArray,
         layers: Vec<Layer>,
+        experts: PagedExperts<R>,
         kv_blocks: usize,
         block_size: usize,
         max_seq_len: usize,
@@ -393,6 +396,8 @@ impl<R: Runtime, KV: Float + CubeElement> MixtralDecoder<R, KV> {
             final_norm,
             lm_head,
             layers,
+            stats: RouteStats::new(client, cfg.layers, cfg.experts),
+            experts,
             gemm: GemmConfig::for_client(client),
             kv: DevicePools::new::<KV>(client, &geometry, kv_blocks),
             tables: BlockTables::new(&geometry, kv_blocks),
@@ -412,9 +417,34 @@ impl<R: Runtime, KV: Float + CubeElement> MixtralDecoder<R, KV> {
         &self.tables
     }
 
-    /// Device bytes of the expert pool (planes + LUTs).
+    /// Device bytes of the committed experts (planes + LUTs).
     pub fn expert_bytes(&self) -> usize {
-        self.layers.iter().map(|l| l.planes.len * 4 + l.luts.len * 2).sum()
+        self.experts.committed_bytes() as usize
+    }
+
+    /// The experts' page tables.
+    pub fn experts(&self) -> &PagedExperts<R> {
+        &self.experts
+    }
+
+    /// The experts' page tables, to set desired bits and commit at a boundary (between steps).
+    pub fn experts_mut(&mut self) -> &mut PagedExperts<R> {
+        &mut self.experts
+    }
+
+    /// The routing counters: arm them before a step, download them after.
+    pub fn route_stats_mut(&mut self) -> &mut RouteStats {
+        &mut self.stats
+    }
+
+    /// Downloads and zeroes the routing counters of the armed steps.
+    pub fn take_route_stats(&mut self) -> Result<Option<crate::RoutingCounts>, DecodeError> {
+        Ok(self.stats.take(&self.client)?)
+    }
+
+    /// Bytes of one KV block (all layers, K and V).
+    pub fn kv_block_bytes(&self) -> usize {
+        self.kv.geometry().block_bytes()
     }
 
     /// Device bytes of the dense weights (embedding, attention, routers, norms, head).
@@ -427,10 +457,9 @@ impl<R: Runtime, KV: Float + CubeElement> MixtralDecoder<R, KV> {
         per_layer + (self.embed.len + self.lm_head.len) * 2 + self.final_norm.len * 4
     }
 
-    /// Bytes of one layer's gate_up and down pages of one expert at the committed width.
+    /// Mean bytes of one layer's gate_up and down pages of one expert at the committed width.
     pub fn expert_page_bytes(&self) -> usize {
-        let l = &self.layers[0];
-        (l.planes.len * 4 + l.luts.len * 2) / self.cfg.experts.max(1)
+        self.expert_bytes() / (self.cfg.experts * self.cfg.layers).max(1)
     }
 
     /// Starts a sequence.
@@ -520,14 +549,15 @@ impl<R: Runtime, KV: Float + CubeElement> MixtralDecoder<R, KV> {
             rms_norm(c, t, h, &s.h, &layer.post_norm, &s.norm_params, &s.xn)?;
             let router = DenseGemm { n: cfg.experts, k: h, bias: false, accumulate: false };
             dense_gemm(c, router, t, &meta, &s.xn, &layer.router, &s.none, &s.router_logits)?;
-            moe_route(c, shape, t, &meta, &s.router_logits, &layer.slots, &s.route)?;
+            moe_route(c, shape, t, &meta, &s.router_logits, self.experts.slots(li), &s.route)?;
+            self.stats.record(c, shape, li, t, &meta, &s.route)?;
             gather_rows(c, t, cfg.top_k, h, &meta, &s.xn, &s.route.gather, &s.xg)?;
             let (e, i) = (cfg.experts, cfg.inter);
             ap_gemm_routed(
                 c,
                 self.gemm,
-                &layer.planes,
-                &layer.luts,
+                self.experts.planes(li),
+                self.experts.luts(li),
                 &s.route.desc_gate_up,
                 e,
                 2 * i,
@@ -539,8 +569,8 @@ impl<R: Runtime, KV: Float + CubeElement> MixtralDecoder<R, KV> {
             ap_gemm_routed(
                 c,
                 self.gemm,
-                &layer.planes,
-                &layer.luts,
+                self.experts.planes(li),
+                self.experts.luts(li),
                 &s.route.desc_down,
                 e,
                 h,
