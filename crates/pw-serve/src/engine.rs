@@ -369,9 +369,13 @@ impl Engine {
             weight_bytes: model.weight_bytes(),
         });
         let metrics = Arc::new(Metrics::default());
+        let mut model = model;
+        // The paged memory's state from the start (a first boundary, before any step).
+        let memory = model.boundary().map_err(|e| ServeError::Model(e.0))?;
         metrics.update(|m| {
             m.kv_budget_bytes = config.kv_budget_bytes;
             m.weight_bytes = limits.weight_bytes;
+            m.memory = memory;
         });
         let (tx, rx) = mpsc::channel();
         let mut worker = Worker {

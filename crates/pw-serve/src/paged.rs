@@ -135,11 +135,6 @@ impl PagedMemory {
         Ok(Self { accountant, kv, block_bytes, planner, options, boundaries: 0, state })
     }
 
-    /// Whether the planner may move pages.
-    pub(crate) fn planning(&self) -> bool {
-        self.planner.is_some()
-    }
-
     /// Free KV blocks the budget allows now.
     fn free_blocks(&self) -> u64 {
         self.accountant.free() / self.block_bytes

@@ -409,7 +409,7 @@ async fn concurrent_requests_under_a_small_kv_budget_all_complete() {
 async fn the_planner_lowers_pages_under_16_concurrent_requests_and_raises_them_after() {
     use cubecl::Runtime;
     use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
-    use pw_serve::{FastOptions, FastStepModel, MemoryOptions, StepModel, WeightPolicy};
+    use pw_serve::{FastOptions, FastStepModel, MemoryOptions, WeightPolicy};
 
     if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
         // SAFETY: set once before any thread reads the environment.
