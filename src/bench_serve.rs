@@ -38,16 +38,17 @@ pub struct BenchServeArgs {
     #[arg(long)]
     pub gpu_memory_gb: Option<f64>,
     /// Requests in the stream.
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = 64)]
     pub requests: usize,
     /// Arrivals per second (fixed rate).
-    #[arg(long, default_value_t = 2.0)]
+    #[arg(long, default_value_t = 1.0)]
     pub rate: f64,
-    /// Prompt lengths, uniform in MIN,MAX tokens.
-    #[arg(long, value_delimiter = ',', default_value = "16,64")]
+    /// Prompt lengths, uniform in MIN,MAX tokens (prompts run token by token through the decode
+    /// kernels, so long ones stall the batch).
+    #[arg(long, value_delimiter = ',', default_value = "8,32")]
     pub prompt: Vec<usize>,
     /// Output lengths, uniform in MIN,MAX tokens.
-    #[arg(long, value_delimiter = ',', default_value = "32,160")]
+    #[arg(long, value_delimiter = ',', default_value = "32,128")]
     pub output: Vec<usize>,
     /// Most sequences per engine step.
     #[arg(long, default_value_t = 16)]
@@ -58,16 +59,23 @@ pub struct BenchServeArgs {
     /// Routing statistics every N steps.
     #[arg(long, default_value_t = 4)]
     pub routing_every: u64,
-    /// Most MB of page raising started per boundary (0 = no limit).
-    #[arg(long, default_value_t = 256.0)]
+    /// Most MB of page raising started per boundary (0 = no limit): raisings go through
+    /// CubeCL's staging upload on the kernels' queue (about 0.5 GB/s on CUDA), so a large
+    /// give-back at once would stall the next step.
+    #[arg(long, default_value_t = 64.0)]
     pub max_raise_mb: f64,
     /// Stop a policy's run after this many seconds (requests not finished are cancelled and
     /// left out of the figures; the record says how many completed).
-    #[arg(long, default_value_t = 240.0)]
+    #[arg(long, default_value_t = 200.0)]
     pub max_seconds: f64,
     /// Seed of the lengths and prompt tokens.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// Internal: run only this policy in this process and write its record here (each policy
+    /// of a multi-policy run gets a fresh process, so device memory the first one kept in its
+    /// allocator's pools does not count against the second).
+    #[arg(long, hide = true, num_args = 2, value_names = ["POLICY", "FILE"])]
+    pub child: Option<Vec<String>>,
 }
 
 /// Runs the benchmark on the chosen runtime.
@@ -81,13 +89,45 @@ pub fn bench_serve(a: &BenchServeArgs) -> Result<()> {
     if !(a.rate.is_finite() && a.rate > 0.0) {
         bail!("--rate must be > 0");
     }
-    let mut records = Vec::new();
-    for p in &a.policies {
-        let policy = match p.as_str() {
+    let policy_of = |p: &str| -> Result<WeightPolicy> {
+        Ok(match p {
             "pinned" => WeightPolicy::Pinned,
             "planner" => WeightPolicy::Planner,
             other => bail!("--policies: unknown policy {other} (pinned, planner)"),
-        };
+        })
+    };
+    if let Some(c) = &a.child {
+        let rec = run_policy(a, policy_of(&c[0])?)?;
+        std::fs::write(&c[1], rec.to_string()).with_context(|| c[1].clone())?;
+        return Ok(());
+    }
+    let mut records = Vec::new();
+    for p in &a.policies {
+        policy_of(p)?;
+        let tmp = a.out.with_extension(format!("{p}.part.json"));
+        let status = std::process::Command::new(std::env::current_exe()?)
+            .args(std::env::args_os().skip(1))
+            .arg("--child")
+            .arg(p)
+            .arg(&tmp)
+            .status()
+            .context("starting the benchmark process")?;
+        if !status.success() {
+            bail!("the {p} run failed ({status})");
+        }
+        let rec: Value = serde_json::from_str(&std::fs::read_to_string(&tmp).with_context(|| format!("{}", tmp.display()))?)?;
+        let _ = std::fs::remove_file(&tmp);
+        eprintln!("{}", summary(&rec));
+        records.push(rec);
+        // Partial results survive a later failure.
+        std::fs::write(&a.out, serde_json::to_string_pretty(&records)?)
+            .with_context(|| format!("{}", a.out.display()))?;
+    }
+    Ok(())
+}
+
+fn run_policy(a: &BenchServeArgs, policy: WeightPolicy) -> Result<Value> {
+    {
         let rec = match a.device.as_str() {
             #[cfg(feature = "cuda")]
             "cuda" => run::<cubecl::cuda::CudaRuntime>(&cubecl::cuda::CudaDevice::new(0), a, policy)?,
@@ -96,13 +136,8 @@ pub fn bench_serve(a: &BenchServeArgs) -> Result<()> {
             "wgpu" => run::<cubecl::wgpu::WgpuRuntime>(&cubecl::wgpu::WgpuDevice::DefaultDevice, a, policy)?,
             d => bail!("--device {d}: expected cuda or wgpu"),
         };
-        eprintln!("{}", summary(&rec));
-        records.push(rec);
-        // Partial results survive a later failure.
-        std::fs::write(&a.out, serde_json::to_string_pretty(&records)?)
-            .with_context(|| format!("{}", a.out.display()))?;
+        Ok(rec)
     }
-    Ok(())
 }
 
 fn summary(r: &Value) -> String {
