@@ -81,6 +81,7 @@ pub struct ServeArgs {
     /// planner lowers expert pages as the cache grows and raises them when it shrinks.
     #[arg(long)]
     pub gpu_memory_gb: Option<f64>,
+    /// Planner options (with --fast --gpu-memory-gb).
     #[command(flatten)]
     pub planner: PlannerArgs,
 }
@@ -126,11 +127,11 @@ pub enum Policy {
 impl PlannerArgs {
     /// The memory options for a budget of `budget_bytes` (experts + KV).
     pub fn memory(&self, budget_bytes: Option<u64>) -> pw_serve::MemoryOptions {
-        let mut planner = pw_planner::PlannerConfig { floor_bits: self.floor_bits, ..Default::default() };
+        let mut planner = pw_serve::PlannerConfig { floor_bits: self.floor_bits, ..Default::default() };
         planner.use_routing = !self.no_routing;
         planner.use_sensitivity = !self.no_sensitivity;
-        let routing = pw_planner::RoutingConfig {
-            hot_floor_bits: pw_planner::RoutingConfig::default().hot_floor_bits.max(self.floor_bits),
+        let routing = pw_serve::RoutingConfig {
+            hot_floor_bits: pw_serve::RoutingConfig::default().hot_floor_bits.max(self.floor_bits),
             warm_floor_bits: self.floor_bits,
             cold_floor_bits: self.floor_bits,
             ..Default::default()

@@ -32,6 +32,8 @@ pub use error::ServeError;
 pub use fast::{FastOptions, FastStepModel, load_fast};
 pub use hook::{BoundaryHook, BoundaryState, MemoryState, UsageRecord, UsageRecorder};
 pub use paged::{MemoryOptions, WeightPolicy};
+/// The planner options [`MemoryOptions`] carries.
+pub use pw_planner::{PlannerConfig, RoutingConfig};
 pub use kv::{KvLayout, LayerKv, max_context};
 pub use metrics::{Metrics, MetricsSnapshot};
 pub use model::{BurnStepModel, DecodeSlot, PrefillSlot, SeqId, StepError, StepModel};
