@@ -115,7 +115,9 @@ pub fn bench_serve(a: &BenchServeArgs) -> Result<()> {
         if !status.success() {
             bail!("the {p} run failed ({status})");
         }
-        let rec: Value = serde_json::from_str(&std::fs::read_to_string(&tmp).with_context(|| format!("{}", tmp.display()))?)?;
+        let rec: Value = serde_json::from_str(
+            &std::fs::read_to_string(&tmp).with_context(|| format!("{}", tmp.display()))?,
+        )?;
         let _ = std::fs::remove_file(&tmp);
         eprintln!("{}", summary(&rec));
         records.push(rec);
@@ -132,7 +134,9 @@ fn run_policy(a: &BenchServeArgs, policy: WeightPolicy) -> Result<Value> {
             #[cfg(feature = "cuda")]
             "cuda" => run::<cubecl::cuda::CudaRuntime>(&cubecl::cuda::CudaDevice::new(0), a, policy)?,
             #[cfg(not(feature = "cuda"))]
-            "cuda" => bail!("--device cuda: this binary was built without CUDA; rebuild with `--features cuda`"),
+            "cuda" => {
+                bail!("--device cuda: this binary was built without CUDA; rebuild with `--features cuda`")
+            }
             "wgpu" => run::<cubecl::wgpu::WgpuRuntime>(&cubecl::wgpu::WgpuDevice::DefaultDevice, a, policy)?,
             d => bail!("--device {d}: expected cuda or wgpu"),
         };
@@ -150,7 +154,8 @@ fn summary(r: &Value) -> String {
 
 /// A word-level tokenizer whose word `tN` is token N, for random token ids.
 fn tokenizer(vocab: usize) -> Result<tokenizers::Tokenizer> {
-    let words: serde_json::Map<String, Value> = (0..vocab).map(|i| (format!("t{i}"), Value::from(i))).collect();
+    let words: serde_json::Map<String, Value> =
+        (0..vocab).map(|i| (format!("t{i}"), Value::from(i))).collect();
     let tok = json!({
         "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
         "normalizer": null, "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": null,
@@ -211,7 +216,10 @@ where
         Some(gb) => (gb * 1e9) as u64,
         None => {
             let quarter = (a.max_batch as u64).div_ceil(4) * max_context as u64 * kv_per_token;
-            dense + expert_bytes(&cfg, 8) + quarter + (a.kv_threshold_blocks + 1 + a.max_batch as u64) * 16 * kv_per_token
+            dense
+                + expert_bytes(&cfg, 8)
+                + quarter
+                + (a.kv_threshold_blocks + 1 + a.max_batch as u64) * 16 * kv_per_token
         }
     };
     let budget = gpu_bytes.checked_sub(dense).context("--gpu-memory-gb is below the dense weights")?;
@@ -272,7 +280,8 @@ where
             while !stop.load(Ordering::Relaxed) {
                 let m = h.metrics().snapshot();
                 if let Some(mem) = &m.memory {
-                    let gb: Vec<f64> = mem.weight_bytes_by_bits[3..].iter().map(|&b| b as f64 / 1e9).collect();
+                    let gb: Vec<f64> =
+                        mem.weight_bytes_by_bits[3..].iter().map(|&b| b as f64 / 1e9).collect();
                     out.push(json!({
                         "t_s": t0.elapsed().as_secs_f64(), "active": m.active_sequences, "queue": m.queue_length,
                         "expert_gb_by_bits_3_to_8": gb, "mean_bits": mem.mean_bits(),
@@ -337,7 +346,9 @@ where
     // Lowest committed expert bytes seen (at peak KV pressure) and the peak KV.
     let min_experts = bit_mix
         .iter()
-        .filter_map(|s| s["expert_gb_by_bits_3_to_8"].as_array().map(|v| v.iter().filter_map(Value::as_f64).sum::<f64>()))
+        .filter_map(|s| {
+            s["expert_gb_by_bits_3_to_8"].as_array().map(|v| v.iter().filter_map(Value::as_f64).sum::<f64>())
+        })
         .fold(f64::INFINITY, f64::min);
     let mem = m.memory.clone().unwrap_or_default();
     let min_experts = if min_experts.is_finite() { min_experts } else { mem.weight_bytes() as f64 / 1e9 };

@@ -193,7 +193,9 @@ fn fast_model(args: &ServeArgs, dir: &Path, max_context: usize) -> Result<(Box<d
     let kv_budget_bytes =
         args.kv_budget_bytes.unwrap_or(kv.bytes_for(max_context) * args.max_batch.max(1) as u64);
     let budget = match args.gpu_memory_gb {
-        Some(gb) if !(gb.is_finite() && gb > 0.0) => bail!("--gpu-memory-gb must be a positive number, got {gb}"),
+        Some(gb) if !(gb.is_finite() && gb > 0.0) => {
+            bail!("--gpu-memory-gb must be a positive number, got {gb}")
+        }
         // The dense weights are not paged: the experts and the KV cache share the rest.
         Some(gb) => Some(((gb * 1e9) as u64).checked_sub(dense_bytes(&config)).with_context(|| {
             format!("--gpu-memory-gb {gb} is less than the dense weights ({} bytes)", dense_bytes(&config))
@@ -288,9 +290,8 @@ where
     let eos_token_ids = pw_serve::eos_token_ids(dir)?;
     let kv = model.kv_layout().clone();
     let weight_bytes = model.weight_bytes();
-    let kv_budget_bytes = fast_kv
-        .or(args.kv_budget_bytes)
-        .unwrap_or(kv.bytes_for(max_context) * args.max_batch.max(1) as u64);
+    let kv_budget_bytes =
+        fast_kv.or(args.kv_budget_bytes).unwrap_or(kv.bytes_for(max_context) * args.max_batch.max(1) as u64);
     let config = EngineConfig {
         kv_budget_bytes,
         max_batch: args.max_batch,

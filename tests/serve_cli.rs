@@ -119,7 +119,11 @@ fn once_fast_under_a_memory_budget_prints_the_bit_mix() {
         .output()
         .unwrap();
     assert!(!o.status.success());
-    assert!(String::from_utf8_lossy(&o.stderr).contains("dense weights"), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("dense weights"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
 }
 
 /// `bench-serve` scaled down to the shipped model's shape on wgpu: both policies, every
@@ -136,13 +140,22 @@ fn bench_serve_scaled_down_writes_both_policies() {
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let records: Vec<serde_json::Value> = serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    let records: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
     let policies: Vec<&str> = records.iter().map(|r| r["policy"].as_str().unwrap()).collect();
     assert_eq!(policies, ["pinned-8bit", "planner"]);
     for r in &records {
         for key in [
-            "model", "policy", "req_s", "tok_s", "ttft_p50_ms", "tpot_p50_ms", "tpot_p99_ms", "max_concurrent",
-            "weight_gb", "kv_gb",
+            "model",
+            "policy",
+            "req_s",
+            "tok_s",
+            "ttft_p50_ms",
+            "tpot_p50_ms",
+            "tpot_p99_ms",
+            "max_concurrent",
+            "weight_gb",
+            "kv_gb",
         ] {
             assert!(!r[key].is_null(), "{key} missing: {r}");
         }

@@ -9,7 +9,9 @@ use half::f16;
 use kernels_cubecl::step::{MoeShape, expert_slot_words};
 use kernels_cubecl::{DeviceArray, PoolSlot};
 use pw_format::{ApBlock, BlockKind};
-use pw_pages::{Accountant, CommitReport, CubePool, MoveError, Mover, PageId, PageKey, PagedWeights, Ticket, Write};
+use pw_pages::{
+    Accountant, CommitReport, CubePool, MoveError, Mover, PageId, PageKey, PagedWeights, Ticket, Write,
+};
 
 use crate::DecodeError;
 
@@ -156,8 +158,16 @@ impl<R: Runtime> PagedExperts<R> {
                 .enumerate()
                 .flat_map(|(e, (g, d))| {
                     [
-                        (format!("layers.{l}.experts.{e}.gate_up"), PageKey { layer: l, expert: e, kind: BlockKind::GateUp }, g),
-                        (format!("layers.{l}.experts.{e}.down"), PageKey { layer: l, expert: e, kind: BlockKind::Down }, d),
+                        (
+                            format!("layers.{l}.experts.{e}.gate_up"),
+                            PageKey { layer: l, expert: e, kind: BlockKind::GateUp },
+                            g,
+                        ),
+                        (
+                            format!("layers.{l}.experts.{e}.down"),
+                            PageKey { layer: l, expert: e, kind: BlockKind::Down },
+                            d,
+                        ),
                     ]
                 })
                 .collect();

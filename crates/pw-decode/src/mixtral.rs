@@ -10,17 +10,17 @@ use kernels_cubecl::step::{
     moe_route, rms_norm, rope,
 };
 use kernels_cubecl::{
-    Activation, DeviceArray, GemmConfig, MAX_TOKENS, RowLayout, kv_append_rows, paged_decode_attention_strided,
-    read_f32,
+    Activation, DeviceArray, GemmConfig, MAX_TOKENS, RowLayout, kv_append_rows,
+    paged_decode_attention_strided, read_f32,
 };
 use pw_format::ApBlock;
 use pw_hf::{Checkpoint, MixtralConfig, ModelConfig};
 use pw_kv::{BlockTables, DevicePools, KvGeometry, LayerGeometry, SeqId};
 use pw_pages::Accountant;
 
+use crate::DecodeError;
 use crate::experts::{PagedExperts, synthetic_block, synthetic_luts};
 use crate::route_stats::RouteStats;
-use crate::DecodeError;
 
 /// The shapes the decode path needs.
 #[derive(Debug, Clone, PartialEq)]
@@ -215,7 +215,15 @@ impl<R: Runtime, KV: Float + CubeElement> MixtralDecoder<R, KV> {
         block_size: usize,
         max_seq_len: usize,
     ) -> Result<Self, DecodeError> {
-        Self::load_paged(client, dir, experts.clone(), Accountant::new(u64::MAX), kv_blocks, block_size, max_seq_len)
+        Self::load_paged(
+            client,
+            dir,
+            experts.clone(),
+            Accountant::new(u64::MAX),
+            kv_blocks,
+            block_size,
+            max_seq_len,
+        )
     }
 
     /// [`Self::load`] with the experts' pages leasing from `accountant` (the budget the KV
@@ -270,7 +278,8 @@ impl<R: Runtime, KV: Float + CubeElement> MixtralDecoder<R, KV> {
                     .or_else(|_| up16(&format!("{p}.mlp.gate.weight"), &[cfg.experts, h]))?,
             });
         }
-        let paged = PagedExperts::new(client, moe_shape(&cfg), experts.blocks, &experts.bits, accountant, false)?;
+        let paged =
+            PagedExperts::new(client, moe_shape(&cfg), experts.blocks, &experts.bits, accountant, false)?;
         let embed = up16("model.embed_tokens.weight", &[cfg.vocab, h])?;
         let final_norm = up32("model.norm.weight", &[h])?;
         let lm_head = up16("lm_head.weight", &[cfg.vocab, h])?;
@@ -300,7 +309,15 @@ impl<R: Runtime, KV: Float + CubeElement> MixtralDecoder<R, KV> {
         block_size: usize,
         max_seq_len: usize,
     ) -> Result<Self, DecodeError> {
-        Self::synthetic_paged(client, cfg, bits, Accountant::new(u64::MAX), kv_blocks, block_size, max_seq_len)
+        Self::synthetic_paged(
+            client,
+            cfg,
+            bits,
+            Accountant::new(u64::MAX),
+            kv_blocks,
+            block_size,
+            max_seq_len,
+        )
     }
 
     /// [`Self::synthetic`] with the experts under a page table leasing from `accountant`:
@@ -354,7 +371,18 @@ impl<R: Runtime, KV: Float + CubeElement> MixtralDecoder<R, KV> {
         }
         let embed = rand16(cfg.vocab * h, 1.0);
         let lm_head = rand16(cfg.vocab * h, wscale);
-        Ok(Self::assemble(client, cfg, embed, ones(h), lm_head, layers, paged, kv_blocks, block_size, max_seq_len))
+        Ok(Self::assemble(
+            client,
+            cfg,
+            embed,
+            ones(h),
+            lm_head,
+            layers,
+            paged,
+            kv_blocks,
+            block_size,
+            max_seq_len,
+        ))
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -4,8 +4,8 @@
 //! once per step (or every few steps): the host downloads two flat `[layers · experts]` arrays.
 
 use cubecl::prelude::*;
-use kernels_cubecl::step::{MoeShape, ROUTE_CHUNKS, RouteBuffers};
 use kernels_cubecl::gemm::DESC_WORDS;
+use kernels_cubecl::step::{MoeShape, ROUTE_CHUNKS, RouteBuffers};
 use kernels_cubecl::{DeviceArray, KernelError, MAX_TOKENS, read_f32, read_u32};
 
 use crate::DecodeError;
@@ -162,7 +162,10 @@ impl RouteStats {
     }
 
     /// Downloads the counters and zeroes them (`None` when no token was recorded).
-    pub fn take<R: Runtime>(&mut self, client: &ComputeClient<R>) -> Result<Option<RoutingCounts>, KernelError> {
+    pub fn take<R: Runtime>(
+        &mut self,
+        client: &ComputeClient<R>,
+    ) -> Result<Option<RoutingCounts>, KernelError> {
         if self.tokens == 0 {
             return Ok(None);
         }

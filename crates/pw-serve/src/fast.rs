@@ -90,9 +90,14 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
         let ckpt = Checkpoint::open(dir).map_err(|e| model(e.to_string()))?;
         let mut experts = ExpertBlocks::quantize_hf(&ckpt, &cfg, o.bits).map_err(|e| model(e.to_string()))?;
         let block_bytes = cfg.kv_geometry(BLOCK, size_of::<KV>(), o.max_context).block_bytes() as u64;
-        let plan = MemoryPlan::new(&o.memory, block_bytes, o.max_batch, o.kv_budget_bytes, |b| {
-            expert_bytes_at(&experts, b)
-        }, o.bits)
+        let plan = MemoryPlan::new(
+            &o.memory,
+            block_bytes,
+            o.max_batch,
+            o.kv_budget_bytes,
+            |b| expert_bytes_at(&experts, b),
+            o.bits,
+        )
         .map_err(model)?;
         experts.bits = vec![vec![(plan.initial_bits, plan.initial_bits); cfg.experts]; cfg.layers];
         let accountant = Accountant::new(plan.budget);
@@ -112,18 +117,26 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
 
     /// A model of `cfg`'s shapes with random weights (see [`MixtralDecoder::synthetic_paged`]),
     /// under the same memory options: for serving benchmarks of full-size models.
-    pub fn synthetic(client: &ComputeClient<R>, cfg: DecodeConfig, o: &FastOptions) -> Result<Self, ServeError> {
+    pub fn synthetic(
+        client: &ComputeClient<R>,
+        cfg: DecodeConfig,
+        o: &FastOptions,
+    ) -> Result<Self, ServeError> {
         let model = |e: String| ServeError::Model(format!("synthetic {}-layer model: {e}", cfg.layers));
         let block_bytes = cfg.kv_geometry(BLOCK, size_of::<KV>(), o.max_context).block_bytes() as u64;
         let (h, i) = (cfg.hidden as u64, cfg.inter as u64);
         let words = |rows: u64, cols: u64| rows * cols.div_ceil(32) * 4;
-        let page_pair = |b: u8| -> u64 {
-            b as u64 * (words(2 * i, h) + words(h, i)) + ((2 * i + h) << b) * 2
-        };
+        let page_pair =
+            |b: u8| -> u64 { b as u64 * (words(2 * i, h) + words(h, i)) + ((2 * i + h) << b) * 2 };
         let pages = (cfg.layers * cfg.experts) as u64;
-        let plan = MemoryPlan::new(&o.memory, block_bytes, o.max_batch, o.kv_budget_bytes, |b| {
-            pages * page_pair(b.clamp(3, 8))
-        }, o.bits)
+        let plan = MemoryPlan::new(
+            &o.memory,
+            block_bytes,
+            o.max_batch,
+            o.kv_budget_bytes,
+            |b| pages * page_pair(b.clamp(3, 8)),
+            o.bits,
+        )
         .map_err(model)?;
         let accountant = Accountant::new(plan.budget);
         let dec = MixtralDecoder::synthetic_paged(
@@ -137,7 +150,10 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
         )
         .map_err(|e| model(e.to_string()))?;
         let layers = (0..cfg.layers)
-            .map(|_| crate::LayerKv { bytes_per_token: (cfg.kv_heads * cfg.head_dim * 2 * size_of::<KV>()) as u64, window: None })
+            .map(|_| crate::LayerKv {
+                bytes_per_token: (cfg.kv_heads * cfg.head_dim * 2 * size_of::<KV>()) as u64,
+                window: None,
+            })
             .collect();
         Self::assemble(dec, KvLayout { layers }, accountant, &o.memory, plan, o.max_batch).map_err(model)
     }
@@ -152,9 +168,9 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
     ) -> Result<Self, String> {
         let (layers, experts) = (dec.config().layers, dec.config().experts);
         let block_bytes = dec.kv_block_bytes() as u64;
-        let mem = PagedMemory::new(accountant, block_bytes, layers, experts, memory.clone()).map_err(|e| e.0)?;
-        let mut me =
-            Self { dec, kv, block_bytes, live: HashSet::new(), mem, kv_capacity: plan.kv_capacity };
+        let mem =
+            PagedMemory::new(accountant, block_bytes, layers, experts, memory.clone()).map_err(|e| e.0)?;
+        let mut me = Self { dec, kv, block_bytes, live: HashSet::new(), mem, kv_capacity: plan.kv_capacity };
         me.warm_up(max_batch).map_err(|e| e.0)?;
         me.boundary().map_err(|e| e.0)?;
         Ok(me)

@@ -68,7 +68,8 @@ impl MemoryState {
         if total == 0 {
             return 0.0;
         }
-        self.weight_bytes_by_bits.iter().enumerate().map(|(b, &n)| b as f64 * n as f64).sum::<f64>() / total as f64
+        self.weight_bytes_by_bits.iter().enumerate().map(|(b, &n)| b as f64 * n as f64).sum::<f64>()
+            / total as f64
     }
 }
 

@@ -31,12 +31,12 @@ pub use engine::{
 pub use error::ServeError;
 pub use fast::{FastOptions, FastStepModel, load_fast};
 pub use hook::{BoundaryHook, BoundaryState, MemoryState, UsageRecord, UsageRecorder};
-pub use paged::{MemoryOptions, WeightPolicy};
-/// The planner options [`MemoryOptions`] carries.
-pub use pw_planner::{PlannerConfig, RoutingConfig};
 pub use kv::{KvLayout, LayerKv, max_context};
 pub use metrics::{Metrics, MetricsSnapshot};
 pub use model::{BurnStepModel, DecodeSlot, PrefillSlot, SeqId, StepError, StepModel};
+pub use paged::{MemoryOptions, WeightPolicy};
+/// The planner options [`MemoryOptions`] carries.
+pub use pw_planner::{PlannerConfig, RoutingConfig};
 pub use text::{IncrementalDetokenizer, StopOutcome, StopText};
 
 use std::path::Path;

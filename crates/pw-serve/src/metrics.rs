@@ -116,7 +116,13 @@ impl Metrics {
         fn put(out: &mut String, name: &str, kind: &str, help: &str, value: String) {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}");
         }
-        put(&mut out, "pw_requests_total", "counter", "Requests accepted by the engine.", m.requests_total.to_string());
+        put(
+            &mut out,
+            "pw_requests_total",
+            "counter",
+            "Requests accepted by the engine.",
+            m.requests_total.to_string(),
+        );
         put(
             &mut out,
             "pw_requests_finished_total",
@@ -153,7 +159,13 @@ impl Metrics {
             m.generated_tokens_total.to_string(),
         );
         put(&mut out, "pw_engine_steps_total", "counter", "Engine steps run.", m.steps_total.to_string());
-        put(&mut out, "pw_queue_length", "gauge", "Requests waiting for admission.", m.queue_length.to_string());
+        put(
+            &mut out,
+            "pw_queue_length",
+            "gauge",
+            "Requests waiting for admission.",
+            m.queue_length.to_string(),
+        );
         put(&mut out, "pw_active_sequences", "gauge", "Sequences running.", m.active_sequences.to_string());
         put(
             &mut out,
@@ -199,8 +211,20 @@ impl Metrics {
             format!("{:.6}", m.mean_time_per_output_token()),
         );
         if let Some(mem) = &m.memory {
-            put(&mut out, "pw_memory_budget_bytes", "gauge", "Device bytes for experts + KV cache.", mem.budget_bytes.to_string());
-            put(&mut out, "pw_kv_blocks_used", "gauge", "KV cache blocks held by running sequences.", mem.kv_blocks_used.to_string());
+            put(
+                &mut out,
+                "pw_memory_budget_bytes",
+                "gauge",
+                "Device bytes for experts + KV cache.",
+                mem.budget_bytes.to_string(),
+            );
+            put(
+                &mut out,
+                "pw_kv_blocks_used",
+                "gauge",
+                "KV cache blocks held by running sequences.",
+                mem.kv_blocks_used.to_string(),
+            );
             put(
                 &mut out,
                 "pw_kv_blocks_free",
@@ -208,7 +232,13 @@ impl Metrics {
                 "KV cache blocks the memory budget still has room for.",
                 mem.kv_blocks_free.to_string(),
             );
-            put(&mut out, "pw_kv_block_bytes", "gauge", "Bytes of one KV cache block.", mem.block_bytes.to_string());
+            put(
+                &mut out,
+                "pw_kv_block_bytes",
+                "gauge",
+                "Bytes of one KV cache block.",
+                mem.block_bytes.to_string(),
+            );
             let _ = writeln!(
                 out,
                 "# HELP pw_expert_bytes Committed expert bytes (planes + LUTs) per bit-width.\n\

@@ -74,7 +74,10 @@ impl MemoryOptions {
     pub fn floor_bits(&self) -> u8 {
         let mut f = self.planner.floor_bits.max(3);
         if self.planner.use_routing {
-            f = f.max(self.routing.hot_floor_bits).max(self.routing.warm_floor_bits).max(self.routing.cold_floor_bits);
+            f = f
+                .max(self.routing.hot_floor_bits)
+                .max(self.routing.warm_floor_bits)
+                .max(self.routing.cold_floor_bits);
         }
         f.min(8)
     }
@@ -131,7 +134,8 @@ impl PagedMemory {
                 )
             }
         };
-        let state = MemoryState { budget_bytes: accountant.usage().budget, block_bytes, ..Default::default() };
+        let state =
+            MemoryState { budget_bytes: accountant.usage().budget, block_bytes, ..Default::default() };
         Ok(Self { accountant, kv, block_bytes, planner, options, boundaries: 0, state })
     }
 
@@ -233,7 +237,7 @@ impl PagedMemory {
                 }
             }
             // Record the routing of the next step when it is a sampled one.
-            dec.route_stats_mut().armed = self.boundaries % self.options.routing_every.max(1) == 0;
+            dec.route_stats_mut().armed = self.boundaries.is_multiple_of(self.options.routing_every.max(1));
         }
         let commit = dec.experts_mut().boundary().map_err(err)?;
         self.state.page_moves_down_total += commit.lowered as u64;

@@ -448,17 +448,31 @@ async fn the_planner_lowers_pages_under_16_concurrent_requests_and_raises_them_a
         eos_token_ids: pw_serve::eos_token_ids(&dir).unwrap(),
     };
     let rec = UsageRecorder::default();
-    let engine = Engine::start(Box::new(model), Arc::new(tok.clone()), config, Box::new(rec.clone())).unwrap();
+    let engine =
+        Engine::start(Box::new(model), Arc::new(tok.clone()), config, Box::new(rec.clone())).unwrap();
     let chat = ChatTemplate::from_dir(&dir).unwrap();
     let s = Arc::new(serve_engine(engine, rec, tok, chat).await);
-    let name = format!("pw_expert_bytes{{bits=\"8\"}}");
-    assert_eq!(s.metric(&name).await, experts8 as f64);
+    let name = "pw_expert_bytes{bits=\"8\"}";
+    assert_eq!(s.metric(name).await, experts8 as f64);
 
     // 16 concurrent requests, half streamed, under memory pressure.
     let prompts = [
-        "ROMEO.\nBut soft", "And God said, Let there be", "KING.", "O Lord", "HAMLET.\nTo be, or",
-        "In the beginning", "Enter", "What is", "JULIET.", "Blessed are the", "Thou art", "The king",
-        "And it came to pass", "Good morrow", "Now", "My lord,",
+        "ROMEO.\nBut soft",
+        "And God said, Let there be",
+        "KING.",
+        "O Lord",
+        "HAMLET.\nTo be, or",
+        "In the beginning",
+        "Enter",
+        "What is",
+        "JULIET.",
+        "Blessed are the",
+        "Thou art",
+        "The king",
+        "And it came to pass",
+        "Good morrow",
+        "Now",
+        "My lord,",
     ];
     let mut tasks = Vec::new();
     for (k, p) in prompts.iter().enumerate() {
@@ -489,19 +503,24 @@ async fn the_planner_lowers_pages_under_16_concurrent_requests_and_raises_them_a
     // Idle again: the cache is empty and the pages go back up to 8 bits.
     let t0 = Instant::now();
     while s.metric("pw_expert_mean_bits").await < 8.0 {
-        assert!(t0.elapsed() < Duration::from_secs(30), "pages did not come back: {}", s.metrics_text().await);
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "pages did not come back: {}",
+            s.metrics_text().await
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert!(s.metric("pw_page_moves_total{direction=\"up\"}").await > 0.0);
     assert!(s.metric("pw_planner_decisions_total{target=\"spare\"}").await > 0.0);
-    assert_eq!(s.metric(&name).await, experts8 as f64);
+    assert_eq!(s.metric(name).await, experts8 as f64);
     assert_eq!(s.metric("pw_kv_blocks_used").await, 0.0);
 
     // With the pages settled at 8 bits, greedy text is the same streamed or not (one request
     // at a time uses 3 blocks: no pressure, no page moves).
     let moves = s.metric("pw_page_moves_total{direction=\"down\"}").await;
     for p in ["ROMEO.\nBut soft", "And God said, Let there be", "KING."] {
-        let body = json!({"model": MODEL, "prompt": p, "max_tokens": 24, "temperature": 0, "ignore_eos": true});
+        let body =
+            json!({"model": MODEL, "prompt": p, "max_tokens": 24, "temperature": 0, "ignore_eos": true});
         let (_, whole) = s.post("/v1/completions", &body).await;
         let mut b = body.clone();
         b["stream"] = json!(true);
