@@ -66,7 +66,7 @@ pub struct BenchServeArgs {
     pub max_raise_mb: f64,
     /// Stop a policy's run after this many seconds (requests not finished are cancelled and
     /// left out of the figures; the record says how many completed).
-    #[arg(long, default_value_t = 200.0)]
+    #[arg(long, default_value_t = 150.0)]
     pub max_seconds: f64,
     /// Seed of the lengths and prompt tokens.
     #[arg(long, default_value_t = 1)]

@@ -253,15 +253,20 @@ impl MemoryPlan {
             WeightPolicy::Pinned => 0,
             WeightPolicy::Planner => (m.threshold_blocks + 1) * block_bytes,
         };
-        // Start at the highest width (at most `bits`) that leaves room for one full batch step.
+        // Start at the highest width (at most `bits`) that leaves the planner its free-block
+        // reserve, or (pinned) room for one block per batch slot.
+        let start_room = match m.policy {
+            WeightPolicy::Pinned => slack,
+            WeightPolicy::Planner => reserve,
+        };
         let initial_bits = (3..=bits)
             .rev()
-            .find(|&b| expert_bytes(b) + reserve + slack <= budget)
+            .find(|&b| expert_bytes(b) + start_room <= budget)
             .ok_or_else(|| {
                 format!(
                     "a memory budget of {budget} bytes cannot hold the experts even at 3 bits ({} bytes)                      plus {} bytes of KV cache",
                     expert_bytes(3),
-                    reserve + slack
+                    start_room
                 )
             })?;
         let floor = match m.policy {

@@ -168,7 +168,9 @@ impl PagedMemory {
             return Ok(());
         }
         if self.planner.is_some() {
-            self.boundary(dec, blocks)?;
+            // Plan as if the missing blocks were already taken.
+            let missing = (want - self.kv.bytes()).div_ceil(self.block_bytes);
+            self.boundary_with(dec, blocks, missing)?;
             if grow(&self.accountant, &mut self.kv) {
                 return Ok(());
             }
@@ -200,6 +202,16 @@ impl PagedMemory {
         dec: &mut MixtralDecoder<R, KV>,
         used_blocks: u64,
     ) -> Result<MemoryState, StepError> {
+        self.boundary_with(dec, used_blocks, 0)
+    }
+
+    /// [`Self::boundary`] with `missing` blocks about to be leased (counted as taken).
+    fn boundary_with<R: Runtime, KV: Float + CubeElement>(
+        &mut self,
+        dec: &mut MixtralDecoder<R, KV>,
+        used_blocks: u64,
+        missing: u64,
+    ) -> Result<MemoryState, StepError> {
         self.shrink_to(used_blocks);
         self.boundaries += 1;
         let mut changed = 0usize;
@@ -209,7 +221,7 @@ impl PagedMemory {
             }
             let pages = dec.experts().pages();
             let snapshot = Snapshot { pages: pages.iter().map(page_state).collect() };
-            let free = self.accountant.free() / self.block_bytes;
+            let free = (self.accountant.free() / self.block_bytes).saturating_sub(missing);
             let mut target = p.kv.target(free, snapshot.pending_bytes());
             if let MemoryTarget::Spare(s) = target
                 && self.options.max_raise_bytes > 0
