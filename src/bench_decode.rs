@@ -1,11 +1,18 @@
-//! `pagedweight bench-decode`: time of one fused decode step (`pw-decode`) of a full-size
-//! Mixtral-8x7B-shaped model with synthetic weights, at several batch sizes, against the bytes
-//! the step must read divided by the streaming read bandwidth measured in the same run.
+//! `pagedweight bench-decode`: one fused decode step (`pw-decode`) of full-size Mixtral-8x7B,
+//! Qwen1.5-MoE-A2.7B and Gemma-4-26B-A4B shapes with synthetic weights, per batch size,
+//! context length and committed expert bits, against the bytes the step must read divided by
+//! the streaming read bandwidth measured in the same run.
+//!
+//! The context is a synthetic prefill: each sequence's block table gets `ctx` positions whose
+//! K/V are the random values the pools were filled with, so only decode steps are timed.
+//! Each timed step enqueues every launch (the host time), then waits for the greedy ids, the
+//! only thing read back.
 
 use anyhow::{Context, Result};
 use cubecl::prelude::*;
-use kernels_cubecl::sync;
-use pw_decode::{DecodeConfig, MixtralDecoder};
+use kernels_cubecl::{Activation, sync};
+use pw_decode::{AttnLayer, DecodeConfig, Decoder, Family};
+use pw_pages::Accountant;
 use serde_json::{Value, json};
 use std::time::Instant;
 
@@ -18,46 +25,148 @@ pub struct BenchDecodeArgs {
     /// Output JSON file.
     #[arg(long)]
     pub out: std::path::PathBuf,
-    /// Model shape: mixtral-8x7b or tiny (the shipped model's shape, for a smoke test).
-    #[arg(long, default_value = "mixtral-8x7b")]
-    pub shape: String,
-    /// Committed expert bit-width.
-    #[arg(long, default_value_t = 4)]
-    pub bits: u8,
-    /// Batch sizes (sequences per step, at most 16).
-    #[arg(long, value_delimiter = ',', default_value = "1,8,16")]
+    /// Model shapes (comma-separated): mixtral-8x7b, qwen1.5-moe-a2.7b, gemma-4-26b-a4b, or
+    /// tiny-mixtral / tiny-qwen / tiny-gemma (small shapes for a smoke test).
+    #[arg(long, value_delimiter = ',', default_value = "mixtral-8x7b,qwen1.5-moe-a2.7b,gemma-4-26b-a4b")]
+    pub models: Vec<String>,
+    /// Committed expert bits (comma-separated): 3..8, or `mix` (a deterministic mix of 3..8
+    /// per page, as the planner leaves them).
+    #[arg(long, value_delimiter = ',', default_value = "8,4,3,mix")]
+    pub bits: Vec<String>,
+    /// Batch sizes (sequences per step; above 16 they run in chunks of 16).
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
     pub batches: Vec<usize>,
-    /// Context length each sequence reaches before timing.
-    #[arg(long, default_value_t = 128)]
-    pub ctx: usize,
-    /// Timed steps per batch size.
-    #[arg(long, default_value_t = 32)]
+    /// Context lengths each sequence has (synthetic prefill) when timing starts.
+    #[arg(long, value_delimiter = ',', default_value = "512,4096")]
+    pub ctx: Vec<usize>,
+    /// Timed steps per configuration.
+    #[arg(long, default_value_t = 8)]
     pub steps: usize,
+    /// Untimed steps first (kernel compilation, caches).
+    #[arg(long, default_value_t = 2)]
+    pub warmup: usize,
+    /// Add the records to those already in `--out` (one process per model frees each model's
+    /// device memory before the next).
+    #[arg(long)]
+    pub append: bool,
 }
 
-/// The synthetic shapes of the GPU benches.
+fn inv_freq(theta: f64, head_dim: usize, rotating_pairs: usize) -> Vec<f32> {
+    (0..head_dim / 2)
+        .map(|i| {
+            if i < rotating_pairs { (1.0 / theta.powf((2 * i) as f64 / head_dim as f64)) as f32 } else { 0.0 }
+        })
+        .collect()
+}
+
+/// The shapes of the real models (DESIGN.md section 3; Gemma-4-26B-A4B: 16 query heads).
 pub(crate) fn shape(name: &str) -> Result<DecodeConfig> {
-    let (vocab, hidden, inter, layers, heads, kv_heads, head_dim, theta) = match name {
-        "mixtral-8x7b" => (32000, 4096, 14336, 32, 32, 8, 128, 1e6f64),
-        "tiny" => (4096, 256, 256, 5, 8, 2, 32, 1e4),
-        s => anyhow::bail!("--shape {s}: expected mixtral-8x7b or tiny"),
+    let attn = |kv_heads, head_dim, window, theta| AttnLayer {
+        kv_heads,
+        head_dim,
+        window,
+        k_eq_v: false,
+        inv_freq: inv_freq(theta, head_dim, head_dim / 2),
     };
-    let inv_freq =
-        (0..head_dim / 2).map(|i| (1.0 / theta.powf(2.0 * i as f64 / head_dim as f64)) as f32).collect();
-    Ok(DecodeConfig {
+    let base = |family, vocab, hidden, inter, layers, heads, a: AttnLayer, experts, top_k| DecodeConfig {
+        family,
         vocab,
         hidden,
         inter,
         layers,
         heads,
-        kv_heads,
-        head_dim,
-        experts: 8,
-        top_k: 2,
+        attn: vec![a; layers],
+        experts,
+        top_k,
+        renormalize: true,
+        sparse: vec![true; layers],
+        dense_inter: 0,
+        shared_inter: 0,
+        act: Activation::SiluMul,
         eps: 1e-5,
-        window: 0,
-        inv_freq,
+        attn_scale: None,
+        embed_scale: 1.0,
+        softcap: 0.0,
+        tied: false,
+    };
+    Ok(match name {
+        "mixtral-8x7b" => base(Family::Mixtral, 32000, 4096, 14336, 32, 32, attn(8, 128, 0, 1e6), 8, 2),
+        "tiny-mixtral" => base(Family::Mixtral, 4096, 256, 256, 5, 8, attn(2, 32, 0, 1e4), 8, 2),
+        "qwen1.5-moe-a2.7b" | "tiny-qwen" => {
+            let tiny = name == "tiny-qwen";
+            let mut c = if tiny {
+                base(Family::Qwen2Moe, 4096, 256, 64, 3, 8, attn(8, 32, 0, 1e6), 12, 4)
+            } else {
+                base(Family::Qwen2Moe, 151936, 2048, 1408, 24, 16, attn(16, 128, 0, 1e6), 60, 4)
+            };
+            c.renormalize = false;
+            c.shared_inter = if tiny { 256 } else { 5632 };
+            c.dense_inter = c.shared_inter;
+            c.eps = 1e-6;
+            c
+        }
+        "gemma-4-26b-a4b" | "tiny-gemma" => {
+            let tiny = name == "tiny-gemma";
+            let (vocab, hidden, dense, inter, layers, heads, experts, top_k) = if tiny {
+                (4096, 256, 192, 64, 6, 8, 16, 4)
+            } else {
+                (262144, 2816, 2112, 704, 30, 16, 128, 8)
+            };
+            let (hd, ghd, window) = if tiny { (32, 64, 16) } else { (256, 512, 1024) };
+            let mut c = base(
+                Family::Gemma4,
+                vocab,
+                hidden,
+                inter,
+                layers,
+                heads,
+                attn(8, hd, window, 1e4),
+                experts,
+                top_k,
+            );
+            for (l, a) in c.attn.iter_mut().enumerate() {
+                if l % 6 == 5 {
+                    // Full layers: wider heads, 2 KV heads, K = V, proportional RoPE rotating the
+                    // first quarter of the pairs.
+                    *a = AttnLayer {
+                        kv_heads: 2,
+                        head_dim: ghd,
+                        window: 0,
+                        k_eq_v: true,
+                        inv_freq: inv_freq(1e6, ghd, ghd / 8),
+                    };
+                }
+            }
+            c.dense_inter = dense;
+            c.act = Activation::GeluTanhMul;
+            c.eps = 1e-6;
+            c.attn_scale = Some(1.0);
+            c.embed_scale = (hidden as f32).sqrt();
+            c.softcap = 30.0;
+            c.tied = true;
+            c
+        }
+        s => anyhow::bail!(
+            "--models {s}: expected mixtral-8x7b, qwen1.5-moe-a2.7b, gemma-4-26b-a4b, tiny-mixtral, tiny-qwen or tiny-gemma"
+        ),
     })
+}
+
+/// Committed bits of expert `e` in layer `l`.
+type BitsFn = Box<dyn Fn(usize, usize) -> u8>;
+
+/// Committed bits of expert `e` in layer `l`: uniform, or the planner-like mix (a fixed hash of
+/// the page spread over 3..8).
+fn bits_fn(spec: &str) -> Result<BitsFn> {
+    if spec == "mix" {
+        return Ok(Box::new(|l, e| {
+            let x = (l as u32).wrapping_mul(0x9E37_79B9) ^ (e as u32).wrapping_mul(0x85EB_CA6B);
+            3 + ((x ^ (x >> 15)).wrapping_mul(0x2C1B_3C6D) >> 29) as u8 % 6
+        }));
+    }
+    let b: u8 = spec.parse().with_context(|| format!("--bits {spec}: expected 3..8 or mix"))?;
+    anyhow::ensure!((3..=8).contains(&b), "--bits {b}: outside 3..8");
+    Ok(Box::new(move |_, _| b))
 }
 
 /// Runs the benchmark on the chosen runtime.
@@ -72,6 +181,15 @@ pub fn bench_decode(a: &BenchDecodeArgs) -> Result<()> {
         "wgpu" => run::<cubecl::wgpu::WgpuRuntime>(&cubecl::wgpu::WgpuDevice::DefaultDevice, a)?,
         d => anyhow::bail!("--device {d}: expected cuda or wgpu"),
     };
+    let records = if a.append && a.out.exists() {
+        let text = std::fs::read_to_string(&a.out).with_context(|| format!("{}", a.out.display()))?;
+        let mut old: Vec<Value> =
+            serde_json::from_str(&text).with_context(|| format!("{}: not a JSON array", a.out.display()))?;
+        old.extend(records);
+        old
+    } else {
+        records
+    };
     std::fs::write(&a.out, serde_json::to_string_pretty(&records)?)
         .with_context(|| format!("{}", a.out.display()))?;
     Ok(())
@@ -79,75 +197,131 @@ pub fn bench_decode(a: &BenchDecodeArgs) -> Result<()> {
 
 fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>> {
     let client = R::client(device);
-    let cfg = shape(&a.shape)?;
     let mut records = Vec::new();
-
-    let words = if a.shape == "tiny" { 1 << 22 } else { 1 << 29 };
+    let tiny = a.models.iter().all(|m| m.starts_with("tiny"));
+    let words = if tiny { 1 << 22 } else { 1 << 29 };
     let gbps = (words * 4) as f64 / crate::bench::stream_read_secs(&client, words)? / 1e9;
-
     let max_batch = a.batches.iter().copied().max().unwrap_or(1);
-    let max_seq = a.ctx + a.steps + 16;
+    let max_ctx = a.ctx.iter().copied().max().unwrap_or(0);
     let block = 16;
-    let kv_blocks = max_batch * max_seq.div_ceil(block) + 4;
-    let t = Instant::now();
-    let mut dec =
-        MixtralDecoder::<R, half::f16>::synthetic(&client, cfg.clone(), a.bits, kv_blocks, block, max_seq)?;
-    sync(&client)?;
-    eprintln!(
-        "synthetic {} at {} bits: experts {:.2} GB, dense {:.2} GB, built in {:.1} s",
-        a.shape,
-        a.bits,
-        dec.expert_bytes() as f64 / 1e9,
-        dec.dense_bytes() as f64 / 1e9,
-        t.elapsed().as_secs_f64()
-    );
-    let mut next_id = 0u64;
-    for &b in &a.batches {
-        let ids: Vec<u64> = (0..b as u64).map(|i| next_id + i).collect();
-        next_id += b as u64;
-        for &id in &ids {
-            dec.add_sequence(id)?;
-        }
-        let mut tok = 1u32;
-        let mut batch = |dec: &mut MixtralDecoder<R, half::f16>| -> Result<()> {
-            let step: Vec<(u64, u32)> = ids.iter().map(|&id| (id, tok)).collect();
-            let logits = dec.step(&step)?;
-            tok = pw_models::generate::argmax(&logits[0]) % cfg.vocab as u32;
-            Ok(())
-        };
-        for _ in 0..a.ctx {
-            batch(&mut dec)?;
-        }
+    let max_seq = max_ctx + a.steps + a.warmup + 1;
+    let bits_list: Vec<(String, BitsFn)> =
+        a.bits.iter().map(|b| Ok((b.clone(), bits_fn(b)?))).collect::<Result<_>>()?;
+
+    for model in &a.models {
+        let cfg = shape(model)?;
+        // KV blocks come from the same accountant as the weights: lease the weights first,
+        // then as many blocks as the largest batch needs.
+        let geometry = cfg.kv_geometry(block, 2, max_seq);
+        let kv_blocks = max_batch * max_seq.div_ceil(block);
         let t = Instant::now();
-        for _ in 0..a.steps {
-            batch(&mut dec)?;
+        let first = &bits_list.first().context("--bits is empty")?.1;
+        let mut dec =
+            Decoder::<R, half::f16>::synthetic(&client, cfg.clone(), first, kv_blocks, block, max_seq)?;
+        sync(&client)?;
+        let accountant = Accountant::new(u64::MAX / 2);
+        let _weights =
+            accountant.lease(pw_pages::Use::Weights, (dec.dense_bytes() + dec.expert_bytes()) as u64)?;
+        let _kv = accountant.lease_kv_blocks(kv_blocks as u64, geometry.block_bytes() as u64)?;
+        eprintln!(
+            "{model}: dense {:.2} GB, KV {:.2} GB ({kv_blocks} blocks), built in {:.1} s",
+            dec.dense_bytes() as f64 / 1e9,
+            dec.kv_bytes() as f64 / 1e9,
+            t.elapsed().as_secs_f64()
+        );
+        let mut next_id = 0u64;
+        for (bits_name, bits) in &bits_list {
+            dec.recommit_synthetic(bits.as_ref())?;
+            let sparse_layers = cfg.sparse.iter().filter(|s| **s).count();
+            let mean_bits = (0..cfg.layers)
+                .filter(|&l| cfg.sparse[l])
+                .flat_map(|l| (0..cfg.experts).map(move |e| (l, e)))
+                .map(|(l, e)| bits(l, e) as f64)
+                .sum::<f64>()
+                / (sparse_layers * cfg.experts).max(1) as f64;
+            for &ctx in &a.ctx {
+                for &b in &a.batches {
+                    let ids: Vec<u64> = (next_id..next_id + b as u64).collect();
+                    next_id += b as u64;
+                    for &id in &ids {
+                        dec.add_sequence(id)?;
+                        dec.fill_synthetic(id, ctx)?;
+                    }
+                    let mut toks = vec![1u32; b];
+                    let mut host = 0.0f64;
+                    let mut wall = 0.0f64;
+                    let mut launches = 0;
+                    for s in 0..a.warmup + a.steps {
+                        let batch: Vec<(u64, u32)> = ids.iter().copied().zip(toks.iter().copied()).collect();
+                        let t0 = Instant::now();
+                        dec.enqueue_greedy(&batch)?;
+                        let t1 = Instant::now();
+                        toks = dec.read_greedy(b)?;
+                        if s >= a.warmup {
+                            host += (t1 - t0).as_secs_f64();
+                            wall += t0.elapsed().as_secs_f64();
+                        }
+                        launches = dec.last_launches();
+                    }
+                    for &id in &ids {
+                        dec.free_sequence(id)?;
+                    }
+                    let secs = wall / a.steps as f64;
+                    let bytes = step_bytes(&dec, &cfg, b, ctx + a.warmup + a.steps / 2);
+                    let bound = bytes.total() / (gbps * 1e9);
+                    let rec = json!({
+                        "model": model, "batch": b, "ctx": ctx, "bits": bits_name,
+                        "tpot_ms": secs * 1e3, "host_ms": host / a.steps as f64 * 1e3,
+                        "launches": launches, "tok_s": b as f64 / secs, "bound_tok_s": b as f64 / bound,
+                        "fraction_of_bound": bound / secs, "mean_expert_bits": mean_bits,
+                        "bytes_per_step": bytes.total(), "dense_bytes": bytes.dense,
+                        "expert_bytes_touched": bytes.experts, "kv_bytes": bytes.kv,
+                        "stream_gbps": gbps, "chunks": b.div_ceil(kernels_cubecl::MAX_TOKENS),
+                    });
+                    eprintln!("{rec}");
+                    records.push(rec);
+                }
+            }
         }
-        let secs = t.elapsed().as_secs_f64() / a.steps as f64;
-        for &id in &ids {
-            dec.free_sequence(id)?;
-        }
-        // Bytes a step must read: every dense weight but the embedding (one row per token), the
-        // pages of the experts the batch touches (expected count under uniform routing), and
-        // the KV cache of every sequence.
-        let (e, k) = (cfg.experts as f64, cfg.top_k as f64);
-        let touched = e * (1.0 - (1.0 - k / e).powi(b as i32));
-        let embed = cfg.vocab * cfg.hidden * 2;
-        let dense = (dec.dense_bytes() - embed + b * cfg.hidden * 2) as f64;
-        let experts = touched * dec.expert_page_bytes() as f64 * cfg.layers as f64;
-        let ctx_mid = (a.ctx + a.steps / 2) as f64;
-        let kv = (cfg.layers * b * 2 * cfg.kv_heads * cfg.head_dim * 2) as f64 * ctx_mid;
-        let bytes = dense + experts + kv;
-        let bound = bytes / (gbps * 1e9);
-        let rec = json!({
-            "bench": "decode_step", "shape": a.shape, "bits": a.bits, "batch": b, "ctx": a.ctx,
-            "ms_per_step": secs * 1e3, "tokens_per_s": b as f64 / secs,
-            "bytes_per_step": bytes, "dense_bytes": dense, "expert_bytes_touched": experts, "kv_bytes": kv,
-            "experts_touched_per_layer": touched, "stream_gbps": gbps,
-            "bound_ms": bound * 1e3, "fraction_of_bound": bound / secs,
-            "effective_gbps": bytes / secs / 1e9,
-        });
-        eprintln!("{rec}");
-        records.push(rec);
     }
     Ok(records)
+}
+
+struct StepBytes {
+    dense: f64,
+    experts: f64,
+    kv: f64,
+}
+
+impl StepBytes {
+    fn total(&self) -> f64 {
+        self.dense + self.experts + self.kv
+    }
+}
+
+/// Bytes a step of `b` sequences at context `ctx` must read, each once: every dense weight but
+/// the embedding (one row per token; a tied head reads it whole), the committed pages of the
+/// experts the batch touches (expected count under uniform routing), and the visible K/V of
+/// every sequence. With more than 16 sequences the kernels read the weights once per chunk;
+/// the bound does not count that.
+fn step_bytes<R: Runtime>(
+    dec: &Decoder<R, half::f16>,
+    cfg: &DecodeConfig,
+    b: usize,
+    ctx: usize,
+) -> StepBytes {
+    let embed = cfg.vocab * cfg.hidden * 2;
+    let dense = (dec.dense_bytes() - if cfg.tied { 0 } else { embed } + b * cfg.hidden * 2) as f64;
+    let (e, k) = (cfg.experts as f64, cfg.top_k as f64);
+    let touched = e * (1.0 - (1.0 - k / e).powi(b as i32));
+    let experts: f64 = (0..cfg.layers).map(|l| dec.layer_expert_bytes(l) as f64 / e * touched).sum();
+    let kv: f64 = cfg
+        .attn
+        .iter()
+        .map(|a| {
+            let visible = if a.window > 0 { ctx.min(a.window) } else { ctx };
+            (b * visible * 2 * a.kv_heads * a.head_dim * 2) as f64
+        })
+        .sum();
+    StepBytes { dense, experts, kv }
 }

@@ -26,8 +26,8 @@ pub struct BenchServeArgs {
     /// Output JSON file.
     #[arg(long)]
     pub out: std::path::PathBuf,
-    /// Model shapes (random weights): mixtral-8x7b, or tiny (the shipped model's shape, for a
-    /// smoke test).
+    /// Model shape (random weights): mixtral-8x7b, qwen1.5-moe-a2.7b, gemma-4-26b-a4b, or
+    /// tiny / tiny-mixtral / tiny-qwen / tiny-gemma (small shapes, for a smoke test).
     #[arg(long, default_value = "mixtral-8x7b")]
     pub model: String,
     /// Policies to run: pinned (experts fixed at 8 bits) and/or planner.
@@ -189,18 +189,28 @@ fn percentile(v: &mut [f64], p: f64) -> f64 {
     v[((v.len() - 1) as f64 * p).round() as usize]
 }
 
-/// Dense bytes of the synthetic model as the decoder stores them (f16 weights, f32 norms).
+/// Dense bytes of the synthetic model as the decoder stores them (f16 weights, f32 norms; the
+/// small per-layer vectors of Qwen / Gemma are left out).
 fn dense_bytes(c: &DecodeConfig) -> u64 {
-    let (h, hd) = (c.hidden as u64, c.head_dim as u64);
-    let attn = h * (c.heads as u64 + 2 * c.kv_heads as u64) * hd + h * c.heads as u64 * hd;
-    c.layers as u64 * ((attn + c.experts as u64 * h) * 2 + 2 * h * 4) + 2 * c.vocab as u64 * h * 2 + h * 4
+    let h = c.hidden as u64;
+    let per_layer: u64 = (0..c.layers)
+        .map(|l| {
+            let attn = (c.proj_rows(l) + c.heads * c.attn[l].head_dim) as u64 * h;
+            let router = if c.sparse[l] { c.experts as u64 * h } else { 0 };
+            let mlp = (c.mlp_rows(l) + c.mlp_inter(l)) as u64 * h;
+            (attn + router + mlp) * 2 + 2 * h * 4
+        })
+        .sum();
+    let heads = if c.tied { 1 } else { 2 };
+    per_layer + heads * c.vocab as u64 * h * 2 + h * 4
 }
 
 /// Expert bytes of the synthetic model with every page at `bits`.
 fn expert_bytes(c: &DecodeConfig, bits: u64) -> u64 {
     let (h, i) = (c.hidden as u64, c.inter as u64);
     let words = |rows: u64, cols: u64| rows * cols.div_ceil(32) * 4;
-    (c.layers * c.experts) as u64 * (bits * (words(2 * i, h) + words(h, i)) + ((2 * i + h) << bits) * 2)
+    let sparse = c.sparse.iter().filter(|&&s| s).count();
+    (sparse * c.experts) as u64 * (bits * (words(2 * i, h) + words(h, i)) + ((2 * i + h) << bits) * 2)
 }
 
 fn run<R: Runtime>(device: &R::Device, a: &BenchServeArgs, policy: WeightPolicy) -> Result<Value>
@@ -208,9 +218,9 @@ where
     pw_decode::MixtralDecoder<R, half::f16>: Send,
 {
     let client = R::client(device);
-    let cfg = crate::bench_decode::shape(&a.model)?;
+    let cfg = crate::bench_decode::shape(if a.model == "tiny" { "tiny-mixtral" } else { &a.model })?;
     let max_context = a.prompt[1] + a.output[1] + 16;
-    let kv_per_token = (cfg.layers * cfg.kv_heads * cfg.head_dim * 2 * 2) as u64;
+    let kv_per_token = cfg.attn.iter().map(|x| (x.kv_heads * x.head_dim * 2 * 2) as u64).sum::<u64>();
     let dense = dense_bytes(&cfg);
     let gpu_bytes = match a.gpu_memory_gb {
         Some(gb) => (gb * 1e9) as u64,

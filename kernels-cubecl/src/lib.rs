@@ -20,6 +20,8 @@ pub mod bandwidth;
 #[allow(missing_docs)]
 pub mod decode;
 #[allow(missing_docs)]
+pub mod families;
+#[allow(missing_docs)]
 pub mod gemm;
 pub mod step;
 

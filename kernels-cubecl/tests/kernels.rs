@@ -513,3 +513,147 @@ fn fill_hash_matches_reference() {
     fill_hash(&client, &out, 42);
     assert_eq!(read_u32(&client, &out).unwrap(), fill_hash_reference(300_001, 42));
 }
+
+/// The Qwen2-MoE / Gemma-4 kernels of `families`: f32 arithmetic in another order than the CPU
+/// (plane sums), plus GPU exp/tanh.
+const FAMILY_TOL: f32 = 2e-5;
+
+#[test]
+fn gated_act_matches_reference() {
+    use kernels_cubecl::families::*;
+    let client = client();
+    let mut rng = StdRng::seed_from_u64(11);
+    let inter = 40;
+    for (act, gated) in
+        [(Activation::SiluMul, false), (Activation::SiluMul, true), (Activation::GeluTanhMul, false)]
+    {
+        let stride = 2 * inter + gated as usize;
+        for tokens in [1usize, 5] {
+            let x = rand_vec(&mut rng, tokens * stride, 3.0);
+            let out = DeviceArray::empty::<WgpuRuntime, f32>(&client, tokens * inter);
+            gated_act(
+                &client,
+                tokens,
+                inter,
+                stride,
+                act,
+                gated,
+                &DeviceArray::from_slice(&client, &x),
+                &out,
+            )
+            .unwrap();
+            let want = gated_act_reference(&x, inter, stride, act, gated);
+            assert_close(&read_f32(&client, &out).unwrap(), &want, FAMILY_TOL, &format!("gated_act {act:?}"));
+        }
+    }
+    let x = DeviceArray::empty::<WgpuRuntime, f32>(&client, 80);
+    assert!(gated_act(&client, 1, inter, 80, Activation::SiluMul, true, &x, &x).is_err(), "no gate column");
+}
+
+#[test]
+fn head_norm_matches_reference() {
+    use kernels_cubecl::families::*;
+    let client = client();
+    let mut rng = StdRng::seed_from_u64(12);
+    let (heads, kv_heads, head_dim) = (4, 2, 16);
+    for (qk_norm, v_norm, k_eq_v) in [(true, true, false), (true, true, true), (false, false, false)] {
+        let src_heads = if k_eq_v { heads + kv_heads } else { heads + 2 * kv_heads };
+        let g =
+            HeadNorm { heads, kv_heads, head_dim, src_stride: src_heads * head_dim, qk_norm, v_norm, k_eq_v };
+        let tokens = 3;
+        let src = rand_vec(&mut rng, tokens * g.src_stride, 2.0);
+        let w = rand_vec(&mut rng, 2 * head_dim, 1.5);
+        let out = DeviceArray::empty::<WgpuRuntime, f32>(&client, tokens * g.out_stride());
+        let up = |v: &[f32]| DeviceArray::from_slice(&client, v);
+        head_norm(&client, g, tokens, &up(&src), &up(&w), &up(&[1e-6]), &out).unwrap();
+        let want = head_norm_reference(g, &src, &w, 1e-6);
+        assert_close(&read_f32(&client, &out).unwrap(), &want, FAMILY_TOL, &format!("head_norm {g:?}"));
+    }
+}
+
+#[test]
+fn add_rms_norm_softcap_argmax_match_reference() {
+    use kernels_cubecl::families::*;
+    let client = client();
+    let mut rng = StdRng::seed_from_u64(13);
+    let up = |v: &[f32]| DeviceArray::from_slice(&client, v);
+    let (tokens, hidden) = (4, 72);
+    let x = rand_vec(&mut rng, tokens * hidden, 2.0);
+    let w = rand_vec(&mut rng, hidden, 1.0);
+    let mut h = rand_vec(&mut rng, tokens * hidden, 1.0);
+    let hd = up(&h);
+    add_rms_norm(&client, tokens, hidden, &up(&x), &up(&w), &up(&[1e-6]), &hd).unwrap();
+    add_rms_norm_reference(&x, &w, 1e-6, &mut h);
+    assert_close(&read_f32(&client, &hd).unwrap(), &h, FAMILY_TOL, "add_rms_norm");
+
+    // Soft-cap over the first 3 of 4 rows only (`meta[0]` = 3).
+    let xd = up(&x);
+    softcap(&client, 3, hidden, &DeviceArray::from_slice(&client, &[3u32]), &xd, &up(&[1.5])).unwrap();
+    let mut want = softcap_reference(&x[..3 * hidden], 1.5);
+    want.extend_from_slice(&x[3 * hidden..]);
+    assert_close(&read_f32(&client, &xd).unwrap(), &want, FAMILY_TOL, "softcap");
+
+    // Greedy ids, with a tie in row 1 that must go to the lower index.
+    let width = 300;
+    let mut v = rand_vec(&mut rng, tokens * width, 1.0);
+    v[width + 17] = 5.0;
+    v[width + 250] = 5.0;
+    let ids = DeviceArray::empty::<WgpuRuntime, u32>(&client, tokens);
+    argmax(&client, tokens, width, &up(&v), &ids).unwrap();
+    let want = argmax_reference(&v, width);
+    assert_eq!(want[1], 17);
+    assert_eq!(read_u32(&client, &ids).unwrap(), want);
+}
+
+#[test]
+fn gemma_ffn_out_matches_reference() {
+    use kernels_cubecl::families::*;
+    let client = client();
+    let mut rng = StdRng::seed_from_u64(14);
+    let up = |v: &[f32]| DeviceArray::from_slice(&client, v);
+    let (tokens, experts, k, hidden) = (5, 12, 3, 48);
+    let logits = rand_vec(&mut rng, tokens * experts, 3.0);
+    let pes: Vec<f32> = (0..experts).map(|e| 0.5 + e as f32 * 0.1).collect();
+    // Per (token, choice) outputs, stored at a permuted gathered row as `moe_route` would.
+    let per_choice = rand_vec(&mut rng, tokens * k * hidden, 1.0);
+    let pos: Vec<u32> = (0..(tokens * k) as u32).map(|i| (i * 7) % (tokens * k) as u32).collect();
+    let mut down = vec![0f32; tokens * k * hidden];
+    for (i, &p) in pos.iter().enumerate() {
+        down[p as usize * hidden..][..hidden].copy_from_slice(&per_choice[i * hidden..][..hidden]);
+    }
+    let mlp = rand_vec(&mut rng, tokens * hidden, 2.0);
+    let norms = rand_vec(&mut rng, 3 * hidden, 1.0);
+    let mut h = rand_vec(&mut rng, tokens * hidden, 1.0);
+    let hd = up(&h);
+    let tmp = DeviceArray::empty::<WgpuRuntime, f32>(&client, tokens * hidden);
+    let b = GemmaFfnOut {
+        logits: &up(&logits),
+        per_expert_scale: &up(&pes),
+        pos: &DeviceArray::from_slice(&client, &pos),
+        down: &up(&down),
+        mlp: &up(&mlp),
+        norms: &up(&norms),
+        scalar: &up(&[0.7]),
+        params: &up(&[1e-6]),
+        tmp: &tmp,
+        h: &hd,
+    };
+    gemma_ffn_out(&client, tokens, experts, k, hidden, b).unwrap();
+    gemma_ffn_out_reference(&logits, experts, k, &pes, &per_choice, &mlp, &norms, 0.7, 1e-6, &mut h);
+    assert_close(&read_f32(&client, &hd).unwrap(), &h, FAMILY_TOL, "gemma_ffn_out");
+}
+
+#[test]
+fn fill_uniform_matches_reference() {
+    use kernels_cubecl::families::*;
+    let client = client();
+    let out = DeviceArray::empty::<WgpuRuntime, f32>(&client, 1_100_003);
+    fill_uniform::<WgpuRuntime, f32>(&client, &out, 9, 0.25).unwrap();
+    let want = fill_uniform_reference(1_100_003, 9, 0.25);
+    assert_close(&read_f32(&client, &out).unwrap(), &want, 0.0, "fill_uniform");
+    assert!(
+        want.iter().all(|v| v.abs() <= 0.25)
+            && want.iter().any(|v| *v > 0.2)
+            && want.iter().any(|v| *v < -0.2)
+    );
+}

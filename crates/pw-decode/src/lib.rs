@@ -1,6 +1,7 @@
-//! The fast decode path: one decode step of a batch of sequences runs as a fixed handful of
-//! CubeCL launches per layer, straight on the compute client (no Burn tensor ops, no host round
-//! trip inside a layer):
+//! The fast decode path of the three families (Mixtral, Qwen2-MoE, Gemma-4; one [`Decoder`]
+//! with per-family branches): one decode step of a batch of sequences runs as a fixed handful
+//! of CubeCL launches per layer, straight on the compute client (no Burn tensor ops, no host
+//! round trip inside a layer). The Mixtral wiring:
 //!
 //! 1. RMSNorm → fused QKV projection (one f16 GEMM) → RoPE on Q and K in place;
 //! 2. K/V append into the paged cache → paged decode attention;
@@ -9,17 +10,40 @@
 //!    grouped bit-plane GEMM for gate_up → grouped GEMM for down with SiLU(gate)·up fused into its
 //!    input → weighted combine into the residual.
 //!
+//! Qwen2-MoE adds the q/k/v biases to the projection, and its gated shared expert (or a dense
+//! layer's MLP) as gate|up GEMM → activation × sigmoid gate → down GEMM into the residual.
+//! Gemma-4 adds per-head Q/K/V norms (K = V on full layers) after the projection, its sandwich
+//! norm on the attention output, a dense GeGLU branch beside the experts, and one epilogue
+//! kernel (routing weights × per-expert scale, combine, three norms, residual, layer scalar).
+//!
 //! The host uploads the step's ids, positions and block tables once, and reads back the logits
-//! once. A new sequence's prompt goes through the same kernels token by token (prefill).
+//! (or, sampling greedily on the device, only the new ids) once. A new sequence's prompt goes
+//! through the same kernels token by token (prefill).
 //! The Burn-ops models in `pw-models` stay the reference the tests compare against.
 
+mod config;
+mod decoder;
 mod experts;
-mod mixtral;
+mod paged;
 mod route_stats;
 
-pub use experts::{ExpertCommit, ExpertMover, ExpertPage, PagedExperts, synthetic_block, synthetic_luts};
-pub use mixtral::{DecodeConfig, ExpertBlocks, MixtralDecoder};
+pub use config::{AttnLayer, DecodeConfig, Family};
+pub use decoder::{Decoder, MixtralDecoder};
+pub use experts::{ExpertBlocks, expert_weights};
+pub use paged::{ExpertCommit, ExpertMover, ExpertPage, PagedExperts, synthetic_block, synthetic_luts};
 pub use route_stats::{RouteStats, RoutingCounts, route_stats_reference};
+
+use pw_hf::Checkpoint;
+
+fn read(ckpt: &Checkpoint, name: &str, shape: &[usize]) -> Result<Vec<f32>, DecodeError> {
+    let t = ckpt.read_f32(name)?;
+    if t.shape != shape {
+        return Err(DecodeError::Shape { name: name.into(), expected: shape.to_vec(), got: t.shape });
+    }
+    Ok(t.data)
+}
+
+use decoder::root;
 
 /// Why loading or a step failed.
 #[derive(Debug, thiserror::Error)]

@@ -80,6 +80,9 @@ pub struct RouteStats {
     experts: usize,
     /// Tokens routed through every layer since the last [`RouteStats::take`].
     tokens: u64,
+    /// The last layer recorded: a layer at or below it starts the next step's tokens (the
+    /// first sparse layer need not be layer 0).
+    last: Option<usize>,
     /// Whether the next step accumulates.
     pub armed: bool,
 }
@@ -105,12 +108,13 @@ impl RouteStats {
             layers,
             experts,
             tokens: 0,
+            last: None,
             armed: false,
         }
     }
 
     /// Adds layer `layer`'s routing of `tokens` tokens (outputs of `moe_route` in `route`).
-    /// Does nothing unless armed.
+    /// Does nothing unless armed. Returns the launches it made (0 or 1).
     pub fn record<R: Runtime>(
         &mut self,
         client: &ComputeClient<R>,
@@ -119,9 +123,9 @@ impl RouteStats {
         tokens: usize,
         meta: &DeviceArray,
         route: &RouteBuffers,
-    ) -> Result<(), DecodeError> {
+    ) -> Result<usize, DecodeError> {
         if !self.armed || tokens == 0 {
-            return Ok(());
+            return Ok(0);
         }
         if layer >= self.layers || shape.experts != self.experts || tokens > MAX_TOKENS {
             return Err(DecodeError::Unsupported(format!(
@@ -129,9 +133,10 @@ impl RouteStats {
                 shape.experts, self.layers, self.experts
             )));
         }
-        if layer == 0 {
+        if self.last.is_none_or(|last| layer <= last) {
             self.tokens += tokens as u64;
         }
+        self.last = Some(layer);
         let arg = |a: &DeviceArray| {
             // SAFETY: `len` is the element count the buffer was created with.
             unsafe { ArrayArg::<R>::from_raw_parts(a.handle.clone(), a.len.max(1)) }
@@ -158,7 +163,7 @@ impl RouteStats {
                 DESC_WORDS,
             )
         };
-        Ok(())
+        Ok(1)
     }
 
     /// Downloads the counters and zeroes them (`None` when no token was recorded).

@@ -36,7 +36,7 @@ pub struct FastOptions {
     pub memory: MemoryOptions,
 }
 
-/// The fast path for Mixtral-architecture models, with a `KV` cache (f16 on the GPU).
+/// The fast path for the three families, with a `KV` cache (f16 on the GPU).
 pub struct FastStepModel<R: Runtime, KV: Float + CubeElement> {
     dec: MixtralDecoder<R, KV>,
     kv: KvLayout,
@@ -83,10 +83,7 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
     pub fn load_with(client: &ComputeClient<R>, dir: &Path, o: &FastOptions) -> Result<Self, ServeError> {
         let model = |e: String| ServeError::Model(format!("{}: {e}", dir.display()));
         let config = ModelConfig::from_dir(dir).map_err(|e| model(e.to_string()))?;
-        let ModelConfig::Mixtral(mc) = &config else {
-            return Err(model("the fast decode path serves Mixtral-architecture models so far".into()));
-        };
-        let cfg = DecodeConfig::from_mixtral(mc);
+        let cfg = DecodeConfig::from_model(&config).map_err(|e| model(e.to_string()))?;
         let ckpt = Checkpoint::open(dir).map_err(|e| model(e.to_string()))?;
         let mut experts = ExpertBlocks::quantize_hf(&ckpt, &cfg, o.bits).map_err(|e| model(e.to_string()))?;
         let block_bytes = cfg.kv_geometry(BLOCK, size_of::<KV>(), o.max_context).block_bytes() as u64;
@@ -99,7 +96,8 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
             o.bits,
         )
         .map_err(model)?;
-        experts.bits = vec![vec![(plan.initial_bits, plan.initial_bits); cfg.experts]; cfg.layers];
+        let b = plan.initial_bits;
+        experts.bits = experts.blocks.iter().map(|l| vec![(b, b); l.len()]).collect();
         let accountant = Accountant::new(plan.budget);
         let dec = MixtralDecoder::load_paged(
             client,
@@ -128,7 +126,7 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
         let words = |rows: u64, cols: u64| rows * cols.div_ceil(32) * 4;
         let page_pair =
             |b: u8| -> u64 { b as u64 * (words(2 * i, h) + words(h, i)) + ((2 * i + h) << b) * 2 };
-        let pages = (cfg.layers * cfg.experts) as u64;
+        let pages = (cfg.sparse.iter().filter(|&&s| s).count() * cfg.experts) as u64;
         let plan = MemoryPlan::new(
             &o.memory,
             block_bytes,
@@ -142,17 +140,19 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
         let dec = MixtralDecoder::synthetic_paged(
             client,
             cfg.clone(),
-            plan.initial_bits,
+            &|_, _| plan.initial_bits,
             accountant.clone(),
             plan.kv_blocks,
             BLOCK,
             o.max_context,
         )
         .map_err(|e| model(e.to_string()))?;
-        let layers = (0..cfg.layers)
-            .map(|_| crate::LayerKv {
-                bytes_per_token: (cfg.kv_heads * cfg.head_dim * 2 * size_of::<KV>()) as u64,
-                window: None,
+        let layers = cfg
+            .attn
+            .iter()
+            .map(|a| crate::LayerKv {
+                bytes_per_token: (a.kv_heads * a.head_dim * 2 * size_of::<KV>()) as u64,
+                window: (a.window > 0).then_some(a.window),
             })
             .collect();
         Self::assemble(dec, KvLayout { layers }, accountant, &o.memory, plan, o.max_batch).map_err(model)

@@ -1,5 +1,5 @@
 //! The engine over the fast decode path (`FastStepModel`, fused CubeCL kernels on wgpu) on the
-//! shipped tiny Mixtral: concurrent requests batched together produce exactly the tokens each
+//! shipped tiny Mixtral and tiny Qwen2-MoE: concurrent requests batched together produce exactly the tokens each
 //! sequence produces alone, and their KV blocks come back. (That one sequence matches the Burn
 //! model is `pw-decode`'s test.)
 
@@ -13,8 +13,8 @@ use pw_serve::{
     UsageRecorder,
 };
 
-fn dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/tiny-mixtral")
+fn asset(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets").join(name)
 }
 
 fn alone(model: &mut dyn StepModel, seq: u64, prompt: &[u32], n: usize) -> Vec<u32> {
@@ -30,13 +30,22 @@ fn alone(model: &mut dyn StepModel, seq: u64, prompt: &[u32], n: usize) -> Vec<u
 
 #[test]
 fn fast_path_batches_equal_each_sequence_alone() {
+    batches_equal_alone(&asset("tiny-mixtral"));
+}
+
+#[test]
+fn fast_path_qwen2_moe_batches_equal_each_sequence_alone() {
+    batches_equal_alone(&asset("tiny-qwen2-moe"));
+}
+
+fn batches_equal_alone(dir: &Path) {
     if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
         // SAFETY: set once before any thread reads the environment.
         unsafe { std::env::set_var("XDG_RUNTIME_DIR", std::env::temp_dir()) };
     }
     let client = WgpuRuntime::client(&WgpuDevice::DefaultDevice);
-    let mut model = FastStepModel::<WgpuRuntime, f32>::load(&client, &dir(), 6, 1 << 22, 4, 128).unwrap();
-    let tok = pw_serve::load_tokenizer(&dir()).unwrap();
+    let mut model = FastStepModel::<WgpuRuntime, f32>::load(&client, dir, 6, 1 << 22, 4, 128).unwrap();
+    let tok = pw_serve::load_tokenizer(dir).unwrap();
     let prompts: Vec<Vec<u32>> = ["ROMEO.\nBut soft", "And God said, Let there be", "KING."]
         .iter()
         .map(|p| tok.encode(*p, true).unwrap().get_ids().to_vec())

@@ -1,0 +1,724 @@
+//! The decode-step kernels that Qwen2-MoE and Gemma-4 need beyond the Mixtral set in
+//! [`crate::step`]: the gated activation of a dense MLP (Qwen's shared expert with its sigmoid
+//! gate folded in, Qwen's dense layers, Gemma's dense branch), per-head Q/K/V norms with
+//! Gemma's K = V, a norm added into the residual (Gemma's sandwich norms), Gemma's whole
+//! feed-forward epilogue in one launch, logit soft-capping, on-device greedy sampling and the
+//! device-side random fills of synthetic models.
+//!
+//! Like the kernels of [`crate::decode`], each reads nothing from the host inside a step.
+
+use cubecl::prelude::*;
+
+use crate::{DeviceArray, KernelError, gemm};
+
+fn bad(reason: String) -> KernelError {
+    KernelError::BadItem { item: 0, reason }
+}
+
+fn need(what: &str, a: &DeviceArray, n: usize) -> Result<(), KernelError> {
+    if a.len < n { Err(bad(format!("{what}: {} elements, needs {n}", a.len))) } else { Ok(()) }
+}
+
+fn cube_1d(width: usize) -> CubeDim {
+    CubeDim::new_1d(width.clamp(1, 256) as u32)
+}
+
+#[cube]
+fn act_fn(g: f32, #[comptime] act: u32) -> f32 {
+    if comptime![act == 1] {
+        g / (1.0 + (-g).exp())
+    } else {
+        let inner = 0.797_884_6 * (g + 0.044715 * g * g * g);
+        0.5 * g * (1.0 + inner.tanh())
+    }
+}
+
+/// `out[t, i] = act(x[t, i]) · x[t, inter + i]` (· `sigmoid(x[t, 2·inter])` when `gated`).
+/// Grid `(tokens)`.
+#[cube(launch_unchecked)]
+pub fn gated_act_kernel(
+    x: &Array<f32>,
+    out: &mut Array<f32>,
+    #[comptime] inter: usize,
+    #[comptime] stride: usize,
+    #[comptime] act: u32,
+    #[comptime] gated: bool,
+) {
+    let t = CUBE_POS_X as usize;
+    let base = t * stride;
+    let mut scale = 1.0f32;
+    if comptime![gated] {
+        scale = 1.0 / (1.0 + (-x[base + 2 * inter]).exp());
+    }
+    for i in range_stepped(UNIT_POS as usize, inter, CUBE_DIM as usize) {
+        out[t * inter + i] = act_fn(x[base + i], act) * x[base + inter + i] * scale;
+    }
+}
+
+/// Per-head RMSNorm of a projection row into the fused Q|K|V layout the cache kernels read.
+/// Head `u` of the output row (`[heads + 2·kv_heads, head_dim]`): query heads normed with
+/// `w[0..hd]`, key heads with `w[hd..2hd]` (when `qk_norm`), value heads weightless (when
+/// `v_norm`); with `k_eq_v` the value heads read the raw key heads (no `v_proj`).
+/// `params = [eps]`. Grid `(tokens, heads + 2·kv_heads)`; cube: one plane.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn head_norm_kernel(
+    src: &Array<f32>,
+    w: &Array<f32>,
+    params: &Array<f32>,
+    out: &mut Array<f32>,
+    #[comptime] heads: usize,
+    #[comptime] kv_heads: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] src_stride: usize,
+    #[comptime] qk_norm: bool,
+    #[comptime] v_norm: bool,
+    #[comptime] k_eq_v: bool,
+) {
+    let t = CUBE_POS_X as usize;
+    let u = CUBE_POS_Y as usize;
+    let out_stride = comptime![(heads + 2 * kv_heads) * head_dim];
+    let is_v = u >= heads + kv_heads;
+    // With K = V the value heads read the key heads `kv_heads` earlier in the row.
+    let shift = comptime![if k_eq_v { kv_heads } else { 0 }];
+    let su = u - select(is_v, shift, 0usize);
+    let s0 = t * src_stride + su * head_dim;
+    let o0 = t * out_stride + u * head_dim;
+    let vf = comptime![v_norm as u32];
+    let qf = comptime![qk_norm as u32];
+    let norm = select(is_v, vf, qf);
+    let weighted = select(is_v, 0u32, qf);
+    let woff = select(u >= heads, head_dim, 0usize);
+    let mut inv = 1.0f32;
+    if norm == 1u32 {
+        let mut ss = 0.0f32;
+        for c in range_stepped(UNIT_POS as usize, head_dim, CUBE_DIM as usize) {
+            let v = src[s0 + c];
+            ss += v * v;
+        }
+        let total = plane_sum(ss);
+        inv = 1.0 / (total / f32::cast_from(head_dim) + params[0]).sqrt();
+    }
+    for c in range_stepped(UNIT_POS as usize, head_dim, CUBE_DIM as usize) {
+        let mut v = src[s0 + c] * inv;
+        if weighted == 1u32 {
+            v *= w[woff + c];
+        }
+        out[o0 + c] = v;
+    }
+}
+
+/// `h[t] += x[t] / rms(x[t]) · w`; `params = [eps]`. Grid `(tokens)`; cube: one plane.
+#[cube(launch_unchecked)]
+pub fn add_rms_norm_kernel(
+    x: &Array<f32>,
+    w: &Array<f32>,
+    params: &Array<f32>,
+    h: &mut Array<f32>,
+    #[comptime] hidden: usize,
+) {
+    let base = CUBE_POS_X as usize * hidden;
+    let mut ss = 0.0f32;
+    for c in range_stepped(UNIT_POS as usize, hidden, CUBE_DIM as usize) {
+        let v = x[base + c];
+        ss += v * v;
+    }
+    let inv = 1.0 / (plane_sum(ss) / f32::cast_from(hidden) + params[0]).sqrt();
+    for c in range_stepped(UNIT_POS as usize, hidden, CUBE_DIM as usize) {
+        h[base + c] += x[base + c] * inv * w[c];
+    }
+}
+
+/// Gemma-4's feed-forward epilogue for token `t` (grid `(tokens)`, cube: one plane):
+/// routing recomputed from `logits[t]` exactly as `moe_route_kernel` selects it (softmax,
+/// top-k with lower expert first on ties, renormalised) times `per_expert_scale[e]`;
+/// `y = Σ_j w_j · down[pos[t, j]]`; then
+/// `h = (h + norm(norm(m)·post1 + norm(y)·post2)·post) · scalar[0]`.
+/// `norms = [post1 | post2 | post]` (`3·hidden`), `params = [eps]`, `tmp`: `[tokens, hidden]`.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn gemma_ffn_out_kernel(
+    logits: &Array<f32>,
+    pes: &Array<f32>,
+    pos: &Array<u32>,
+    down: &Array<f32>,
+    m: &Array<f32>,
+    norms: &Array<f32>,
+    scalar: &Array<f32>,
+    params: &Array<f32>,
+    tmp: &mut Array<f32>,
+    h: &mut Array<f32>,
+    #[comptime] experts: usize,
+    #[comptime] k: usize,
+    #[comptime] hidden: usize,
+) {
+    let t = CUBE_POS_X as usize;
+    let base = t * hidden;
+    let lb = t * experts;
+    let eps = params[0];
+    let mut mx = logits[lb];
+    for e in 1..experts {
+        mx = max(mx, logits[lb + e]);
+    }
+    let mut z = 0.0f32;
+    for e in 0..experts {
+        z += (logits[lb + e] - mx).exp();
+    }
+    let mut taken = Array::<u32>::new(4usize);
+    #[unroll]
+    for i in 0..4usize {
+        taken[i] = 0u32;
+    }
+    let mut wsel = Array::<f32>::new(k);
+    let mut esel = Array::<u32>::new(k);
+    let mut sum = 0.0f32;
+    #[unroll]
+    for j in 0..k {
+        let mut best = 0usize;
+        let mut bv = f32::new(-1.0e30);
+        for e in 0..experts {
+            let free = ((taken[e / 32usize] >> (e % 32usize) as u32) & 1u32) == 0u32;
+            let v = logits[lb + e];
+            if free && v > bv {
+                bv = v;
+                best = e;
+            }
+        }
+        taken[best / 32usize] |= 1u32 << (best % 32usize) as u32;
+        let p = (bv - mx).exp() / z;
+        wsel[j] = p;
+        esel[j] = best as u32;
+        sum += p;
+    }
+    #[unroll]
+    for j in 0..k {
+        wsel[j] = wsel[j] / sum * pes[esel[j] as usize];
+    }
+    // Pass 1: the experts' sum and both sums of squares. Each lane only touches its own
+    // columns, so `tmp` needs no barrier between passes.
+    let mut ss_y = 0.0f32;
+    let mut ss_m = 0.0f32;
+    for c in range_stepped(UNIT_POS as usize, hidden, CUBE_DIM as usize) {
+        let mut y = 0.0f32;
+        #[unroll]
+        for j in 0..k {
+            y += wsel[j] * down[pos[t * k + j] as usize * hidden + c];
+        }
+        tmp[base + c] = y;
+        ss_y += y * y;
+        let mv = m[base + c];
+        ss_m += mv * mv;
+    }
+    let hf = f32::cast_from(hidden);
+    let inv_y = 1.0 / (plane_sum(ss_y) / hf + eps).sqrt();
+    let inv_m = 1.0 / (plane_sum(ss_m) / hf + eps).sqrt();
+    let mut ss_x = 0.0f32;
+    for c in range_stepped(UNIT_POS as usize, hidden, CUBE_DIM as usize) {
+        let x = m[base + c] * inv_m * norms[c] + tmp[base + c] * inv_y * norms[hidden + c];
+        tmp[base + c] = x;
+        ss_x += x * x;
+    }
+    let inv_x = 1.0 / (plane_sum(ss_x) / hf + eps).sqrt();
+    let s = scalar[0];
+    for c in range_stepped(UNIT_POS as usize, hidden, CUBE_DIM as usize) {
+        h[base + c] = (h[base + c] + tmp[base + c] * inv_x * norms[2 * hidden + c]) * s;
+    }
+}
+
+/// `x = tanh(x / c) · c`, `params = [c]`, over the first `meta[0]` rows of `width`.
+/// Grid `(ceil(rows · width / 256))`.
+#[cube(launch_unchecked)]
+pub fn softcap_kernel(x: &mut Array<f32>, params: &Array<f32>, meta: &Array<u32>, #[comptime] width: usize) {
+    let i = ABSOLUTE_POS;
+    if i < meta[0] as usize * width {
+        let c = params[0];
+        x[i] = (x[i] / c).tanh() * c;
+    }
+}
+
+/// Greedy sampling: `ids[t] = argmax(x[t])` (lowest index on ties). Grid `(tokens)`; cube:
+/// one plane.
+#[cube(launch_unchecked)]
+pub fn argmax_kernel(x: &Array<f32>, ids: &mut Array<u32>, #[comptime] width: usize) {
+    let t = CUBE_POS_X as usize;
+    let base = t * width;
+    let mut bv = f32::new(-3.0e38);
+    let mut bi = 0u32;
+    for c in range_stepped(UNIT_POS as usize, width, CUBE_DIM as usize) {
+        let v = x[base + c];
+        if v > bv {
+            bv = v;
+            bi = c as u32;
+        }
+    }
+    let m = plane_max(bv);
+    let cand = select(bv == m, bi, 0xFFFF_FFFFu32);
+    let best = plane_min(cand);
+    if UNIT_POS == 0 {
+        ids[t] = best;
+    }
+}
+
+/// `out[i] = (2·u(i) − 1) · scale` with `u(i)` a hash of `(i, seed)` in `[0, 1)`, in `F`;
+/// `params = [scale]`. Grid-stride over `out`.
+#[cube(launch_unchecked)]
+pub fn fill_uniform_kernel<F: Float>(out: &mut Array<F>, params: &Array<f32>, seed: &Array<u32>) {
+    let total = CUBE_COUNT * CUBE_DIM as usize;
+    let mut i = ABSOLUTE_POS;
+    while i < out.len() {
+        let mut x = (i as u32) * 0x9E37_79B9u32 ^ seed[0] * 0x85EB_CA6Bu32;
+        x ^= x >> 16u32;
+        x *= 0x7FEB_352Du32;
+        x ^= x >> 15u32;
+        x *= 0x846C_A68Bu32;
+        x ^= x >> 16u32;
+        let u = f32::cast_from(x >> 8u32) / 16_777_216.0;
+        out[i] = F::cast_from((u * 2.0 - 1.0) * params[0]);
+        i += total;
+    }
+}
+
+/// Host side of [`gated_act_kernel`].
+///
+/// # Shapes
+/// - `x`: `[tokens, stride]` with `stride ≥ 2·inter (+1 when gated)`; `out`: `[tokens, inter]`
+#[allow(clippy::too_many_arguments)]
+pub fn gated_act<R: Runtime>(
+    client: &ComputeClient<R>,
+    tokens: usize,
+    inter: usize,
+    stride: usize,
+    act: gemm::Activation,
+    gated: bool,
+    x: &DeviceArray,
+    out: &DeviceArray,
+) -> Result<(), KernelError> {
+    if act == gemm::Activation::None || stride < 2 * inter + gated as usize {
+        return Err(bad(format!("gated_act: {act:?} with stride {stride} for width {inter}")));
+    }
+    need("gated_act x", x, tokens * stride)?;
+    need("gated_act out", out, tokens * inter)?;
+    if tokens == 0 {
+        return Ok(());
+    }
+    // SAFETY: sizes checked above.
+    unsafe {
+        gated_act_kernel::launch_unchecked::<R>(
+            client,
+            CubeCount::Static(tokens as u32, 1, 1),
+            cube_1d(inter),
+            x.arg(),
+            out.arg(),
+            inter,
+            stride,
+            act.code(),
+            gated,
+        )
+    };
+    Ok(())
+}
+
+/// CPU reference of [`gated_act`].
+pub fn gated_act_reference(
+    x: &[f32],
+    inter: usize,
+    stride: usize,
+    act: gemm::Activation,
+    gated: bool,
+) -> Vec<f32> {
+    let f = |g: f32| if act == gemm::Activation::SiluMul { crate::silu(g) } else { crate::gelu_tanh(g) };
+    x.chunks(stride)
+        .flat_map(|row| {
+            let s = if gated { 1.0 / (1.0 + (-row[2 * inter]).exp()) } else { 1.0 };
+            (0..inter).map(move |i| f(row[i]) * row[inter + i] * s)
+        })
+        .collect()
+}
+
+/// Geometry of [`head_norm`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeadNorm {
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads.
+    pub kv_heads: usize,
+    /// Head dimension.
+    pub head_dim: usize,
+    /// Elements per row of the projection (`(heads + kv_heads) · hd` with K = V, else
+    /// `(heads + 2·kv_heads) · hd`).
+    pub src_stride: usize,
+    /// Weighted norms on queries and keys (`w = [q_norm | k_norm]`).
+    pub qk_norm: bool,
+    /// Weightless norm on values.
+    pub v_norm: bool,
+    /// Values are the raw keys.
+    pub k_eq_v: bool,
+}
+
+impl HeadNorm {
+    /// Elements per output row.
+    pub fn out_stride(&self) -> usize {
+        (self.heads + 2 * self.kv_heads) * self.head_dim
+    }
+}
+
+/// Host side of [`head_norm_kernel`]; `params = [eps]`.
+///
+/// # Shapes
+/// - `src`: `[tokens, src_stride]`; `w`: `[2 · head_dim]`; `out`: `[tokens, out_stride]`
+pub fn head_norm<R: Runtime>(
+    client: &ComputeClient<R>,
+    g: HeadNorm,
+    tokens: usize,
+    src: &DeviceArray,
+    w: &DeviceArray,
+    params: &DeviceArray,
+    out: &DeviceArray,
+) -> Result<(), KernelError> {
+    let src_heads = if g.k_eq_v { g.heads + g.kv_heads } else { g.heads + 2 * g.kv_heads };
+    if g.src_stride < src_heads * g.head_dim {
+        return Err(bad(format!("head_norm: bad geometry {g:?}")));
+    }
+    need("head_norm src", src, tokens * g.src_stride)?;
+    need("head_norm out", out, tokens * g.out_stride())?;
+    need("head_norm params", params, 1)?;
+    if g.qk_norm {
+        need("head_norm weights", w, 2 * g.head_dim)?;
+    }
+    if tokens == 0 {
+        return Ok(());
+    }
+    let plane = client.properties().hardware.plane_size_max;
+    // SAFETY: sizes checked above.
+    unsafe {
+        head_norm_kernel::launch_unchecked::<R>(
+            client,
+            CubeCount::Static(tokens as u32, (g.heads + 2 * g.kv_heads) as u32, 1),
+            CubeDim::new_1d(plane),
+            src.arg(),
+            w.arg(),
+            params.arg(),
+            out.arg(),
+            g.heads,
+            g.kv_heads,
+            g.head_dim,
+            g.src_stride,
+            g.qk_norm,
+            g.v_norm,
+            g.k_eq_v,
+        )
+    };
+    Ok(())
+}
+
+/// CPU reference of [`head_norm`].
+pub fn head_norm_reference(g: HeadNorm, src: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+    let hd = g.head_dim;
+    let mut out = Vec::new();
+    for row in src.chunks(g.src_stride) {
+        for u in 0..g.heads + 2 * g.kv_heads {
+            let is_v = u >= g.heads + g.kv_heads;
+            let su = if is_v && g.k_eq_v { u - g.kv_heads } else { u };
+            let x = &row[su * hd..][..hd];
+            let norm = if is_v { g.v_norm } else { g.qk_norm };
+            let inv = if norm {
+                1.0 / (x.iter().map(|v| v * v).sum::<f32>() / hd as f32 + eps).sqrt()
+            } else {
+                1.0
+            };
+            let woff = if u >= g.heads { hd } else { 0 };
+            out.extend(x.iter().enumerate().map(|(c, v)| {
+                if !norm {
+                    *v
+                } else if is_v {
+                    v * inv
+                } else {
+                    v * inv * w[woff + c]
+                }
+            }));
+        }
+    }
+    out
+}
+
+/// Host side of [`add_rms_norm_kernel`]: `h += rms_norm(x) · w`, `params = [eps]`.
+///
+/// # Shapes
+/// - `x`, `h`: `[tokens, hidden]`; `w`: `[hidden]`
+pub fn add_rms_norm<R: Runtime>(
+    client: &ComputeClient<R>,
+    tokens: usize,
+    hidden: usize,
+    x: &DeviceArray,
+    w: &DeviceArray,
+    params: &DeviceArray,
+    h: &DeviceArray,
+) -> Result<(), KernelError> {
+    need("add_rms_norm x", x, tokens * hidden)?;
+    need("add_rms_norm h", h, tokens * hidden)?;
+    need("add_rms_norm w", w, hidden)?;
+    need("add_rms_norm params", params, 1)?;
+    if tokens == 0 {
+        return Ok(());
+    }
+    let plane = client.properties().hardware.plane_size_max;
+    // SAFETY: sizes checked above.
+    unsafe {
+        add_rms_norm_kernel::launch_unchecked::<R>(
+            client,
+            CubeCount::Static(tokens as u32, 1, 1),
+            CubeDim::new_1d(plane),
+            x.arg(),
+            w.arg(),
+            params.arg(),
+            h.arg(),
+            hidden,
+        )
+    };
+    Ok(())
+}
+
+/// CPU reference of [`add_rms_norm`]; updates `h` in place.
+pub fn add_rms_norm_reference(x: &[f32], w: &[f32], eps: f32, h: &mut [f32]) {
+    let n = crate::step::rms_norm_reference(x, w, eps, 0.0);
+    for (a, b) in h.iter_mut().zip(n) {
+        *a += b;
+    }
+}
+
+/// The buffers [`gemma_ffn_out`] reads and writes.
+#[derive(Debug, Clone, Copy)]
+pub struct GemmaFfnOut<'a> {
+    /// `[tokens, experts]` router logits.
+    pub logits: &'a DeviceArray,
+    /// `[experts]` per-expert output scale.
+    pub per_expert_scale: &'a DeviceArray,
+    /// `[tokens, k]` gathered row of each choice (from `moe_route`).
+    pub pos: &'a DeviceArray,
+    /// `[tokens · k, hidden]` expert outputs.
+    pub down: &'a DeviceArray,
+    /// `[tokens, hidden]` dense MLP output.
+    pub mlp: &'a DeviceArray,
+    /// `[3 · hidden]` = post_feedforward_layernorm_1 | _2 | post_feedforward_layernorm.
+    pub norms: &'a DeviceArray,
+    /// `[1]` layer scalar.
+    pub scalar: &'a DeviceArray,
+    /// `[eps]`.
+    pub params: &'a DeviceArray,
+    /// `[tokens, hidden]` scratch.
+    pub tmp: &'a DeviceArray,
+    /// `[tokens, hidden]` residual stream, updated.
+    pub h: &'a DeviceArray,
+}
+
+/// Host side of [`gemma_ffn_out_kernel`].
+pub fn gemma_ffn_out<R: Runtime>(
+    client: &ComputeClient<R>,
+    tokens: usize,
+    experts: usize,
+    k: usize,
+    hidden: usize,
+    b: GemmaFfnOut<'_>,
+) -> Result<(), KernelError> {
+    if experts > 128 || k == 0 || k > experts {
+        return Err(bad(format!("gemma_ffn_out: {experts} experts, top-{k}")));
+    }
+    need("gemma_ffn_out logits", b.logits, tokens * experts)?;
+    need("gemma_ffn_out per_expert_scale", b.per_expert_scale, experts)?;
+    need("gemma_ffn_out pos", b.pos, tokens * k)?;
+    need("gemma_ffn_out down", b.down, tokens * k * hidden)?;
+    need("gemma_ffn_out mlp", b.mlp, tokens * hidden)?;
+    need("gemma_ffn_out norms", b.norms, 3 * hidden)?;
+    need("gemma_ffn_out scalar", b.scalar, 1)?;
+    need("gemma_ffn_out params", b.params, 1)?;
+    need("gemma_ffn_out tmp", b.tmp, tokens * hidden)?;
+    need("gemma_ffn_out h", b.h, tokens * hidden)?;
+    if tokens == 0 {
+        return Ok(());
+    }
+    let plane = client.properties().hardware.plane_size_max;
+    // SAFETY: sizes checked above; `pos` entries come from `moe_route`, below `tokens · k`.
+    unsafe {
+        gemma_ffn_out_kernel::launch_unchecked::<R>(
+            client,
+            CubeCount::Static(tokens as u32, 1, 1),
+            CubeDim::new_1d(plane),
+            b.logits.arg(),
+            b.per_expert_scale.arg(),
+            b.pos.arg(),
+            b.down.arg(),
+            b.mlp.arg(),
+            b.norms.arg(),
+            b.scalar.arg(),
+            b.params.arg(),
+            b.tmp.arg(),
+            b.h.arg(),
+            experts,
+            k,
+            hidden,
+        )
+    };
+    Ok(())
+}
+
+/// CPU reference of [`gemma_ffn_out`] with the experts' outputs given per token and choice
+/// (`down[t, j]` is the output of token `t`'s `j`-th choice); updates `h` in place.
+#[allow(clippy::too_many_arguments)]
+pub fn gemma_ffn_out_reference(
+    logits: &[f32],
+    experts: usize,
+    k: usize,
+    per_expert_scale: &[f32],
+    down: &[f32],
+    mlp: &[f32],
+    norms: &[f32],
+    scalar: f32,
+    eps: f32,
+    h: &mut [f32],
+) {
+    let hidden = norms.len() / 3;
+    let shape = crate::step::MoeShape { experts, k, renormalize: true, hidden, inter: 1 };
+    let (sel, wts) = crate::step::route_reference(shape, logits);
+    let norm = |x: &[f32], w: &[f32]| crate::step::rms_norm_reference(x, w, eps, 0.0);
+    for (t, hrow) in h.chunks_mut(hidden).enumerate() {
+        let mut y = vec![0f32; hidden];
+        for j in 0..k {
+            let w = wts[t * k + j] * per_expert_scale[sel[t * k + j] as usize];
+            for (c, yy) in y.iter_mut().enumerate() {
+                *yy += w * down[(t * k + j) * hidden + c];
+            }
+        }
+        let a = norm(&mlp[t * hidden..][..hidden], &norms[..hidden]);
+        let b = norm(&y, &norms[hidden..2 * hidden]);
+        let x: Vec<f32> = a.iter().zip(&b).map(|(a, b)| a + b).collect();
+        let x = norm(&x, &norms[2 * hidden..]);
+        for (hh, xx) in hrow.iter_mut().zip(x) {
+            *hh = (*hh + xx) * scalar;
+        }
+    }
+}
+
+/// Host side of [`softcap_kernel`] over `tokens` rows of `width` (`meta[0]` = tokens);
+/// `params = [c]`.
+pub fn softcap<R: Runtime>(
+    client: &ComputeClient<R>,
+    tokens: usize,
+    width: usize,
+    meta: &DeviceArray,
+    x: &DeviceArray,
+    params: &DeviceArray,
+) -> Result<(), KernelError> {
+    let n = tokens * width;
+    need("softcap x", x, n)?;
+    need("softcap meta", meta, 1)?;
+    need("softcap params", params, 1)?;
+    if n == 0 {
+        return Ok(());
+    }
+    // SAFETY: sizes checked above; the kernel bounds-checks `i < n`.
+    unsafe {
+        softcap_kernel::launch_unchecked::<R>(
+            client,
+            CubeCount::Static(n.div_ceil(256) as u32, 1, 1),
+            CubeDim::new_1d(256),
+            x.arg(),
+            params.arg(),
+            meta.arg(),
+            width,
+        )
+    };
+    Ok(())
+}
+
+/// CPU reference of [`softcap`].
+pub fn softcap_reference(x: &[f32], c: f32) -> Vec<f32> {
+    x.iter().map(|v| (v / c).tanh() * c).collect()
+}
+
+/// Host side of [`argmax_kernel`].
+///
+/// # Shapes
+/// - `x`: `[tokens, width]`; `ids`: `[tokens]`
+pub fn argmax<R: Runtime>(
+    client: &ComputeClient<R>,
+    tokens: usize,
+    width: usize,
+    x: &DeviceArray,
+    ids: &DeviceArray,
+) -> Result<(), KernelError> {
+    need("argmax x", x, tokens * width)?;
+    need("argmax ids", ids, tokens)?;
+    if tokens == 0 {
+        return Ok(());
+    }
+    let plane = client.properties().hardware.plane_size_max;
+    // SAFETY: sizes checked above.
+    unsafe {
+        argmax_kernel::launch_unchecked::<R>(
+            client,
+            CubeCount::Static(tokens as u32, 1, 1),
+            CubeDim::new_1d(plane),
+            x.arg(),
+            ids.arg(),
+            width,
+        )
+    };
+    Ok(())
+}
+
+/// CPU reference of [`argmax`] (lowest index on ties).
+pub fn argmax_reference(x: &[f32], width: usize) -> Vec<u32> {
+    x.chunks(width)
+        .map(|r| {
+            r.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b }).0
+                as u32
+        })
+        .collect()
+}
+
+/// Fills `out` (`len` elements of `F`) with [`fill_uniform_kernel`]'s values in
+/// `[-scale, scale)`. Does not synchronise.
+pub fn fill_uniform<R: Runtime, F: Float + CubeElement>(
+    client: &ComputeClient<R>,
+    out: &DeviceArray,
+    seed: u32,
+    scale: f32,
+) -> Result<(), KernelError> {
+    if out.len >= u32::MAX as usize {
+        return Err(bad(format!("fill_uniform: {} elements, at most 2^32 - 1", out.len)));
+    }
+    if out.len == 0 {
+        return Ok(());
+    }
+    let params = DeviceArray::from_slice(client, &[scale]);
+    let seed = DeviceArray::from_slice(client, &[seed]);
+    let cubes = out.len.div_ceil(256).min(4096);
+    // SAFETY: the kernel writes only indices below `out.len`.
+    unsafe {
+        fill_uniform_kernel::launch_unchecked::<F, R>(
+            client,
+            CubeCount::Static(cubes as u32, 1, 1),
+            CubeDim::new_1d(256),
+            out.arg(),
+            params.arg(),
+            seed.arg(),
+        )
+    };
+    Ok(())
+}
+
+/// CPU reference of [`fill_uniform`] (before rounding to `F`).
+pub fn fill_uniform_reference(len: usize, seed: u32, scale: f32) -> Vec<f32> {
+    (0..len as u32)
+        .map(|i| {
+            let mut x = i.wrapping_mul(0x9E37_79B9) ^ seed.wrapping_mul(0x85EB_CA6B);
+            x ^= x >> 16;
+            x = x.wrapping_mul(0x7FEB_352D);
+            x ^= x >> 15;
+            x = x.wrapping_mul(0x846C_A68B);
+            x ^= x >> 16;
+            let u = (x >> 8) as f32 / 16_777_216.0;
+            (u * 2.0 - 1.0) * scale
+        })
+        .collect()
+}
