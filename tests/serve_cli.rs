@@ -130,11 +130,18 @@ fn once_fast_under_a_memory_budget_prints_the_bit_mix() {
 /// request completes, the records carry the fields and the bit mix over time.
 #[test]
 fn bench_serve_scaled_down_writes_both_policies() {
+    // Mixtral, and Qwen2-MoE (shared expert dense, routed experts paged).
+    for model in ["tiny", "tiny-qwen"] {
+        bench_serve_scaled_down(model);
+    }
+}
+
+fn bench_serve_scaled_down(model: &str) {
     let out = tempfile::tempdir().unwrap();
     let file = out.path().join("serve.json");
     let o = Command::new(bin())
         .env("XDG_RUNTIME_DIR", std::env::temp_dir())
-        .args(["bench-serve", "--device", "wgpu", "--model", "tiny", "--requests", "6", "--rate", "40"])
+        .args(["bench-serve", "--device", "wgpu", "--model", model, "--requests", "6", "--rate", "40"])
         .args(["--prompt", "4,8", "--output", "4,10", "--max-batch", "4", "--kv-threshold-blocks", "2"])
         .args(["--out", file.to_str().unwrap()])
         .output()
@@ -159,6 +166,7 @@ fn bench_serve_scaled_down_writes_both_policies() {
         ] {
             assert!(!r[key].is_null(), "{key} missing: {r}");
         }
+        assert_eq!(r["model"], model, "{r}");
         assert_eq!(r["completed"], 6, "{r}");
         assert!(r["tok_s"].as_f64().unwrap() > 0.0, "{r}");
         assert!(r["max_concurrent"].as_u64().unwrap() >= 1, "{r}");
