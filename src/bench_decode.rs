@@ -60,7 +60,7 @@ fn inv_freq(theta: f64, head_dim: usize, rotating_pairs: usize) -> Vec<f32> {
 }
 
 /// The shapes of the real models (DESIGN.md section 3; Gemma-4-26B-A4B: 16 query heads).
-fn shape(name: &str) -> Result<DecodeConfig> {
+pub(crate) fn shape(name: &str) -> Result<DecodeConfig> {
     let attn = |kv_heads, head_dim, window, theta| AttnLayer {
         kv_heads,
         head_dim,

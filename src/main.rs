@@ -5,6 +5,7 @@ mod bench_decode;
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
 mod bench_prefill;
 mod bench_pages;
+mod bench_serve;
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
@@ -70,6 +71,10 @@ enum Command {
     /// plain pinned copy, and a Mixtral-8x7B-shaped decode step's expert work with and without
     /// pages reloading in the background (JSON to --out).
     BenchPages(bench_pages::BenchPagesArgs),
+    /// GPU benchmark of serving: a stream of requests at a fixed arrival rate through the
+    /// engine over a synthetic full-size model under a fixed memory limit, experts pinned at
+    /// 8 bits vs the planner free to lower them. Writes JSON records to --out.
+    BenchServe(bench_serve::BenchServeArgs),
     /// Serve the model over an OpenAI-compatible HTTP API (continuous batching), or complete
     /// one prompt with --once.
     Serve(pagedweight::serve_cmd::ServeArgs),
@@ -107,6 +112,7 @@ fn main() -> Result<()> {
         Command::BenchKernels(args) => bench::bench_kernels(&args),
         Command::BenchDecode(args) => bench_decode::bench_decode(&args),
         Command::BenchPages(args) => bench_pages::bench_pages(&args),
+        Command::BenchServe(args) => bench_serve::bench_serve(&args),
         Command::Quantize(args) => quantize_cmd::quantize(&args),
         Command::EvalPpl(args) => eval_cmd::eval_ppl(&args),
         Command::Serve(args) => pagedweight::serve_cmd::serve_command(&args),

@@ -72,9 +72,84 @@ pub struct ServeArgs {
     /// CUDA build with a GPU), wgpu otherwise.
     #[arg(long)]
     pub fast: bool,
-    /// With --fast: the bit-width (3..8) every expert is quantized to and committed at.
+    /// With --fast: the bit-width (3..8) every expert starts at (the highest that fits
+    /// --gpu-memory-gb if lower).
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u8).range(3..=8))]
     pub bits: u8,
+    /// With --fast: device memory in GB (1e9 bytes) for the weights and the KV cache together.
+    /// The experts and the KV blocks lease from one budget (this less the dense weights); the
+    /// planner lowers expert pages as the cache grows and raises them when it shrinks.
+    #[arg(long)]
+    pub gpu_memory_gb: Option<f64>,
+    /// Planner options (with --fast --gpu-memory-gb).
+    #[command(flatten)]
+    pub planner: PlannerArgs,
+}
+
+/// Planner options of the fast path (with --gpu-memory-gb).
+#[derive(clap::Args, Debug, Clone)]
+pub struct PlannerArgs {
+    /// `planner`: expert bit-widths move with KV pressure; `pinned`: they stay at --bits.
+    #[arg(long, value_enum, default_value_t = Policy::Planner)]
+    pub policy: Policy,
+    /// Lowest bit-width the planner may lower a page to (3..8).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u8).range(3..=8))]
+    pub floor_bits: u8,
+    /// Free KV blocks at or below which pages are lowered (T_blk).
+    #[arg(long, default_value_t = 16)]
+    pub kv_threshold_blocks: u64,
+    /// Free blocks above the threshold needed before memory goes back to the weights (H ≥ 1).
+    #[arg(long, default_value_t = 16)]
+    pub give_back_blocks: u64,
+    /// Record routing statistics every N steps (one download of two small arrays each time).
+    #[arg(long, default_value_t = 1)]
+    pub routing_every: u64,
+    /// Most MB one boundary may start raising (0 = no limit).
+    #[arg(long, default_value_t = 0.0)]
+    pub max_raise_mb: f64,
+    /// Ablation: plan without routing statistics (no hot/cold floors or multipliers).
+    #[arg(long)]
+    pub no_routing: bool,
+    /// Ablation: plan without the offline sensitivity (uniform-quantizer error model).
+    #[arg(long)]
+    pub no_sensitivity: bool,
+}
+
+/// Who sets the experts' bit-widths.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Policy {
+    /// The quality-aware planner, between decode steps.
+    Planner,
+    /// Fixed at --bits.
+    Pinned,
+}
+
+impl PlannerArgs {
+    /// The memory options for a budget of `budget_bytes` (experts + KV).
+    pub fn memory(&self, budget_bytes: Option<u64>) -> pw_serve::MemoryOptions {
+        let mut planner = pw_serve::PlannerConfig { floor_bits: self.floor_bits, ..Default::default() };
+        planner.use_routing = !self.no_routing;
+        planner.use_sensitivity = !self.no_sensitivity;
+        let routing = pw_serve::RoutingConfig {
+            hot_floor_bits: pw_serve::RoutingConfig::default().hot_floor_bits.max(self.floor_bits),
+            warm_floor_bits: self.floor_bits,
+            cold_floor_bits: self.floor_bits,
+            ..Default::default()
+        };
+        pw_serve::MemoryOptions {
+            budget_bytes,
+            policy: match self.policy {
+                Policy::Planner => pw_serve::WeightPolicy::Planner,
+                Policy::Pinned => pw_serve::WeightPolicy::Pinned,
+            },
+            planner,
+            routing,
+            threshold_blocks: self.kv_threshold_blocks,
+            give_back_blocks: self.give_back_blocks.max(1),
+            routing_every: self.routing_every.max(1),
+            max_raise_bytes: (self.max_raise_mb * 1e6) as u64,
+        }
+    }
 }
 
 /// Context length when neither --max-context nor config.json gives one.
@@ -111,25 +186,59 @@ fn resolve(kind: ServeDevice) -> ServeDevice {
     if cfg!(feature = "wgpu") { ServeDevice::Wgpu } else { ServeDevice::Cpu }
 }
 
-/// The fast-path model on CUDA or wgpu, with a KV cache for the budget the engine will use.
-fn fast_model(args: &ServeArgs, dir: &Path, max_context: usize) -> Result<(Box<dyn StepModel>, String)> {
+/// The fast-path model on CUDA or wgpu and the KV bytes the engine may reserve.
+fn fast_model(args: &ServeArgs, dir: &Path, max_context: usize) -> Result<(Box<dyn StepModel>, String, u64)> {
     let config = pw_hf::ModelConfig::from_dir(dir)?;
     let kv = pw_serve::KvLayout::from_config(&config, 2);
-    let budget = args.kv_budget_bytes.unwrap_or(kv.bytes_for(max_context) * args.max_batch.max(1) as u64);
+    let kv_budget_bytes =
+        args.kv_budget_bytes.unwrap_or(kv.bytes_for(max_context) * args.max_batch.max(1) as u64);
+    let budget = match args.gpu_memory_gb {
+        Some(gb) if !(gb.is_finite() && gb > 0.0) => {
+            bail!("--gpu-memory-gb must be a positive number, got {gb}")
+        }
+        // The dense weights are not paged: the experts and the KV cache share the rest.
+        Some(gb) => Some(((gb * 1e9) as u64).checked_sub(dense_bytes(&config)).with_context(|| {
+            format!("--gpu-memory-gb {gb} is less than the dense weights ({} bytes)", dense_bytes(&config))
+        })?),
+        None => None,
+    };
+    let options = pw_serve::FastOptions {
+        bits: args.bits,
+        kv_budget_bytes,
+        max_batch: args.max_batch,
+        max_context,
+        memory: args.planner.memory(budget),
+    };
+    let what = match (budget, args.planner.policy) {
+        (None, _) => format!("experts at {} bits", args.bits),
+        (Some(b), Policy::Pinned) => format!("experts pinned, {b} bytes for experts + KV"),
+        (Some(b), Policy::Planner) => format!("planner on, {b} bytes for experts + KV"),
+    };
     #[cfg(feature = "cuda")]
     if args.device == ServeDevice::Cuda || (args.device == ServeDevice::Auto && cuda_works()) {
         use cubecl::Runtime;
         let client = cubecl::cuda::CudaRuntime::client(&cubecl::cuda::CudaDevice::new(0));
-        let m = pw_serve::load_fast(&client, dir, args.bits, budget, args.max_batch, max_context)?;
-        return Ok((m, format!("cuda (fast path, experts at {} bits)", args.bits)));
+        let (m, cap) = pw_serve::load_fast(&client, dir, &options)?;
+        return Ok((m, format!("cuda (fast path, {what})"), cap));
     }
     if args.device == ServeDevice::Cpu {
         bail!("--fast runs CubeCL kernels: use --device cuda, wgpu or auto");
     }
     use cubecl::Runtime;
     let client = cubecl::wgpu::WgpuRuntime::client(&cubecl::wgpu::WgpuDevice::DefaultDevice);
-    let m = pw_serve::load_fast(&client, dir, args.bits, budget, args.max_batch, max_context)?;
-    Ok((m, format!("wgpu (fast path, experts at {} bits)", args.bits)))
+    let (m, cap) = pw_serve::load_fast(&client, dir, &options)?;
+    Ok((m, format!("wgpu (fast path, {what})"), cap))
+}
+
+/// Bytes of the dense (non-expert) weights of a Mixtral config in f16 (norms in f32), as the
+/// fast path stores them.
+fn dense_bytes(config: &pw_hf::ModelConfig) -> u64 {
+    let pw_hf::ModelConfig::Mixtral(c) = config else { return 0 };
+    let (h, hd, l) = (c.hidden_size as u64, c.head_dim as u64, c.num_hidden_layers as u64);
+    let attn = h * (c.num_attention_heads as u64 + 2 * c.num_key_value_heads as u64) * hd
+        + h * c.num_attention_heads as u64 * hd;
+    let per_layer = (attn + c.num_local_experts as u64 * h) * 2 + 2 * h * 4;
+    l * per_layer + 2 * c.vocab_size as u64 * h * 2 + h * 4
 }
 
 /// Whether a CUDA device answers (the CUDA runtime panics when there is none).
@@ -166,11 +275,15 @@ where
     }
     let t0 = Instant::now();
     let max_context = args.max_context.or_else(|| pw_serve::max_context(dir)).unwrap_or(FALLBACK_CONTEXT);
-    let (model, device_name): (Box<dyn StepModel>, String) = if args.fast {
-        fast_model(args, dir, max_context)?
+    if args.gpu_memory_gb.is_some() && !args.fast {
+        bail!("--gpu-memory-gb pages the experts of the fast decode path: add --fast");
+    }
+    let (model, device_name, fast_kv): (Box<dyn StepModel>, String, Option<u64>) = if args.fast {
+        let (m, name, cap) = fast_model(args, dir, max_context)?;
+        (m, name, Some(cap))
     } else {
         let m = BurnStepModel::<B, AnyModel<B>>::load(dir, device).context("loading the model")?;
-        (Box::new(m), device_name.to_string())
+        (Box::new(m), device_name.to_string(), None)
     };
     let tokenizer = Arc::new(pw_serve::load_tokenizer(dir)?);
     let chat = ChatTemplate::from_dir(dir)?;
@@ -178,7 +291,7 @@ where
     let kv = model.kv_layout().clone();
     let weight_bytes = model.weight_bytes();
     let kv_budget_bytes =
-        args.kv_budget_bytes.unwrap_or(kv.bytes_for(max_context) * args.max_batch.max(1) as u64);
+        fast_kv.or(args.kv_budget_bytes).unwrap_or(kv.bytes_for(max_context) * args.max_batch.max(1) as u64);
     let config = EngineConfig {
         kv_budget_bytes,
         max_batch: args.max_batch,
@@ -283,5 +396,34 @@ fn once(
         r.peak_kv_bytes_used,
         h.weight_bytes()
     )?;
+    if let Some(mem) = h.metrics().snapshot().memory {
+        writeln!(out, "{}", memory_summary(&mem))?;
+    }
     Ok(())
+}
+
+/// One line on the paged memory: budget, KV blocks, expert bytes per bit-width, page moves.
+pub fn memory_summary(m: &pw_serve::MemoryState) -> String {
+    let mix: Vec<String> = m
+        .weight_bytes_by_bits
+        .iter()
+        .enumerate()
+        .filter(|(_, n)| **n > 0)
+        .map(|(b, n)| format!("{b}-bit {:.2} MB", *n as f64 / 1e6))
+        .collect();
+    format!(
+        "-- memory: budget {:.2} MB for experts + KV; experts {:.2} MB (mean {:.2} bits: {}); KV {} blocks used, {} free \
+         ({} bytes each); page moves {} down / {} up; plans {} lower / {} raise",
+        m.budget_bytes as f64 / 1e6,
+        m.weight_bytes() as f64 / 1e6,
+        m.mean_bits(),
+        mix.join(", "),
+        m.kv_blocks_used,
+        m.kv_blocks_free,
+        m.block_bytes,
+        m.page_moves_down_total,
+        m.page_moves_up_total,
+        m.planner_lower_total,
+        m.planner_raise_total
+    )
 }

@@ -19,9 +19,12 @@ use kernels_cubecl::{
 };
 use pw_hf::{Checkpoint, ModelConfig};
 use pw_kv::{BlockTables, DevicePools, SeqId};
+use pw_pages::Accountant;
 
 use crate::config::{DecodeConfig, Family};
-use crate::experts::{ExpertBlocks, LayerExperts};
+use crate::experts::ExpertBlocks;
+use crate::paged::{LayerPool, PagedExperts};
+use crate::route_stats::RouteStats;
 use crate::{DecodeError, read};
 
 /// Gemma-4's extra per-layer weights.
@@ -49,7 +52,6 @@ struct Layer {
     inv_freq: DeviceArray,
     scale: DeviceArray,
     router: Option<DeviceArray>,
-    experts: Option<LayerExperts>,
     /// Dense gate|up (`[mlp_rows, H]`, Qwen's shared expert with its gate row last) and down.
     mlp: Option<(DeviceArray, DeviceArray)>,
     gemma: Option<GemmaLayer>,
@@ -90,6 +92,10 @@ pub struct Decoder<R: Runtime, KV: Float + CubeElement> {
     final_norm: DeviceArray,
     lm_head: Option<DeviceArray>,
     layers: Vec<Layer>,
+    /// The routed experts of every sparse layer under the weight page table.
+    experts: PagedExperts<R>,
+    /// Routing counts of the armed steps, for the planner.
+    stats: RouteStats,
     gemm: GemmConfig,
     kv: DevicePools<R>,
     tables: BlockTables,
@@ -199,11 +205,27 @@ pub(crate) fn root(ckpt: &Checkpoint) -> &'static str {
 
 impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
     /// Loads the dense weights of an HF checkpoint (any supported family) in f16 and the
-    /// experts from `experts`, with a KV cache of `kv_blocks` blocks of `block_size` tokens.
+    /// experts from `experts`, with a KV cache of `kv_blocks` blocks of `block_size` tokens; no
+    /// memory limit.
     pub fn load(
         client: &ComputeClient<R>,
         dir: impl AsRef<Path>,
         experts: &ExpertBlocks,
+        kv_blocks: usize,
+        block_size: usize,
+        max_seq_len: usize,
+    ) -> Result<Self, DecodeError> {
+        let unlimited = Accountant::new(u64::MAX);
+        Self::load_paged(client, dir, experts.clone(), unlimited, kv_blocks, block_size, max_seq_len)
+    }
+
+    /// [`Self::load`] with the experts' pages leasing from `accountant` (the budget the KV
+    /// cache shares).
+    pub fn load_paged(
+        client: &ComputeClient<R>,
+        dir: impl AsRef<Path>,
+        experts: ExpertBlocks,
+        accountant: Accountant,
         kv_blocks: usize,
         block_size: usize,
         max_seq_len: usize,
@@ -218,35 +240,24 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
                 cfg.layers
             )));
         }
-        let shape = cfg.moe_shape();
-        let sparse = cfg.sparse.clone();
-        let mut pools = (0..cfg.layers).map(|l| {
-            if sparse[l] {
-                Some(LayerExperts::upload(client, shape, &experts.blocks[l], &experts.bits[l]))
-            } else {
-                None
-            }
-            .transpose()
-        });
+        if let Some(l) = (0..cfg.layers).find(|&l| cfg.sparse[l] == experts.blocks[l].is_empty()) {
+            return Err(DecodeError::Unsupported(format!(
+                "layer {l}: {} expert blocks for a {} layer",
+                experts.blocks[l].len(),
+                if cfg.sparse[l] { "sparse" } else { "dense" }
+            )));
+        }
+        let paged =
+            PagedExperts::new(client, cfg.moe_shape(), experts.blocks, &experts.bits, accountant, false)?;
         let mut src = HfWeights { client, ckpt: &ckpt };
-        Self::build(
-            client,
-            cfg,
-            root(&ckpt),
-            &mut src,
-            &mut |_| pools.next().expect("one per layer"),
-            kv_blocks,
-            block_size,
-            max_seq_len,
-        )
+        Self::build(client, cfg, root(&ckpt), &mut src, paged, kv_blocks, block_size, max_seq_len)
     }
 
     /// A model of `cfg`'s shapes with random weights made on the device (expert planes: hashed
     /// words; LUTs, dense weights: small uniform values; norms: ones), expert `e` of layer `l`
     /// committed at `bits(l, e)` bits, and its KV pools filled with small random values (so
     /// [`Self::fill_synthetic`] can stand for a prefill): for speed measurements of full-size
-    /// models that are not available offline.
-    #[allow(clippy::too_many_arguments)]
+    /// models that are not available offline. No memory limit.
     pub fn synthetic(
         client: &ComputeClient<R>,
         cfg: DecodeConfig,
@@ -255,20 +266,24 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
         block_size: usize,
         max_seq_len: usize,
     ) -> Result<Self, DecodeError> {
-        let shape = cfg.moe_shape();
-        let (experts, sparse) = (cfg.experts, cfg.sparse.clone());
-        let mut layer = 0usize;
-        let mut pools = |_: usize| -> Result<Option<LayerExperts>, DecodeError> {
-            let l = layer;
-            layer += 1;
-            if !sparse[l] {
-                return Ok(None);
-            }
-            let b: Vec<u8> = (0..experts).map(|e| bits(l, e)).collect();
-            LayerExperts::synthetic(client, shape, &b, 0x1000 + l as u32).map(Some)
-        };
+        let unlimited = Accountant::new(u64::MAX);
+        Self::synthetic_paged(client, cfg, bits, unlimited, kv_blocks, block_size, max_seq_len)
+    }
+
+    /// [`Self::synthetic`] with the experts under a page table leasing from `accountant`:
+    /// every page stores widths 3..=8 (see [`PagedExperts::synthetic`]).
+    pub fn synthetic_paged(
+        client: &ComputeClient<R>,
+        cfg: DecodeConfig,
+        bits: &dyn Fn(usize, usize) -> u8,
+        accountant: Accountant,
+        kv_blocks: usize,
+        block_size: usize,
+        max_seq_len: usize,
+    ) -> Result<Self, DecodeError> {
+        let paged = PagedExperts::synthetic(client, cfg.moe_shape(), &cfg.sparse, bits, accountant)?;
         let mut src = SyntheticWeights { client, seed: 7, biases: cfg.family == Family::Qwen2Moe };
-        let me = Self::build(client, cfg, "model", &mut src, &mut pools, kv_blocks, block_size, max_seq_len)?;
+        let me = Self::build(client, cfg, "model", &mut src, paged, kv_blocks, block_size, max_seq_len)?;
         for l in 0..me.cfg.layers {
             let (k, v) = me.kv.layer(l);
             kernels_cubecl::families::fill_uniform::<R, KV>(client, k, 0x7000 + 2 * l as u32, 0.5)?;
@@ -283,7 +298,7 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
         cfg: DecodeConfig,
         root: &str,
         src: &mut dyn Weights<R>,
-        pools: &mut dyn FnMut(usize) -> Result<Option<LayerExperts>, DecodeError>,
+        experts: PagedExperts<R>,
         kv_blocks: usize,
         block_size: usize,
         max_seq_len: usize,
@@ -379,7 +394,6 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
                 inv_freq: DeviceArray::from_slice(client, &a.inv_freq),
                 scale: DeviceArray::from_slice(client, &[scale]),
                 router,
-                experts: pools(l)?,
                 mlp,
                 gemma: gemma_layer,
             });
@@ -394,6 +408,7 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
             final_norm,
             lm_head,
             layers,
+            experts,
             kv_blocks,
             block_size,
             max_seq_len,
@@ -408,6 +423,7 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
         final_norm: DeviceArray,
         lm_head: Option<DeviceArray>,
         layers: Vec<Layer>,
+        experts: PagedExperts<R>,
         kv_blocks: usize,
         block_size: usize,
         max_seq_len: usize,
@@ -447,6 +463,8 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
             final_norm,
             lm_head,
             layers,
+            stats: RouteStats::new(client, cfg.layers, cfg.experts.max(1)),
+            experts,
             gemm: GemmConfig::for_client(client),
             kv: DevicePools::new::<KV>(client, &geometry, kv_blocks),
             tables: BlockTables::new(&geometry, kv_blocks),
@@ -473,14 +491,39 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
         self.kv.bytes()
     }
 
-    /// Device bytes of the expert pools (planes + LUTs).
+    /// Device bytes of the committed experts (planes + LUTs).
     pub fn expert_bytes(&self) -> usize {
-        self.layers.iter().filter_map(|l| l.experts.as_ref()).map(LayerExperts::bytes).sum()
+        self.experts.committed_bytes() as usize
     }
 
-    /// Device bytes of the expert pool of layer `l` (0 for a dense layer).
+    /// Device bytes of the committed experts of layer `l` (0 for a dense layer).
     pub fn layer_expert_bytes(&self, l: usize) -> usize {
-        self.layers[l].experts.as_ref().map_or(0, LayerExperts::bytes)
+        self.experts.layer_bytes(l) as usize
+    }
+
+    /// The experts' page tables.
+    pub fn experts(&self) -> &PagedExperts<R> {
+        &self.experts
+    }
+
+    /// The experts' page tables, to set desired bits and commit at a boundary (between steps).
+    pub fn experts_mut(&mut self) -> &mut PagedExperts<R> {
+        &mut self.experts
+    }
+
+    /// The routing counters: arm them before a step, download them after.
+    pub fn route_stats_mut(&mut self) -> &mut RouteStats {
+        &mut self.stats
+    }
+
+    /// Downloads and zeroes the routing counters of the armed steps.
+    pub fn take_route_stats(&mut self) -> Result<Option<crate::RoutingCounts>, DecodeError> {
+        Ok(self.stats.take(&self.client)?)
+    }
+
+    /// Bytes of one KV block (all layers, K and V).
+    pub fn kv_block_bytes(&self) -> usize {
+        self.kv.geometry().block_bytes()
     }
 
     /// Device bytes of the dense weights (embedding, attention, routers, MLPs, norms, head).
@@ -505,21 +548,15 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
     /// Bytes of one expert's gate_up and down pages at the committed width, averaged over
     /// the experts of every sparse layer.
     pub fn expert_page_bytes(&self) -> usize {
-        let n = self.layers.iter().filter(|l| l.experts.is_some()).count() * self.cfg.experts;
+        let n = self.experts.layers() * self.cfg.experts;
         self.expert_bytes() / n.max(1)
     }
 
-    /// Re-commits the experts of a [`Self::synthetic`] model: expert `e` of layer `l` at
-    /// `bits(l, e)` (its pools hold 8 bits of every expert, so nothing is re-allocated).
+    /// Re-commits the experts: expert `e` of layer `l` at `bits(l, e)` (both blocks), through
+    /// the page table, waiting for every raising (for benchmarks between runs; a synthetic
+    /// model's arenas hold 8 bits of every expert, so any mix fits).
     pub fn recommit_synthetic(&mut self, bits: &dyn Fn(usize, usize) -> u8) -> Result<(), DecodeError> {
-        let shape = self.cfg.moe_shape();
-        for (l, layer) in self.layers.iter_mut().enumerate() {
-            if let Some(ex) = &mut layer.experts {
-                let b: Vec<u8> = (0..self.cfg.experts).map(|e| bits(l, e)).collect();
-                ex.recommit_synthetic(&self.client, shape, &b)?;
-            }
-        }
-        Ok(())
+        self.experts.commit_now(bits)
     }
 
     /// Kernel launches of the last step (all chunks).
@@ -651,13 +688,13 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
             Ok::<usize, DecodeError>(3)
         };
         // The routed experts of `x` up to their outputs in `s.down` (gathered rows).
-        let experts = |x: &DeviceArray, ex: &LayerExperts| {
+        let experts = |x: &DeviceArray, ex: &LayerPool<'_>| {
             gather_rows(c, t, cfg.top_k, h, &meta, x, &s.route.gather, &s.xg)?;
             ap_gemm_routed(
                 c,
                 self.gemm,
-                &ex.planes,
-                &ex.luts,
+                ex.planes,
+                ex.luts,
                 &s.route.desc_gate_up,
                 e,
                 2 * i,
@@ -669,8 +706,8 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
             ap_gemm_routed(
                 c,
                 self.gemm,
-                &ex.planes,
-                &ex.luts,
+                ex.planes,
+                ex.luts,
                 &s.route.desc_down,
                 e,
                 h,
@@ -743,11 +780,12 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
                     // Mixtral / Qwen2-MoE: norm → routed experts combined into the residual,
                     // plus the MLP (Qwen's gated shared expert or dense layer) added to it.
                     launch!(rms_norm(c, t, h, &s.h, &layer.post_attn_norm, &s.norm_params, &s.xn));
-                    if let (Some(router), Some(ex)) = (&layer.router, &layer.experts) {
+                    if let (Some(router), Some(ex)) = (&layer.router, self.experts.layer(li)) {
                         let g = DenseGemm { n: e, k: h, bias: false, accumulate: false };
                         launch!(dense_gemm(c, g, t, &meta, &s.xn, router, &s.none, &s.router_logits));
-                        launch!(moe_route(c, shape, t, &meta, &s.router_logits, &ex.slots, &s.route));
-                        n += experts(&s.xn, ex)?;
+                        launch!(moe_route(c, shape, t, &meta, &s.router_logits, ex.slots, &s.route));
+                        n += self.stats.record(c, shape, li, t, &meta, &s.route)?;
+                        n += experts(&s.xn, &ex)?;
                         launch!(moe_combine(
                             c,
                             t,
@@ -767,7 +805,8 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
                     // Gemma-4: h += norm(o); dense GeGLU branch and experts on the same
                     // residual, each through its norms; one epilogue sums, norms, adds, scales.
                     launch!(add_rms_norm(c, t, h, &s.o, &layer.post_attn_norm, &s.eps, &s.h));
-                    let (Some(router), Some(ex), Some(w)) = (&layer.router, &layer.experts, &layer.mlp)
+                    let (Some(router), Some(ex), Some(w)) =
+                        (&layer.router, self.experts.layer(li), &layer.mlp)
                     else {
                         return Err(DecodeError::Unsupported("Gemma-4 layer without experts or MLP".into()));
                     };
@@ -776,9 +815,10 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
                     launch!(rms_norm(c, t, h, &s.h, &gl.router_norm, &s.norm_params, &s.xn2));
                     let g = DenseGemm { n: e, k: h, bias: false, accumulate: false };
                     launch!(dense_gemm(c, g, t, &meta, &s.xn2, router, &s.none, &s.router_logits));
-                    launch!(moe_route(c, shape, t, &meta, &s.router_logits, &ex.slots, &s.route));
+                    launch!(moe_route(c, shape, t, &meta, &s.router_logits, ex.slots, &s.route));
+                    n += self.stats.record(c, shape, li, t, &meta, &s.route)?;
                     launch!(rms_norm(c, t, h, &s.h, &gl.pre_ff2, &s.norm_params, &s.xn2));
-                    n += experts(&s.xn2, ex)?;
+                    n += experts(&s.xn2, &ex)?;
                     let b = GemmaFfnOut {
                         logits: &s.router_logits,
                         per_expert_scale: &gl.per_expert_scale,

@@ -17,16 +17,21 @@
 //! kernel (routing weights × per-expert scale, combine, three norms, residual, layer scalar).
 //!
 //! The host uploads the step's ids, positions and block tables once, and reads back the logits
-//! (or, sampling greedily on the device, only the new ids) once. A new sequence's prompt goes through the same kernels token by token (prefill).
+//! (or, sampling greedily on the device, only the new ids) once. A new sequence's prompt goes
+//! through the same kernels token by token (prefill).
 //! The Burn-ops models in `pw-models` stay the reference the tests compare against.
 
 mod config;
 mod decoder;
 mod experts;
+mod paged;
+mod route_stats;
 
 pub use config::{AttnLayer, DecodeConfig, Family};
 pub use decoder::{Decoder, MixtralDecoder};
 pub use experts::{ExpertBlocks, expert_weights};
+pub use paged::{ExpertCommit, ExpertMover, ExpertPage, PagedExperts, synthetic_block, synthetic_luts};
+pub use route_stats::{RouteStats, RoutingCounts, route_stats_reference};
 
 use pw_hf::Checkpoint;
 
@@ -65,6 +70,9 @@ pub enum DecodeError {
     /// The KV cache refused.
     #[error(transparent)]
     Kv(#[from] pw_kv::KvError),
+    /// The weight page table refused.
+    #[error(transparent)]
+    Pages(#[from] pw_pages::PageError),
     /// A kernel launch failed.
     #[error(transparent)]
     Kernel(#[from] kernels_cubecl::KernelError),

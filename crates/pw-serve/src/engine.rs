@@ -369,12 +369,18 @@ impl Engine {
             weight_bytes: model.weight_bytes(),
         });
         let metrics = Arc::new(Metrics::default());
+        let mut model = model;
+        // The paged memory's state from the start (a first boundary, before any step).
+        let memory = model.boundary().map_err(|e| ServeError::Model(e.0))?;
         metrics.update(|m| {
             m.kv_budget_bytes = config.kv_budget_bytes;
             m.weight_bytes = limits.weight_bytes;
+            m.memory = memory;
         });
         let (tx, rx) = mpsc::channel();
         let mut worker = Worker {
+            settled: true,
+            kv_layout: limits.kv.clone(),
             model,
             tokenizer,
             config,
@@ -444,8 +450,14 @@ struct Active {
     last_token_at: Option<Instant>,
 }
 
+/// Pause between boundaries of an idle engine whose memory has not settled.
+const IDLE_BOUNDARY: std::time::Duration = std::time::Duration::from_millis(1);
+
 /// The state owned by the engine thread.
 struct Worker {
+    /// Whether the model's last boundary changed nothing (an idle engine may block then).
+    settled: bool,
+    kv_layout: KvLayout,
     model: Box<dyn StepModel>,
     tokenizer: Arc<Tokenizer>,
     config: EngineConfig,
@@ -539,10 +551,23 @@ impl Worker {
     fn run(&mut self) {
         loop {
             if self.active.is_empty() && self.waiting.is_empty() {
-                // Idle: block until work arrives (or every handle is gone).
-                match self.rx.recv() {
-                    Ok(Msg::Submit(p)) => self.waiting.push_back(p),
-                    Ok(Msg::Shutdown) | Err(_) => return,
+                if self.settled {
+                    // Idle: block until work arrives (or every handle is gone).
+                    match self.rx.recv() {
+                        Ok(Msg::Submit(p)) => self.waiting.push_back(p),
+                        Ok(Msg::Shutdown) | Err(_) => return,
+                    }
+                } else {
+                    // Idle but the model's memory is still moving (pages going back up now
+                    // that the cache is empty): keep calling boundaries until it settles.
+                    match self.rx.recv_timeout(IDLE_BOUNDARY) {
+                        Ok(Msg::Submit(p)) => self.waiting.push_back(p),
+                        Ok(Msg::Shutdown) | Err(mpsc::RecvTimeoutError::Disconnected) => return,
+                        Err(mpsc::RecvTimeoutError::Timeout) => {
+                            self.memory_boundary();
+                            continue;
+                        }
+                    }
                 }
             }
             loop {
@@ -587,6 +612,8 @@ impl Worker {
     }
 
     fn release(&mut self, a: &Active) {
+        // Memory given back: the next boundary may raise pages (also when idle).
+        self.settled = false;
         self.model.release(a.id);
         self.reserved -= a.reserved;
     }
@@ -742,9 +769,36 @@ impl Worker {
         tokens
     }
 
-    /// The step boundary: publish the state, then let the hook act on it.
+    /// The model's own boundary (planner and page commits); its state goes to the metrics.
+    fn memory_boundary(&mut self) -> Option<crate::MemoryState> {
+        let model = &mut self.model;
+        match guarded(|| model.boundary()) {
+            Ok(state) => {
+                self.settled = state.as_ref().is_none_or(|m| m.settled);
+                if let Some(m) = &state {
+                    self.metrics.update(|s| s.memory = Some(m.clone()));
+                }
+                state
+            }
+            Err(msg) => {
+                // The model's memory state is unknown: end what runs, keep serving.
+                self.settled = true;
+                let failed = self.active.len() as u64;
+                for a in std::mem::take(&mut self.active) {
+                    let _ = a.tx.send(Event::Failed(msg.clone()));
+                    self.release(&a);
+                }
+                self.metrics.update(|m| m.requests_failed_total += failed);
+                None
+            }
+        }
+    }
+
+    /// The step boundary: the model's memory boundary, publish the state, then let the hook
+    /// act on it.
     fn boundary(&mut self, tokens: usize) {
         self.step += 1;
+        let memory = self.memory_boundary();
         let state = BoundaryState {
             step: self.step,
             active: self.active.len(),
@@ -754,7 +808,11 @@ impl Worker {
             kv_bytes_reserved: self.reserved,
             kv_budget_bytes: self.config.kv_budget_bytes,
             weight_bytes: self.model.weight_bytes(),
+            memory,
         };
+        let kv = &self.kv_layout;
+        let per_request: Vec<(u64, u64)> =
+            self.active.iter().map(|a| (a.id, kv.bytes_for(a.prompt_len + a.generated))).collect();
         self.metrics.record_tokens(tokens as u64);
         self.metrics.update(|m| {
             m.steps_total = state.step;
@@ -763,6 +821,7 @@ impl Worker {
             m.kv_bytes_used = state.kv_bytes_used;
             m.kv_bytes_reserved = state.kv_bytes_reserved;
             m.weight_bytes = state.weight_bytes;
+            m.request_kv_bytes = per_request;
         });
         self.hook.on_boundary(&state);
     }

@@ -1,6 +1,8 @@
 //! [`StepModel`] over the fast decode path (`pw-decode`): each engine step is one batched
 //! decode step of fused CubeCL launches over the paged KV cache; new prompts go through the same
-//! kernels, all new sequences together, one position per launch sequence.
+//! kernels, all new sequences together, one position per launch sequence. The experts live in a
+//! page table whose budget the KV cache shares; the planner moves their bit-widths between
+//! steps ([`crate::MemoryOptions`]).
 
 use std::collections::HashSet;
 use std::path::Path;
@@ -8,14 +10,31 @@ use std::path::Path;
 use cubecl::prelude::*;
 use pw_decode::{DecodeConfig, ExpertBlocks, MixtralDecoder};
 use pw_hf::{Checkpoint, ModelConfig};
+use pw_pages::Accountant;
 
 use crate::model::{DecodeSlot, PrefillSlot, SeqId, StepError, StepModel};
-use crate::{KvLayout, ServeError};
+use crate::paged::PagedMemory;
+use crate::{KvLayout, MemoryOptions, MemoryState, ServeError, WeightPolicy};
 
 /// Sequences per fused step (the kernels' token bucket).
 const STEP_BATCH: usize = kernels_cubecl::MAX_TOKENS;
 /// Tokens per KV block.
 const BLOCK: usize = 16;
+
+/// How to load the fast path.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FastOptions {
+    /// Bit-width every expert starts at (lowered to the highest that fits the budget).
+    pub bits: u8,
+    /// KV bytes the engine may reserve when there is no memory budget (sizes the cache).
+    pub kv_budget_bytes: u64,
+    /// Most sequences per engine step.
+    pub max_batch: usize,
+    /// Longest sequence.
+    pub max_context: usize,
+    /// Budget, policy and planner options.
+    pub memory: MemoryOptions,
+}
 
 /// The fast path for the three families, with a `KV` cache (f16 on the GPU).
 pub struct FastStepModel<R: Runtime, KV: Float + CubeElement> {
@@ -23,11 +42,29 @@ pub struct FastStepModel<R: Runtime, KV: Float + CubeElement> {
     kv: KvLayout,
     block_bytes: u64,
     live: HashSet<SeqId>,
+    mem: PagedMemory,
+    /// KV bytes the engine may reserve (see [`Self::kv_capacity_bytes`]).
+    kv_capacity: u64,
+}
+
+/// Expert bytes of `experts` if every page were at `bits` (clamped to its range).
+fn expert_bytes_at(experts: &ExpertBlocks, bits: u8) -> u64 {
+    experts
+        .blocks
+        .iter()
+        .flatten()
+        .flat_map(|(g, d)| [g, d])
+        .map(|b| {
+            let (p, l) = b.bytes_at(bits.clamp(b.min_bits, b.max_bits));
+            (p + l) as u64
+        })
+        .sum()
 }
 
 impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
     /// Loads the HF model in `dir` with every expert quantized (uniform importance) and
-    /// committed at `bits`, and a KV cache of `kv_budget_bytes` for contexts up to `max_context`.
+    /// committed at `bits`, and a KV cache of `kv_budget_bytes` for contexts up to `max_context`;
+    /// no memory budget (nothing for a planner to do).
     pub fn load(
         client: &ComputeClient<R>,
         dir: &Path,
@@ -36,21 +73,119 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
         max_batch: usize,
         max_context: usize,
     ) -> Result<Self, ServeError> {
+        let memory = MemoryOptions { policy: WeightPolicy::Pinned, ..Default::default() };
+        Self::load_with(client, dir, &FastOptions { bits, kv_budget_bytes, max_batch, max_context, memory })
+    }
+
+    /// Loads the HF model in `dir` with its experts quantized (uniform importance) under a page
+    /// table: with a budget, experts and KV cache share it and (policy `Planner`) the planner
+    /// trades expert bits for KV blocks between steps.
+    pub fn load_with(client: &ComputeClient<R>, dir: &Path, o: &FastOptions) -> Result<Self, ServeError> {
         let model = |e: String| ServeError::Model(format!("{}: {e}", dir.display()));
         let config = ModelConfig::from_dir(dir).map_err(|e| model(e.to_string()))?;
         let cfg = DecodeConfig::from_model(&config).map_err(|e| model(e.to_string()))?;
         let ckpt = Checkpoint::open(dir).map_err(|e| model(e.to_string()))?;
-        let experts = ExpertBlocks::quantize_hf(&ckpt, &cfg, bits).map_err(|e| model(e.to_string()))?;
-        let geometry = cfg.kv_geometry(BLOCK, size_of::<KV>(), max_context);
-        let block_bytes = geometry.block_bytes() as u64;
-        // The engine admits by bytes; a sequence may waste up to one partly filled block.
-        let blocks = kv_budget_bytes.div_ceil(block_bytes) as usize + max_batch.max(1);
-        let dec = MixtralDecoder::load(client, dir, &experts, blocks, BLOCK, max_context)
-            .map_err(|e| model(e.to_string()))?;
+        let mut experts = ExpertBlocks::quantize_hf(&ckpt, &cfg, o.bits).map_err(|e| model(e.to_string()))?;
+        let block_bytes = cfg.kv_geometry(BLOCK, size_of::<KV>(), o.max_context).block_bytes() as u64;
+        let plan = MemoryPlan::new(
+            &o.memory,
+            block_bytes,
+            o.max_batch,
+            o.kv_budget_bytes,
+            |b| expert_bytes_at(&experts, b),
+            o.bits,
+        )
+        .map_err(model)?;
+        let b = plan.initial_bits;
+        experts.bits = experts.blocks.iter().map(|l| vec![(b, b); l.len()]).collect();
+        let accountant = Accountant::new(plan.budget);
+        let dec = MixtralDecoder::load_paged(
+            client,
+            dir,
+            experts,
+            accountant.clone(),
+            plan.kv_blocks,
+            BLOCK,
+            o.max_context,
+        )
+        .map_err(|e| model(e.to_string()))?;
         let kv = KvLayout::from_config(&config, size_of::<KV>() as u64);
-        let mut me = Self { dec, kv, block_bytes, live: HashSet::new() };
-        me.warm_up(max_batch).map_err(|e| model(e.0))?;
+        Self::assemble(dec, kv, accountant, &o.memory, plan, o.max_batch).map_err(model)
+    }
+
+    /// A model of `cfg`'s shapes with random weights (see [`MixtralDecoder::synthetic_paged`]),
+    /// under the same memory options: for serving benchmarks of full-size models.
+    pub fn synthetic(
+        client: &ComputeClient<R>,
+        cfg: DecodeConfig,
+        o: &FastOptions,
+    ) -> Result<Self, ServeError> {
+        let model = |e: String| ServeError::Model(format!("synthetic {}-layer model: {e}", cfg.layers));
+        let block_bytes = cfg.kv_geometry(BLOCK, size_of::<KV>(), o.max_context).block_bytes() as u64;
+        let (h, i) = (cfg.hidden as u64, cfg.inter as u64);
+        let words = |rows: u64, cols: u64| rows * cols.div_ceil(32) * 4;
+        let page_pair =
+            |b: u8| -> u64 { b as u64 * (words(2 * i, h) + words(h, i)) + ((2 * i + h) << b) * 2 };
+        let pages = (cfg.sparse.iter().filter(|&&s| s).count() * cfg.experts) as u64;
+        let plan = MemoryPlan::new(
+            &o.memory,
+            block_bytes,
+            o.max_batch,
+            o.kv_budget_bytes,
+            |b| pages * page_pair(b.clamp(3, 8)),
+            o.bits,
+        )
+        .map_err(model)?;
+        let accountant = Accountant::new(plan.budget);
+        let dec = MixtralDecoder::synthetic_paged(
+            client,
+            cfg.clone(),
+            &|_, _| plan.initial_bits,
+            accountant.clone(),
+            plan.kv_blocks,
+            BLOCK,
+            o.max_context,
+        )
+        .map_err(|e| model(e.to_string()))?;
+        let layers = cfg
+            .attn
+            .iter()
+            .map(|a| crate::LayerKv {
+                bytes_per_token: (a.kv_heads * a.head_dim * 2 * size_of::<KV>()) as u64,
+                window: (a.window > 0).then_some(a.window),
+            })
+            .collect();
+        Self::assemble(dec, KvLayout { layers }, accountant, &o.memory, plan, o.max_batch).map_err(model)
+    }
+
+    fn assemble(
+        dec: MixtralDecoder<R, KV>,
+        kv: KvLayout,
+        accountant: Accountant,
+        memory: &MemoryOptions,
+        plan: MemoryPlan,
+        max_batch: usize,
+    ) -> Result<Self, String> {
+        let (layers, experts) = (dec.config().layers, dec.config().experts);
+        let block_bytes = dec.kv_block_bytes() as u64;
+        let mem =
+            PagedMemory::new(accountant, block_bytes, layers, experts, memory.clone()).map_err(|e| e.0)?;
+        let mut me = Self { dec, kv, block_bytes, live: HashSet::new(), mem, kv_capacity: plan.kv_capacity };
+        me.warm_up(max_batch).map_err(|e| e.0)?;
+        me.boundary().map_err(|e| e.0)?;
         Ok(me)
+    }
+
+    /// KV bytes the engine may reserve for running sequences (its admission budget): with a
+    /// memory budget, what is left beside the experts at the lowest bits the policy allows,
+    /// less the planner's free-block reserve and one partly filled block per sequence.
+    pub fn kv_capacity_bytes(&self) -> u64 {
+        self.kv_capacity
+    }
+
+    /// The decoder.
+    pub fn decoder(&self) -> &MixtralDecoder<R, KV> {
+        &self.dec
     }
 
     /// Runs one step at every token bucket up to `max_batch` so each kernel variant is
@@ -76,9 +211,75 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
     fn step(&mut self, batch: &[(SeqId, u32)]) -> Result<Vec<Vec<f32>>, StepError> {
         let mut out = Vec::with_capacity(batch.len());
         for chunk in batch.chunks(STEP_BATCH) {
+            // Lease the blocks this launch will append before it runs.
+            let t = self.dec.kv_tables();
+            let mut needed = t.used_blocks();
+            for &(s, _) in chunk {
+                needed += t.blocks_needed(s, 1).map_err(|e| StepError(e.to_string()))?;
+            }
+            self.mem.reserve(&mut self.dec, needed as u64)?;
             out.extend(self.dec.step(chunk).map_err(|e| StepError(e.to_string()))?);
         }
         Ok(out)
+    }
+}
+
+/// Budget, initial bits and cache size of a load.
+struct MemoryPlan {
+    budget: u64,
+    initial_bits: u8,
+    kv_blocks: usize,
+    kv_capacity: u64,
+}
+
+impl MemoryPlan {
+    /// `expert_bytes(b)`: expert bytes with every page at `b` bits.
+    fn new(
+        m: &MemoryOptions,
+        block_bytes: u64,
+        max_batch: usize,
+        kv_budget_bytes: u64,
+        expert_bytes: impl Fn(u8) -> u64,
+        bits: u8,
+    ) -> Result<Self, String> {
+        let slack = max_batch.max(1) as u64 * block_bytes;
+        let Some(budget) = m.budget_bytes else {
+            // No limit: the cache is sized from the engine's KV budget, the weights stay put.
+            let kv_blocks = kv_budget_bytes.div_ceil(block_bytes) as usize + max_batch.max(1);
+            let budget = expert_bytes(bits) + kv_blocks as u64 * block_bytes;
+            return Ok(Self { budget, initial_bits: bits, kv_blocks, kv_capacity: kv_budget_bytes });
+        };
+        let reserve = match m.policy {
+            WeightPolicy::Pinned => 0,
+            WeightPolicy::Planner => (m.threshold_blocks + 1) * block_bytes,
+        };
+        // Start at the highest width (at most `bits`) that leaves the planner its free-block
+        // reserve, or (pinned) room for one block per batch slot.
+        let start_room = match m.policy {
+            WeightPolicy::Pinned => slack,
+            WeightPolicy::Planner => reserve,
+        };
+        let initial_bits = (3..=bits)
+            .rev()
+            .find(|&b| expert_bytes(b) + start_room <= budget)
+            .ok_or_else(|| {
+                format!(
+                    "a memory budget of {budget} bytes cannot hold the experts even at 3 bits ({} bytes)                      plus {} bytes of KV cache",
+                    expert_bytes(3),
+                    start_room
+                )
+            })?;
+        let floor = match m.policy {
+            WeightPolicy::Pinned => initial_bits,
+            WeightPolicy::Planner => m.floor_bits().min(initial_bits),
+        };
+        let kv_room = budget.saturating_sub(expert_bytes(floor));
+        let kv_capacity = kv_room.saturating_sub(reserve + slack);
+        if kv_capacity == 0 {
+            return Err(format!("a memory budget of {budget} bytes leaves no room for the KV cache"));
+        }
+        let kv_blocks = (kv_room / block_bytes) as usize + 1;
+        Ok(Self { budget, initial_bits, kv_blocks, kv_capacity })
     }
 }
 
@@ -141,26 +342,24 @@ where
     fn kv_bytes_held(&self) -> u64 {
         self.dec.kv_tables().used_blocks() as u64 * self.block_bytes
     }
+
+    fn boundary(&mut self) -> Result<Option<MemoryState>, StepError> {
+        let used = self.dec.kv_tables().used_blocks() as u64;
+        self.mem.boundary(&mut self.dec, used).map(Some)
+    }
 }
 
 /// Loads [`Path`] for the fast path on `client` with an f16 cache: the serving default on a GPU.
+/// Returns the model and the KV bytes the engine may reserve.
 pub fn load_fast<R: Runtime>(
     client: &ComputeClient<R>,
     dir: &Path,
-    bits: u8,
-    kv_budget_bytes: u64,
-    max_batch: usize,
-    max_context: usize,
-) -> Result<Box<dyn StepModel>, ServeError>
+    options: &FastOptions,
+) -> Result<(Box<dyn StepModel>, u64), ServeError>
 where
     MixtralDecoder<R, half::f16>: Send,
 {
-    Ok(Box::new(FastStepModel::<R, half::f16>::load(
-        client,
-        dir,
-        bits,
-        kv_budget_bytes,
-        max_batch,
-        max_context,
-    )?))
+    let m = FastStepModel::<R, half::f16>::load_with(client, dir, options)?;
+    let cap = m.kv_capacity_bytes();
+    Ok((Box::new(m), cap))
 }

@@ -22,6 +22,55 @@ pub struct BoundaryState {
     pub kv_budget_bytes: u64,
     /// Bytes of the model's weights.
     pub weight_bytes: u64,
+    /// The paged memory after this boundary's commit (models with paged experts).
+    pub memory: Option<MemoryState>,
+}
+
+/// The weight/KV memory of a model with paged experts, after its boundary.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MemoryState {
+    /// Bytes for experts + KV (the accountant's budget).
+    pub budget_bytes: u64,
+    /// Bytes of one KV block.
+    pub block_bytes: u64,
+    /// Committed expert bytes per bit-width (index = bits, 0..=8).
+    pub weight_bytes_by_bits: [u64; 9],
+    /// Pages lowered so far.
+    pub page_moves_down_total: u64,
+    /// Pages raised so far.
+    pub page_moves_up_total: u64,
+    /// Plans that lowered pages (KV pressure).
+    pub planner_lower_total: u64,
+    /// Plans that raised pages (memory given back).
+    pub planner_raise_total: u64,
+    /// Plans that could not free the target (every page at its floor).
+    pub planner_unmet_total: u64,
+    /// Raisings deferred (budget or fragmentation), counted per boundary.
+    pub deferred_total: u64,
+    /// KV blocks the live sequences hold.
+    pub kv_blocks_used: u64,
+    /// KV blocks the budget still has room for.
+    pub kv_blocks_free: u64,
+    /// Whether the last boundary changed nothing (no plan, no commit): an idle engine stops
+    /// calling boundaries then.
+    pub settled: bool,
+}
+
+impl MemoryState {
+    /// Committed expert bytes.
+    pub fn weight_bytes(&self) -> u64 {
+        self.weight_bytes_by_bits.iter().sum()
+    }
+
+    /// Mean committed bits per weight byte, weighted by bytes (0 without experts).
+    pub fn mean_bits(&self) -> f64 {
+        let total = self.weight_bytes();
+        if total == 0 {
+            return 0.0;
+        }
+        self.weight_bytes_by_bits.iter().enumerate().map(|(b, &n)| b as f64 * n as f64).sum::<f64>()
+            / total as f64
+    }
 }
 
 /// Called by the engine between steps.

@@ -19,6 +19,7 @@ mod hook;
 mod kv;
 mod metrics;
 mod model;
+mod paged;
 pub mod server;
 mod text;
 
@@ -28,11 +29,14 @@ pub use engine::{
     SamplingParams, Usage,
 };
 pub use error::ServeError;
-pub use fast::{FastStepModel, load_fast};
-pub use hook::{BoundaryHook, BoundaryState, UsageRecord, UsageRecorder};
+pub use fast::{FastOptions, FastStepModel, load_fast};
+pub use hook::{BoundaryHook, BoundaryState, MemoryState, UsageRecord, UsageRecorder};
 pub use kv::{KvLayout, LayerKv, max_context};
 pub use metrics::{Metrics, MetricsSnapshot};
 pub use model::{BurnStepModel, DecodeSlot, PrefillSlot, SeqId, StepError, StepModel};
+pub use paged::{MemoryOptions, WeightPolicy};
+/// The planner options [`MemoryOptions`] carries.
+pub use pw_planner::{PlannerConfig, RoutingConfig};
 pub use text::{IncrementalDetokenizer, StopOutcome, StopText};
 
 use std::path::Path;

@@ -47,6 +47,11 @@ pub struct MetricsSnapshot {
     pub time_to_first_token_seconds_sum: f64,
     /// Number of first tokens.
     pub time_to_first_token_count: u64,
+    /// The paged memory (experts + KV under one budget) after the latest boundary, for models
+    /// with paged experts.
+    pub memory: Option<crate::MemoryState>,
+    /// `(request id, KV bytes)` of every running request.
+    pub request_kv_bytes: Vec<(u64, u64)>,
 }
 
 impl MetricsSnapshot {
@@ -108,80 +113,183 @@ impl Metrics {
     pub fn prometheus(&self) -> String {
         let m = self.snapshot();
         let mut out = String::new();
-        let mut put = |name: &str, kind: &str, help: &str, value: String| {
+        fn put(out: &mut String, name: &str, kind: &str, help: &str, value: String) {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}");
-        };
-        put("pw_requests_total", "counter", "Requests accepted by the engine.", m.requests_total.to_string());
+        }
         put(
+            &mut out,
+            "pw_requests_total",
+            "counter",
+            "Requests accepted by the engine.",
+            m.requests_total.to_string(),
+        );
+        put(
+            &mut out,
             "pw_requests_finished_total",
             "counter",
             "Requests finished by a stop or the length limit.",
             m.requests_finished_total.to_string(),
         );
         put(
+            &mut out,
             "pw_requests_cancelled_total",
             "counter",
             "Requests whose client went away before the end.",
             m.requests_cancelled_total.to_string(),
         );
         put(
+            &mut out,
             "pw_requests_failed_total",
             "counter",
             "Requests ended by a model error.",
             m.requests_failed_total.to_string(),
         );
         put(
+            &mut out,
             "pw_prompt_tokens_total",
             "counter",
             "Prompt tokens of admitted requests.",
             m.prompt_tokens_total.to_string(),
         );
         put(
+            &mut out,
             "pw_generated_tokens_total",
             "counter",
             "Tokens generated.",
             m.generated_tokens_total.to_string(),
         );
-        put("pw_engine_steps_total", "counter", "Engine steps run.", m.steps_total.to_string());
-        put("pw_queue_length", "gauge", "Requests waiting for admission.", m.queue_length.to_string());
-        put("pw_active_sequences", "gauge", "Sequences running.", m.active_sequences.to_string());
+        put(&mut out, "pw_engine_steps_total", "counter", "Engine steps run.", m.steps_total.to_string());
         put(
+            &mut out,
+            "pw_queue_length",
+            "gauge",
+            "Requests waiting for admission.",
+            m.queue_length.to_string(),
+        );
+        put(&mut out, "pw_active_sequences", "gauge", "Sequences running.", m.active_sequences.to_string());
+        put(
+            &mut out,
             "pw_kv_bytes_used",
             "gauge",
             "KV cache bytes held by running sequences.",
             m.kv_bytes_used.to_string(),
         );
         put(
+            &mut out,
             "pw_kv_bytes_reserved",
             "gauge",
             "KV bytes reserved by admission (prompt + max tokens per sequence).",
             m.kv_bytes_reserved.to_string(),
         );
         put(
+            &mut out,
             "pw_kv_bytes_free",
             "gauge",
             "KV bytes admission can still hand out (budget - reserved).",
             m.kv_bytes_free().to_string(),
         );
-        put("pw_kv_budget_bytes", "gauge", "KV cache budget.", m.kv_budget_bytes.to_string());
+        put(&mut out, "pw_kv_budget_bytes", "gauge", "KV cache budget.", m.kv_budget_bytes.to_string());
         put(
+            &mut out,
             "pw_weight_bytes",
             "gauge",
             "Bytes of the model weights on the device.",
             m.weight_bytes.to_string(),
         );
         put(
+            &mut out,
             "pw_tokens_per_second",
             "gauge",
             "Generated tokens per second over the last 5 s.",
             format!("{:.3}", m.tokens_per_second),
         );
         put(
+            &mut out,
             "pw_time_per_output_token_mean_seconds",
             "gauge",
             "Mean gap between consecutive tokens of a sequence.",
             format!("{:.6}", m.mean_time_per_output_token()),
         );
+        if let Some(mem) = &m.memory {
+            put(
+                &mut out,
+                "pw_memory_budget_bytes",
+                "gauge",
+                "Device bytes for experts + KV cache.",
+                mem.budget_bytes.to_string(),
+            );
+            put(
+                &mut out,
+                "pw_kv_blocks_used",
+                "gauge",
+                "KV cache blocks held by running sequences.",
+                mem.kv_blocks_used.to_string(),
+            );
+            put(
+                &mut out,
+                "pw_kv_blocks_free",
+                "gauge",
+                "KV cache blocks the memory budget still has room for.",
+                mem.kv_blocks_free.to_string(),
+            );
+            put(
+                &mut out,
+                "pw_kv_block_bytes",
+                "gauge",
+                "Bytes of one KV cache block.",
+                mem.block_bytes.to_string(),
+            );
+            let _ = writeln!(
+                out,
+                "# HELP pw_expert_bytes Committed expert bytes (planes + LUTs) per bit-width.\n\
+                 # TYPE pw_expert_bytes gauge"
+            );
+            for (b, &n) in mem.weight_bytes_by_bits.iter().enumerate().skip(1) {
+                let _ = writeln!(out, "pw_expert_bytes{{bits=\"{b}\"}} {n}");
+            }
+            put(
+                &mut out,
+                "pw_expert_mean_bits",
+                "gauge",
+                "Mean committed bit-width of the expert bytes.",
+                format!("{:.4}", mem.mean_bits()),
+            );
+            let _ = writeln!(
+                out,
+                "# HELP pw_page_moves_total Expert pages committed at a lower or higher bit-width.\n\
+                 # TYPE pw_page_moves_total counter\n\
+                 pw_page_moves_total{{direction=\"down\"}} {}\npw_page_moves_total{{direction=\"up\"}} {}",
+                mem.page_moves_down_total, mem.page_moves_up_total
+            );
+            let _ = writeln!(
+                out,
+                "# HELP pw_planner_decisions_total Plans that changed desired bit-widths, by memory target.\n\
+                 # TYPE pw_planner_decisions_total counter\n\
+                 pw_planner_decisions_total{{target=\"free\"}} {}\npw_planner_decisions_total{{target=\"spare\"}} {}",
+                mem.planner_lower_total, mem.planner_raise_total
+            );
+            put(
+                &mut out,
+                "pw_planner_unmet_total",
+                "counter",
+                "Plans that could not free their target (pages at their floors).",
+                mem.planner_unmet_total.to_string(),
+            );
+            put(
+                &mut out,
+                "pw_page_raises_deferred_total",
+                "counter",
+                "Raisings deferred for budget or fragmentation (per boundary).",
+                mem.deferred_total.to_string(),
+            );
+        }
+        let _ = writeln!(
+            out,
+            "# HELP pw_request_kv_bytes KV cache bytes of each running request.\n# TYPE pw_request_kv_bytes gauge"
+        );
+        for (id, bytes) in &m.request_kv_bytes {
+            let _ = writeln!(out, "pw_request_kv_bytes{{request=\"{id}\"}} {bytes}");
+        }
         let _ = writeln!(
             out,
             "# HELP pw_time_per_output_token_seconds Gaps between consecutive tokens of a sequence.\n\

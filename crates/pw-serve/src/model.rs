@@ -67,6 +67,12 @@ pub trait StepModel: Send {
 
     /// KV bytes all live sequences hold now.
     fn kv_bytes_held(&self) -> u64;
+
+    /// Called between steps (no model call in flight): a model with paged weights runs its
+    /// planner and commits finished page moves here. The default has nothing to do.
+    fn boundary(&mut self) -> Result<Option<crate::MemoryState>, StepError> {
+        Ok(None)
+    }
 }
 
 /// [`StepModel`] over a Burn [`CausalLm`]: every sequence runs its own forward with its own

@@ -32,7 +32,16 @@ async fn start(cfg: EngineConfig, delay: Option<Duration>) -> TestServer {
     let (engine, rec) = common::engine(cfg, delay);
     let chat = ChatTemplate::from_dir(dir.path()).unwrap();
     assert!(chat.is_some());
-    let state = Arc::new(ServerState::new(engine.handle(), Arc::new(common::tokenizer()), chat, MODEL));
+    serve_engine(engine, rec, common::tokenizer(), chat).await
+}
+
+async fn serve_engine(
+    engine: Engine,
+    rec: UsageRecorder,
+    tokenizer: tokenizers::Tokenizer,
+    chat: Option<ChatTemplate>,
+) -> TestServer {
+    let state = Arc::new(ServerState::new(engine.handle(), Arc::new(tokenizer), chat, MODEL));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
@@ -75,9 +84,12 @@ impl TestServer {
         text.lines().filter_map(|l| l.strip_prefix("data: ")).map(str::to_string).collect()
     }
 
+    async fn metrics_text(&self) -> String {
+        self.http.get(format!("{}/metrics", self.base)).send().await.unwrap().text().await.unwrap()
+    }
+
     async fn metric(&self, name: &str) -> f64 {
-        let text =
-            self.http.get(format!("{}/metrics", self.base)).send().await.unwrap().text().await.unwrap();
+        let text = self.metrics_text().await;
         text.lines()
             .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')))
             .unwrap_or_else(|| panic!("{name} missing:\n{text}"))
@@ -389,4 +401,167 @@ async fn concurrent_requests_under_a_small_kv_budget_all_complete() {
     let r = s.rec.record();
     assert!(r.peak_waiting >= 1 && r.peak_active >= 2, "{r:?}");
     assert!(r.peak_kv_bytes_reserved <= budget, "{r:?}");
+}
+
+/// The shipped tiny Mixtral on the fast path (wgpu), experts + KV under one budget so tight that
+/// 16 concurrent requests make the planner lower expert pages while they run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_planner_lowers_pages_under_16_concurrent_requests_and_raises_them_after() {
+    use cubecl::Runtime;
+    use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
+    use pw_serve::{FastOptions, FastStepModel, MemoryOptions, WeightPolicy};
+
+    if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
+        // SAFETY: set once before any thread reads the environment.
+        unsafe { std::env::set_var("XDG_RUNTIME_DIR", std::env::temp_dir()) };
+    }
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/tiny-mixtral");
+    let cfg = pw_hf::ModelConfig::from_dir(&dir).unwrap();
+    let pw_hf::ModelConfig::Mixtral(mc) = &cfg else { panic!("not mixtral") };
+    // Experts at 8 bits: planes (8 × rows × cols/32 words) + one 256-entry f16 LUT per row.
+    let (h, i) = (mc.hidden_size, mc.intermediate_size);
+    let page = |rows: usize, cols: usize| (8 * rows * cols.div_ceil(32) * 4 + rows * 256 * 2) as u64;
+    let experts8 = (mc.num_hidden_layers * mc.num_local_experts) as u64 * (page(2 * i, h) + page(h, i));
+    let block = (mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * 2 * 2 * 16) as u64;
+    let (threshold, margin) = (4u64, 8u64);
+    // Room for 24 KV blocks beside the experts at 8 bits; 16 requests need about 48.
+    let budget = experts8 + 24 * block;
+    let memory = MemoryOptions {
+        budget_bytes: Some(budget),
+        policy: WeightPolicy::Planner,
+        threshold_blocks: threshold,
+        give_back_blocks: margin,
+        ..Default::default()
+    };
+    let options = FastOptions { bits: 8, kv_budget_bytes: 0, max_batch: 16, max_context: 128, memory };
+    let client = WgpuRuntime::client(&WgpuDevice::DefaultDevice);
+    let model = FastStepModel::<WgpuRuntime, half::f16>::load_with(&client, &dir, &options).unwrap();
+    assert_eq!(model.decoder().expert_bytes() as u64, experts8, "all experts start at 8 bits");
+    let capacity = model.kv_capacity_bytes();
+    assert!(capacity > 48 * block, "the planner can make room for every request: {capacity}");
+    let tok = pw_serve::load_tokenizer(&dir).unwrap();
+    let config = EngineConfig {
+        kv_budget_bytes: capacity,
+        max_batch: 16,
+        max_context: 128,
+        max_prefill_tokens: 2048,
+        eos_token_ids: pw_serve::eos_token_ids(&dir).unwrap(),
+    };
+    let rec = UsageRecorder::default();
+    let engine =
+        Engine::start(Box::new(model), Arc::new(tok.clone()), config, Box::new(rec.clone())).unwrap();
+    let chat = ChatTemplate::from_dir(&dir).unwrap();
+    let s = Arc::new(serve_engine(engine, rec, tok, chat).await);
+    let name = "pw_expert_bytes{bits=\"8\"}";
+    assert_eq!(s.metric(name).await, experts8 as f64);
+
+    // 16 concurrent requests, half streamed, under memory pressure.
+    let prompts = [
+        "ROMEO.\nBut soft",
+        "And God said, Let there be",
+        "KING.",
+        "O Lord",
+        "HAMLET.\nTo be, or",
+        "In the beginning",
+        "Enter",
+        "What is",
+        "JULIET.",
+        "Blessed are the",
+        "Thou art",
+        "The king",
+        "And it came to pass",
+        "Good morrow",
+        "Now",
+        "My lord,",
+    ];
+    let mut tasks = Vec::new();
+    for (k, p) in prompts.iter().enumerate() {
+        let s = s.clone();
+        let body = json!({"model": MODEL, "prompt": p, "max_tokens": 24, "temperature": 0, "ignore_eos": true,
+                          "stream": k % 2 == 1});
+        tasks.push(tokio::spawn(async move {
+            if k % 2 == 1 {
+                let (text, reason) = deltas(&s.stream("/v1/completions", &body).await, false);
+                assert_eq!(reason, "length");
+                text
+            } else {
+                let (status, v) = s.post("/v1/completions", &body).await;
+                assert_eq!(status, 200, "{v}");
+                assert_eq!(v["usage"]["completion_tokens"], 24, "{v}");
+                v["choices"][0]["text"].as_str().unwrap().to_string()
+            }
+        }));
+    }
+    for t in tasks {
+        assert!(!t.await.unwrap().is_empty());
+    }
+    let r = s.rec.record();
+    assert!(r.peak_active >= 8, "the requests ran together: {r:?}");
+    assert!(r.peak_kv_bytes_used > 24 * block, "the cache outgrew the room beside 8-bit experts: {r:?}");
+    assert!(s.metric("pw_page_moves_total{direction=\"down\"}").await > 0.0, "{}", s.metrics_text().await);
+    assert!(s.metric("pw_planner_decisions_total{target=\"free\"}").await > 0.0);
+    // Idle again: the cache is empty and the pages go back up to 8 bits.
+    let t0 = Instant::now();
+    while s.metric("pw_expert_mean_bits").await < 8.0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "pages did not come back: {}",
+            s.metrics_text().await
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(s.metric("pw_page_moves_total{direction=\"up\"}").await > 0.0);
+    assert!(s.metric("pw_planner_decisions_total{target=\"spare\"}").await > 0.0);
+    assert_eq!(s.metric(name).await, experts8 as f64);
+    assert_eq!(s.metric("pw_kv_blocks_used").await, 0.0);
+
+    // With the pages settled at 8 bits, greedy text is the same streamed or not (one request
+    // at a time uses 3 blocks: no pressure, no page moves).
+    let moves = s.metric("pw_page_moves_total{direction=\"down\"}").await;
+    for p in ["ROMEO.\nBut soft", "And God said, Let there be", "KING."] {
+        let body =
+            json!({"model": MODEL, "prompt": p, "max_tokens": 24, "temperature": 0, "ignore_eos": true});
+        let (_, whole) = s.post("/v1/completions", &body).await;
+        let mut b = body.clone();
+        b["stream"] = json!(true);
+        let (streamed, _) = deltas(&s.stream("/v1/completions", &b).await, false);
+        assert_eq!(streamed, whole["choices"][0]["text"].as_str().unwrap(), "prompt {p:?}");
+    }
+    assert_eq!(s.metric("pw_page_moves_total{direction=\"down\"}").await, moves);
+
+    // Bad requests get their 4xx and the server keeps serving.
+    let long: String = std::iter::repeat_n("the ", 200).collect();
+    for (body, status) in [
+        ("{not json".to_string(), 400),
+        (json!({"model": "gpt-4", "prompt": "x"}).to_string(), 404),
+        (json!({"model": MODEL, "prompt": long, "max_tokens": 8}).to_string(), 400),
+        (json!({"model": MODEL, "prompt": "x", "temperature": -1}).to_string(), 400),
+    ] {
+        let (got, v) = s.post_raw("/v1/completions", &body).await;
+        assert_eq!(got, status, "{body}: {v}");
+        assert!(v["error"]["message"].is_string(), "{v}");
+    }
+
+    // A cancelled stream gives its KV blocks back at once.
+    let body = json!({"model": MODEL, "prompt": "KING.", "max_tokens": 100, "temperature": 0,
+                      "ignore_eos": true, "stream": true});
+    let mut r = s.http.post(format!("{}/v1/completions", s.base)).json(&body).send().await.unwrap();
+    let mut got = String::new();
+    while got.matches("data: ").count() < 3 {
+        got.push_str(&String::from_utf8_lossy(&r.chunk().await.unwrap().unwrap()));
+    }
+    assert!(s.metric("pw_kv_blocks_used").await > 0.0);
+    assert!(s.metrics_text().await.contains("pw_request_kv_bytes{request="));
+    let cancelled = s.metric("pw_requests_cancelled_total").await;
+    drop(r);
+    let t0 = Instant::now();
+    while s.metric("pw_requests_cancelled_total").await < cancelled + 1.0 {
+        assert!(t0.elapsed() < Duration::from_secs(20), "the disconnect did not cancel the request");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    while s.metric("pw_kv_blocks_used").await > 0.0 {
+        assert!(t0.elapsed() < Duration::from_secs(20), "{}", s.metrics_text().await);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(s.metric("pw_active_sequences").await, 0.0);
 }

@@ -1,0 +1,468 @@
+//! The fast path's expert storage under the weight page table: one [`PagedWeights`] per layer
+//! (its plane and LUT arenas are the pool the grouped GEMM reads; one pool per layer keeps word
+//! offsets within u32 even for Mixtral-8x7B), all leasing from one [`Accountant`] that the KV
+//! cache shares. The routing kernel's slot table of a layer is rebuilt only when that layer's
+//! page table publishes a commit, so kernels never see a page in transfer. Dense layers (no
+//! routed experts) have no table; Qwen2-MoE's shared expert and Gemma-4's dense branch stay
+//! dense f16 weights of the decoder.
+
+use cubecl::prelude::*;
+use half::f16;
+use kernels_cubecl::step::{MoeShape, expert_slot_words};
+use kernels_cubecl::{DeviceArray, PoolSlot};
+use pw_format::{ApBlock, BlockKind};
+use pw_pages::{
+    Accountant, CommitReport, CubePool, MoveError, Mover, PageId, PageKey, PagedWeights, Ticket, Write,
+};
+
+use crate::DecodeError;
+
+/// [`CubePool`] for the decoder. A synthetic model (random weights for speed measurements)
+/// fills its plane arena once with hashed words on the device and skips plane copies: any
+/// extent already holds random planes, and full-size host parents need never be touched.
+pub struct ExpertMover<R: Runtime> {
+    pool: CubePool<R>,
+    skip_planes: bool,
+}
+
+impl<R: Runtime> ExpertMover<R> {
+    /// The arenas.
+    pub fn pool(&self) -> &CubePool<R> {
+        &self.pool
+    }
+
+    fn keep<'a>(&self, writes: &[Write<'a>]) -> Vec<Write<'a>> {
+        writes.iter().copied().filter(|w| !(self.skip_planes && matches!(w, Write::Planes { .. }))).collect()
+    }
+}
+
+impl<R: Runtime> Mover for ExpertMover<R> {
+    fn capacity(&self) -> (usize, usize) {
+        self.pool.capacity()
+    }
+
+    fn write_ordered(&mut self, writes: &[Write<'_>]) -> Result<(), MoveError> {
+        let w = self.keep(writes);
+        self.pool.write_ordered(&w)
+    }
+
+    fn start(&mut self, writes: &[Write<'_>]) -> Result<Ticket, MoveError> {
+        let w = self.keep(writes);
+        self.pool.start(&w)
+    }
+
+    fn finished(&mut self, ticket: Ticket) -> Result<bool, MoveError> {
+        self.pool.finished(ticket)
+    }
+
+    fn publish(&mut self, table: &[PoolSlot]) -> Result<(), MoveError> {
+        self.pool.publish(table)
+    }
+}
+
+/// What one [`PagedExperts::boundary`] did, over all layers.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ExpertCommit {
+    /// Pages lowered (committed at once).
+    pub lowered: usize,
+    /// Raisings committed.
+    pub raised: usize,
+    /// Raisings whose transfer started.
+    pub started: usize,
+    /// Raisings that could not start (budget or fragmentation), retried later.
+    pub deferred: usize,
+    /// Layers whose slot table changed.
+    pub published: usize,
+}
+
+impl ExpertCommit {
+    fn add(&mut self, r: &CommitReport) {
+        self.lowered += r.lowered.len();
+        self.raised += r.raised.len();
+        self.started += r.started.len();
+        self.deferred += r.deferred.len();
+        self.published += r.published as usize;
+    }
+}
+
+/// One page as the planner sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExpertPage {
+    /// Decoder layer.
+    pub layer: usize,
+    /// Expert.
+    pub expert: usize,
+    /// gate_up or down.
+    pub kind: BlockKind,
+    /// Desired bits (what the table moves towards).
+    pub desired: u8,
+    /// Committed bits (what the kernels read).
+    pub committed: u8,
+    /// Stored range.
+    pub min_bits: u8,
+    /// Stored range.
+    pub max_bits: u8,
+    /// Device bytes (planes + LUT) per bit-width `min_bits..=max_bits`.
+    pub bytes: Vec<u64>,
+    /// Offline sensitivity per bit-width `min_bits..=max_bits`.
+    pub sensitivity: Vec<f64>,
+}
+
+/// One sparse layer's committed expert pool as a step reads it.
+pub(crate) struct LayerPool<'a> {
+    pub(crate) planes: &'a DeviceArray,
+    pub(crate) luts: &'a DeviceArray,
+    pub(crate) slots: &'a DeviceArray,
+}
+
+/// Every sparse layer's experts under a page table.
+pub struct PagedExperts<R: Runtime> {
+    client: ComputeClient<R>,
+    shape: MoeShape,
+    /// Page tables of the sparse layers, in layer order.
+    layers: Vec<PagedWeights<ExpertMover<R>>>,
+    /// Per decoder layer: its index into `layers` (`None`: dense layer).
+    index: Vec<Option<usize>>,
+    /// Committed slot tables, parallel to `layers`.
+    slots: Vec<DeviceArray>,
+    accountant: Accountant,
+}
+
+/// Device bytes of a block at `bits` (planes + LUT).
+fn block_bytes(b: &ApBlock, bits: u8) -> u64 {
+    let (p, l) = b.bytes_at(bits);
+    (p + l) as u64
+}
+
+impl<R: Runtime> PagedExperts<R> {
+    /// Pages over `blocks` (`[layer][expert] = (gate_up, down)`; an empty layer is dense),
+    /// committed at `bits` (`[layer][expert] = (gate_up, down)`) before this returns, leasing
+    /// from `accountant`.
+    /// Each layer's arenas hold all its pages at their top width plus room for one page in
+    /// transfer. `synthetic`: see [`ExpertMover`].
+    pub fn new(
+        client: &ComputeClient<R>,
+        shape: MoeShape,
+        blocks: Vec<Vec<(ApBlock, ApBlock)>>,
+        bits: &[Vec<(u8, u8)>],
+        accountant: Accountant,
+        synthetic: bool,
+    ) -> Result<Self, DecodeError> {
+        if bits.len() != blocks.len() || bits.iter().zip(&blocks).any(|(b, l)| b.len() != l.len()) {
+            return Err(DecodeError::Unsupported("expert bit-widths do not match the expert blocks".into()));
+        }
+        let mut layers = Vec::with_capacity(blocks.len());
+        let mut index = Vec::with_capacity(blocks.len());
+        for (l, layer) in blocks.into_iter().enumerate() {
+            if layer.is_empty() {
+                index.push(None);
+                continue;
+            }
+            if layer.len() != shape.experts {
+                return Err(DecodeError::Unsupported(format!(
+                    "layer {l}: {} experts, the model has {}",
+                    layer.len(),
+                    shape.experts
+                )));
+            }
+            let (mut words, mut luts, mut max_words, mut max_lut) = (0usize, 0usize, 0usize, 0usize);
+            for b in layer.iter().flat_map(|(g, d)| [g, d]) {
+                let w = b.max_bits as usize * b.rows * b.words_per_row();
+                let t = b.rows << b.max_bits;
+                (words, luts) = (words + w, luts + t);
+                (max_words, max_lut) = (max_words.max(w), max_lut.max(t));
+            }
+            // Slack: a raising that cannot grow in place copies the page beside its old
+            // extent, and every raising holds its new LUT beside the committed one.
+            let pool = CubePool::new(client.clone(), words + max_words, luts + 2 * max_lut);
+            if synthetic {
+                kernels_cubecl::fill_hash(client, pool.planes(), l as u32);
+            }
+            let mover = ExpertMover { pool, skip_planes: synthetic };
+            let pages: Vec<(String, PageKey, ApBlock)> = layer
+                .into_iter()
+                .enumerate()
+                .flat_map(|(e, (g, d))| {
+                    [
+                        (
+                            format!("layers.{l}.experts.{e}.gate_up"),
+                            PageKey { layer: l, expert: e, kind: BlockKind::GateUp },
+                            g,
+                        ),
+                        (
+                            format!("layers.{l}.experts.{e}.down"),
+                            PageKey { layer: l, expert: e, kind: BlockKind::Down },
+                            d,
+                        ),
+                    ]
+                })
+                .collect();
+            let mut table = PagedWeights::new(pages, accountant.clone(), mover)?;
+            for (e, &(bg, bd)) in bits[l].iter().enumerate() {
+                table.set_desired(PageId(2 * e), bg)?;
+                table.set_desired(PageId(2 * e + 1), bd)?;
+            }
+            let report = table.boundary()?;
+            if let Some(d) = report.deferred.first() {
+                return Err(DecodeError::Unsupported(format!(
+                    "layer {l}: the experts do not fit at their initial bit-widths: {}",
+                    d.reason
+                )));
+            }
+            index.push(Some(layers.len()));
+            layers.push(table);
+        }
+        let mut me = Self { client: client.clone(), shape, slots: Vec::new(), layers, index, accountant };
+        me.slots = (0..me.layers.len()).map(|l| me.slot_words(l)).collect::<Result<_, _>>()?;
+        Ok(me)
+    }
+
+    fn slot_words(&self, l: usize) -> Result<DeviceArray, DecodeError> {
+        let t = self.layers[l].table();
+        let pairs: Vec<(PoolSlot, PoolSlot)> = t.chunks(2).map(|c| (c[0], c[1])).collect();
+        Ok(DeviceArray::from_slice(&self.client, &expert_slot_words(self.shape, &pairs)?))
+    }
+
+    /// Random-weight experts for speed measurements: every sparse layer (`sparse[l]`) holds
+    /// `shape.experts` pages of widths 3..=8 (random planes hashed on the device, random LUTs),
+    /// expert `e` of layer `l` committed at `bits(l, e)` for both its blocks.
+    pub fn synthetic(
+        client: &ComputeClient<R>,
+        shape: MoeShape,
+        sparse: &[bool],
+        bits: &dyn Fn(usize, usize) -> u8,
+        accountant: Accountant,
+    ) -> Result<Self, DecodeError> {
+        let (h, i) = (shape.hidden, shape.inter);
+        let (gu_luts, dn_luts) = (synthetic_luts(2 * i, 0.05, 1), synthetic_luts(h, 0.05, 2));
+        let mut blocks = Vec::with_capacity(sparse.len());
+        let mut initial = Vec::with_capacity(sparse.len());
+        for (l, &s) in sparse.iter().enumerate() {
+            let n = if s { shape.experts } else { 0 };
+            blocks.push(
+                (0..n)
+                    .map(|_| (synthetic_block(2 * i, h, &gu_luts), synthetic_block(h, i, &dn_luts)))
+                    .collect(),
+            );
+            let mut b = Vec::with_capacity(n);
+            for e in 0..n {
+                let x = bits(l, e);
+                if !(3..=8).contains(&x) {
+                    return Err(DecodeError::Unsupported(format!("bits {x} outside 3..=8")));
+                }
+                b.push((x, x));
+            }
+            initial.push(b);
+        }
+        Self::new(client, shape, blocks, &initial, accountant, true)
+    }
+
+    /// Commits expert `e` of layer `l` at `bits(l, e)` (both blocks) and waits until every
+    /// raising has landed: for benchmarks between runs, never while serving.
+    pub fn commit_now(&mut self, bits: &dyn Fn(usize, usize) -> u8) -> Result<(), DecodeError> {
+        for (l, ix) in self.index.clone().into_iter().enumerate() {
+            let Some(ix) = ix else { continue };
+            for e in 0..self.shape.experts {
+                let b = bits(l, e);
+                self.layers[ix].set_desired(PageId(2 * e), b)?;
+                self.layers[ix].set_desired(PageId(2 * e + 1), b)?;
+            }
+        }
+        // Each boundary commits the raisings whose transfer finished and starts the next; a
+        // mix that cannot fit never settles, so give up after a bounded number of rounds.
+        for _ in 0..1000 {
+            self.boundary()?;
+            let pending = self.layers.iter().any(|t| {
+                t.ids().any(|id| t.info(id).is_ok_and(|p| p.desired != 0 && p.desired != p.committed))
+            });
+            if !pending {
+                return Ok(());
+            }
+            kernels_cubecl::sync(&self.client)?;
+        }
+        Err(DecodeError::Unsupported(
+            "expert pages did not reach the requested bit-widths (budget or arena space)".into(),
+        ))
+    }
+
+    /// Layer `l`'s arenas and slot table as the step reads them; `None` for a dense layer.
+    pub(crate) fn layer(&self, l: usize) -> Option<LayerPool<'_>> {
+        let ix = self.index.get(l).copied().flatten()?;
+        let pool = self.layers[ix].mover().pool();
+        Some(LayerPool { planes: pool.planes(), luts: pool.luts(), slots: &self.slots[ix] })
+    }
+
+    fn table(&self, l: usize) -> Option<&PagedWeights<ExpertMover<R>>> {
+        self.index.get(l).copied().flatten().map(|ix| &self.layers[ix])
+    }
+
+    /// Whether decoder layer `l` has routed experts.
+    pub fn is_sparse(&self, l: usize) -> bool {
+        self.table(l).is_some()
+    }
+
+    /// Layer `l`'s plane arena (u32 words); `None` for a dense layer.
+    pub fn planes(&self, l: usize) -> Option<&DeviceArray> {
+        self.table(l).map(|t| t.mover().pool().planes())
+    }
+
+    /// Layer `l`'s LUT arena (f16 entries); `None` for a dense layer.
+    pub fn luts(&self, l: usize) -> Option<&DeviceArray> {
+        self.table(l).map(|t| t.mover().pool().luts())
+    }
+
+    /// Layer `l`'s committed slot table for the routing kernel (`[experts · 6]`); `None` for a
+    /// dense layer.
+    pub fn slots(&self, l: usize) -> Option<&DeviceArray> {
+        self.index.get(l).copied().flatten().map(|ix| &self.slots[ix])
+    }
+
+    /// Committed device bytes of layer `l`'s experts (0 for a dense layer).
+    pub fn layer_bytes(&self, l: usize) -> u64 {
+        self.table(l)
+            .map_or(0, |t| t.ids().filter_map(|id| t.info(id).ok()).map(|p| p.gpu_bytes as u64).sum())
+    }
+
+    /// The shared memory budget.
+    pub fn accountant(&self) -> &Accountant {
+        &self.accountant
+    }
+
+    /// Sparse layers (those with a page table).
+    pub fn layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// The page tables, one per sparse layer in layer order (pages ordered expert-major,
+    /// gate_up before down).
+    pub fn tables(&self) -> &[PagedWeights<ExpertMover<R>>] {
+        &self.layers
+    }
+
+    /// Every page in a fixed order (sparse layer, expert, gate_up then down); `layer` is the
+    /// decoder layer. [`Self::set_desired`]
+    /// takes indices into it.
+    pub fn pages(&self) -> Vec<ExpertPage> {
+        let mut out = Vec::new();
+        for t in &self.layers {
+            for id in t.ids() {
+                let (Ok(info), Ok(b)) = (t.info(id), t.parent(id)) else { continue };
+                let committed = info.committed;
+                out.push(ExpertPage {
+                    layer: info.key.layer,
+                    expert: info.key.expert,
+                    kind: info.key.kind,
+                    desired: if info.desired == 0 { committed } else { info.desired },
+                    committed,
+                    min_bits: b.min_bits,
+                    max_bits: b.max_bits,
+                    bytes: (b.min_bits..=b.max_bits).map(|x| block_bytes(b, x)).collect(),
+                    sensitivity: b.sensitivity.clone(),
+                });
+            }
+        }
+        out
+    }
+
+    /// Asks for `bits` on page `index` of [`Self::pages`]; committed at the next boundary.
+    pub fn set_desired(&mut self, index: usize, bits: u8) -> Result<(), DecodeError> {
+        let per = 2 * self.shape.experts;
+        let table = self
+            .layers
+            .get_mut(index / per)
+            .ok_or_else(|| DecodeError::Unsupported(format!("expert page {index} out of range")))?;
+        Ok(table.set_desired(PageId(index % per), bits)?)
+    }
+
+    /// The safe point between decode steps: every layer's [`PagedWeights::boundary`] (lowerings
+    /// commit at once, finished raisings commit, new raisings start), and the slot table of each
+    /// layer that published. Never waits for a transfer.
+    pub fn boundary(&mut self) -> Result<ExpertCommit, DecodeError> {
+        let mut out = ExpertCommit::default();
+        for l in 0..self.layers.len() {
+            let r = self.layers[l].boundary()?;
+            if r.published {
+                self.slots[l] = self.slot_words(l)?;
+            }
+            out.add(&r);
+        }
+        Ok(out)
+    }
+
+    /// Committed device bytes per bit-width (index = bits, 0..=8).
+    pub fn bytes_by_bits(&self) -> [u64; 9] {
+        let mut out = [0u64; 9];
+        for t in &self.layers {
+            for id in t.ids() {
+                if let Ok(info) = t.info(id) {
+                    out[info.committed.min(8) as usize] += info.gpu_bytes as u64;
+                }
+            }
+        }
+        out
+    }
+
+    /// Committed device bytes of all experts.
+    pub fn committed_bytes(&self) -> u64 {
+        self.bytes_by_bits().iter().sum()
+    }
+
+    /// Device bytes every page would take at `bits` (clamped to its range).
+    pub fn bytes_at(&self, bits: u8) -> u64 {
+        let mut total = 0;
+        for t in &self.layers {
+            for id in t.ids() {
+                if let Ok(b) = t.parent(id) {
+                    total += block_bytes(b, bits.clamp(b.min_bits, b.max_bits));
+                }
+            }
+        }
+        total
+    }
+
+    /// Bytes of the device arenas as allocated (planes + LUTs of every layer).
+    pub fn arena_bytes(&self) -> u64 {
+        self.layers.iter().map(|t| t.mover().capacity()).map(|(p, l)| (p * 4 + l * 2) as u64).sum()
+    }
+}
+
+/// Host parents of random-weight experts for speed measurements: planes all zero (the
+/// synthetic mover never copies them, so the allocation stays untouched), small random LUTs
+/// (ascending per row, as the quantizer writes them) shared by every page of a shape, and a
+/// sensitivity that falls 4× per bit (a uniform quantizer's MSE).
+pub fn synthetic_block(rows: usize, cols: usize, luts: &[Vec<f16>]) -> ApBlock {
+    let words = cols.div_ceil(32);
+    let sensitivity = (3..=8u8).map(|b| (rows * cols) as f64 * 4f64.powi(-(b as i32))).collect();
+    ApBlock {
+        rows,
+        cols,
+        min_bits: 3,
+        max_bits: 8,
+        planes: vec![0u32; 8 * rows * words],
+        luts: luts.to_vec(),
+        sensitivity,
+    }
+}
+
+/// Random ascending LUTs of `rows` rows for widths 3..=8 with values in `±scale`.
+pub fn synthetic_luts(rows: usize, scale: f32, seed: u64) -> Vec<Vec<f16>> {
+    let mut state = seed | 1;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state >> 40) as f32 / (1u64 << 24) as f32
+    };
+    (3..=8u32)
+        .map(|b| {
+            let n = 1usize << b;
+            let mut out = Vec::with_capacity(rows * n);
+            for _ in 0..rows {
+                let mut row: Vec<f32> = (0..n).map(|_| (next() * 2.0 - 1.0) * scale).collect();
+                row.sort_by(f32::total_cmp);
+                out.extend(row.into_iter().map(f16::from_f32));
+            }
+            out
+        })
+        .collect()
+}

@@ -1,0 +1,386 @@
+//! `pagedweight bench-serve`: a stream of requests (mixed prompt and output lengths, arrivals
+//! at a fixed rate) through the serving engine over the fast path of a synthetic full-size
+//! model under a fixed device-memory limit, once with the experts pinned at 8 bits and once
+//! with the planner free to lower them. Records throughput, time to first token, time per
+//! output token, the concurrency reached, the memory split and the bit mix over time.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use cubecl::prelude::*;
+use pw_decode::DecodeConfig;
+use pw_serve::{
+    Engine, EngineConfig, Event, FastOptions, FastStepModel, GenerateRequest, MemoryOptions, SamplingParams,
+    StepModel, UsageRecorder, WeightPolicy,
+};
+use serde_json::{Value, json};
+
+/// Options of `bench-serve`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct BenchServeArgs {
+    /// Runtime: cuda or wgpu.
+    #[arg(long, default_value = "cuda")]
+    pub device: String,
+    /// Output JSON file.
+    #[arg(long)]
+    pub out: std::path::PathBuf,
+    /// Model shape (random weights): mixtral-8x7b, qwen1.5-moe-a2.7b, gemma-4-26b-a4b, or
+    /// tiny / tiny-mixtral / tiny-qwen / tiny-gemma (small shapes, for a smoke test).
+    #[arg(long, default_value = "mixtral-8x7b")]
+    pub model: String,
+    /// Policies to run: pinned (experts fixed at 8 bits) and/or planner.
+    #[arg(long, value_delimiter = ',', default_value = "pinned,planner")]
+    pub policies: Vec<String>,
+    /// Device memory in GB for dense weights + experts + KV cache (default: the model at 8 bits
+    /// plus room for the KV cache of a quarter of --max-batch full-length sequences).
+    #[arg(long)]
+    pub gpu_memory_gb: Option<f64>,
+    /// Requests in the stream.
+    #[arg(long, default_value_t = 64)]
+    pub requests: usize,
+    /// Arrivals per second (fixed rate).
+    #[arg(long, default_value_t = 1.0)]
+    pub rate: f64,
+    /// Prompt lengths, uniform in MIN,MAX tokens (prompts run token by token through the decode
+    /// kernels, so long ones stall the batch).
+    #[arg(long, value_delimiter = ',', default_value = "8,32")]
+    pub prompt: Vec<usize>,
+    /// Output lengths, uniform in MIN,MAX tokens.
+    #[arg(long, value_delimiter = ',', default_value = "32,128")]
+    pub output: Vec<usize>,
+    /// Most sequences per engine step.
+    #[arg(long, default_value_t = 16)]
+    pub max_batch: usize,
+    /// KV blocks below which the planner lowers pages (T_blk); also the give-back margin.
+    #[arg(long, default_value_t = 16)]
+    pub kv_threshold_blocks: u64,
+    /// Routing statistics every N steps.
+    #[arg(long, default_value_t = 4)]
+    pub routing_every: u64,
+    /// Most MB of page raising started per boundary (0 = no limit): raisings go through
+    /// CubeCL's staging upload on the kernels' queue (about 0.5 GB/s on CUDA), so a large
+    /// give-back at once would stall the next step.
+    #[arg(long, default_value_t = 64.0)]
+    pub max_raise_mb: f64,
+    /// Stop a policy's run after this many seconds (requests not finished are cancelled and
+    /// left out of the figures; the record says how many completed).
+    #[arg(long, default_value_t = 150.0)]
+    pub max_seconds: f64,
+    /// Seed of the lengths and prompt tokens.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Internal: run only this policy in this process and write its record here (each policy
+    /// of a multi-policy run gets a fresh process, so device memory the first one kept in its
+    /// allocator's pools does not count against the second).
+    #[arg(long, hide = true, num_args = 2, value_names = ["POLICY", "FILE"])]
+    pub child: Option<Vec<String>>,
+}
+
+/// Runs the benchmark on the chosen runtime.
+pub fn bench_serve(a: &BenchServeArgs) -> Result<()> {
+    if a.prompt.len() != 2 || a.output.len() != 2 || a.prompt[0] == 0 || a.prompt[0] > a.prompt[1] {
+        bail!("--prompt and --output take MIN,MAX with 1 <= MIN <= MAX");
+    }
+    if a.output[0] == 0 || a.output[0] > a.output[1] {
+        bail!("--output takes MIN,MAX with 1 <= MIN <= MAX");
+    }
+    if !(a.rate.is_finite() && a.rate > 0.0) {
+        bail!("--rate must be > 0");
+    }
+    let policy_of = |p: &str| -> Result<WeightPolicy> {
+        Ok(match p {
+            "pinned" => WeightPolicy::Pinned,
+            "planner" => WeightPolicy::Planner,
+            other => bail!("--policies: unknown policy {other} (pinned, planner)"),
+        })
+    };
+    if let Some(c) = &a.child {
+        let rec = run_policy(a, policy_of(&c[0])?)?;
+        std::fs::write(&c[1], rec.to_string()).with_context(|| c[1].clone())?;
+        return Ok(());
+    }
+    let mut records = Vec::new();
+    for p in &a.policies {
+        policy_of(p)?;
+        let tmp = a.out.with_extension(format!("{p}.part.json"));
+        let status = std::process::Command::new(std::env::current_exe()?)
+            .args(std::env::args_os().skip(1))
+            .arg("--child")
+            .arg(p)
+            .arg(&tmp)
+            .status()
+            .context("starting the benchmark process")?;
+        if !status.success() {
+            bail!("the {p} run failed ({status})");
+        }
+        let rec: Value = serde_json::from_str(
+            &std::fs::read_to_string(&tmp).with_context(|| format!("{}", tmp.display()))?,
+        )?;
+        let _ = std::fs::remove_file(&tmp);
+        eprintln!("{}", summary(&rec));
+        records.push(rec);
+        // Partial results survive a later failure.
+        std::fs::write(&a.out, serde_json::to_string_pretty(&records)?)
+            .with_context(|| format!("{}", a.out.display()))?;
+    }
+    Ok(())
+}
+
+fn run_policy(a: &BenchServeArgs, policy: WeightPolicy) -> Result<Value> {
+    {
+        let rec = match a.device.as_str() {
+            #[cfg(feature = "cuda")]
+            "cuda" => run::<cubecl::cuda::CudaRuntime>(&cubecl::cuda::CudaDevice::new(0), a, policy)?,
+            #[cfg(not(feature = "cuda"))]
+            "cuda" => {
+                bail!("--device cuda: this binary was built without CUDA; rebuild with `--features cuda`")
+            }
+            "wgpu" => run::<cubecl::wgpu::WgpuRuntime>(&cubecl::wgpu::WgpuDevice::DefaultDevice, a, policy)?,
+            d => bail!("--device {d}: expected cuda or wgpu"),
+        };
+        Ok(rec)
+    }
+}
+
+fn summary(r: &Value) -> String {
+    let mut r = r.clone();
+    if let Some(o) = r.as_object_mut() {
+        o.remove("bit_mix");
+    }
+    r.to_string()
+}
+
+/// A word-level tokenizer whose word `tN` is token N, for random token ids.
+fn tokenizer(vocab: usize) -> Result<tokenizers::Tokenizer> {
+    let words: serde_json::Map<String, Value> =
+        (0..vocab).map(|i| (format!("t{i}"), Value::from(i))).collect();
+    let tok = json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": null,
+        "decoder": {"type": "WordPiece", "prefix": "##", "cleanup": false},
+        "model": {"type": "WordLevel", "vocab": words, "unk_token": "t0"}
+    });
+    tokenizers::Tokenizer::from_bytes(tok.to_string().as_bytes())
+        .map_err(|e| anyhow::anyhow!("building the benchmark tokenizer: {e}"))
+}
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    fn range(&mut self, lo: usize, hi: usize) -> usize {
+        lo + (self.next() % (hi - lo + 1) as u64) as usize
+    }
+}
+
+fn percentile(v: &mut [f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    v[((v.len() - 1) as f64 * p).round() as usize]
+}
+
+/// Dense bytes of the synthetic model as the decoder stores them (f16 weights, f32 norms; the
+/// small per-layer vectors of Qwen / Gemma are left out).
+fn dense_bytes(c: &DecodeConfig) -> u64 {
+    let h = c.hidden as u64;
+    let per_layer: u64 = (0..c.layers)
+        .map(|l| {
+            let attn = (c.proj_rows(l) + c.heads * c.attn[l].head_dim) as u64 * h;
+            let router = if c.sparse[l] { c.experts as u64 * h } else { 0 };
+            let mlp = (c.mlp_rows(l) + c.mlp_inter(l)) as u64 * h;
+            (attn + router + mlp) * 2 + 2 * h * 4
+        })
+        .sum();
+    let heads = if c.tied { 1 } else { 2 };
+    per_layer + heads * c.vocab as u64 * h * 2 + h * 4
+}
+
+/// Expert bytes of the synthetic model with every page at `bits`.
+fn expert_bytes(c: &DecodeConfig, bits: u64) -> u64 {
+    let (h, i) = (c.hidden as u64, c.inter as u64);
+    let words = |rows: u64, cols: u64| rows * cols.div_ceil(32) * 4;
+    let sparse = c.sparse.iter().filter(|&&s| s).count();
+    (sparse * c.experts) as u64 * (bits * (words(2 * i, h) + words(h, i)) + ((2 * i + h) << bits) * 2)
+}
+
+fn run<R: Runtime>(device: &R::Device, a: &BenchServeArgs, policy: WeightPolicy) -> Result<Value>
+where
+    pw_decode::MixtralDecoder<R, half::f16>: Send,
+{
+    let client = R::client(device);
+    let cfg = crate::bench_decode::shape(if a.model == "tiny" { "tiny-mixtral" } else { &a.model })?;
+    let max_context = a.prompt[1] + a.output[1] + 16;
+    let kv_per_token = cfg.attn.iter().map(|x| (x.kv_heads * x.head_dim * 2 * 2) as u64).sum::<u64>();
+    let dense = dense_bytes(&cfg);
+    let gpu_bytes = match a.gpu_memory_gb {
+        Some(gb) => (gb * 1e9) as u64,
+        None => {
+            let quarter = (a.max_batch as u64).div_ceil(4) * max_context as u64 * kv_per_token;
+            dense
+                + expert_bytes(&cfg, 8)
+                + quarter
+                + (a.kv_threshold_blocks + 1 + a.max_batch as u64) * 16 * kv_per_token
+        }
+    };
+    let budget = gpu_bytes.checked_sub(dense).context("--gpu-memory-gb is below the dense weights")?;
+    let memory = MemoryOptions {
+        budget_bytes: Some(budget),
+        policy,
+        threshold_blocks: a.kv_threshold_blocks,
+        give_back_blocks: a.kv_threshold_blocks.max(1),
+        routing_every: a.routing_every.max(1),
+        max_raise_bytes: (a.max_raise_mb * 1e6) as u64,
+        ..Default::default()
+    };
+    let options = FastOptions { bits: 8, kv_budget_bytes: 0, max_batch: a.max_batch, max_context, memory };
+    let t_load = Instant::now();
+    let model = FastStepModel::<R, half::f16>::synthetic(&client, cfg.clone(), &options)?;
+    let capacity = model.kv_capacity_bytes();
+    let start_weights = model.weight_bytes();
+    let load_s = t_load.elapsed().as_secs_f64();
+    eprintln!(
+        "{} {:?}: loaded in {load_s:.1} s; budget {:.2} GB for experts + KV, experts {:.2} GB, KV capacity {:.3} GB",
+        a.model,
+        policy,
+        budget as f64 / 1e9,
+        (start_weights - dense) as f64 / 1e9,
+        capacity as f64 / 1e9
+    );
+    let config = EngineConfig {
+        kv_budget_bytes: capacity,
+        max_batch: a.max_batch,
+        max_context,
+        max_prefill_tokens: 4 * a.prompt[1],
+        eos_token_ids: vec![],
+    };
+    let rec = UsageRecorder::default();
+    let tok = Arc::new(tokenizer(cfg.vocab)?);
+    let engine = Engine::start(Box::new(model), tok, config, Box::new(rec.clone()))?;
+    let handle = engine.handle();
+
+    // The request stream: lengths and tokens fixed by the seed, the same for every policy.
+    let mut rng = Rng(a.seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+    let reqs: Vec<(Vec<u32>, usize)> = (0..a.requests)
+        .map(|_| {
+            let p = rng.range(a.prompt[0], a.prompt[1]);
+            let prompt = (0..p).map(|_| (rng.next() % cfg.vocab as u64) as u32).collect();
+            (prompt, rng.range(a.output[0], a.output[1]))
+        })
+        .collect();
+
+    let t0 = Instant::now();
+    let deadline = t0 + Duration::from_secs_f64(a.max_seconds);
+    let stop = Arc::new(AtomicBool::new(false));
+    // Bit mix and memory over time.
+    let sampler = {
+        let h = handle.clone();
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut out = Vec::new();
+            while !stop.load(Ordering::Relaxed) {
+                let m = h.metrics().snapshot();
+                if let Some(mem) = &m.memory {
+                    let gb: Vec<f64> =
+                        mem.weight_bytes_by_bits[3..].iter().map(|&b| b as f64 / 1e9).collect();
+                    out.push(json!({
+                        "t_s": t0.elapsed().as_secs_f64(), "active": m.active_sequences, "queue": m.queue_length,
+                        "expert_gb_by_bits_3_to_8": gb, "mean_bits": mem.mean_bits(),
+                        "kv_gb": (mem.kv_blocks_used * mem.block_bytes) as f64 / 1e9,
+                    }));
+                }
+                std::thread::sleep(Duration::from_millis(250));
+            }
+            out
+        })
+    };
+    let mut clients = Vec::with_capacity(reqs.len());
+    for (i, (prompt, out_len)) in reqs.into_iter().enumerate() {
+        let arrival = t0 + Duration::from_secs_f64(i as f64 / a.rate);
+        if arrival > deadline {
+            break;
+        }
+        if let Some(d) = arrival.checked_duration_since(Instant::now()) {
+            std::thread::sleep(d);
+        }
+        let params = SamplingParams { max_tokens: out_len, ignore_eos: true, ..Default::default() };
+        let mut stream = handle.submit(GenerateRequest { prompt, params })?;
+        clients.push(std::thread::spawn(move || -> Option<(f64, Vec<f64>, usize)> {
+            let submitted = Instant::now();
+            let mut last = None::<Instant>;
+            let (mut ttft, mut gaps, mut n) = (0.0, Vec::new(), 0usize);
+            loop {
+                if Instant::now() > deadline {
+                    return None; // dropping the stream cancels the request
+                }
+                match stream.blocking_next()? {
+                    Event::Token { .. } => {
+                        let now = Instant::now();
+                        match last {
+                            None => ttft = now.duration_since(submitted).as_secs_f64(),
+                            Some(l) => gaps.push(now.duration_since(l).as_secs_f64()),
+                        }
+                        last = Some(now);
+                        n += 1;
+                    }
+                    Event::Done { .. } => return Some((ttft, gaps, n)),
+                    Event::Failed(msg) => {
+                        eprintln!("request failed: {msg}");
+                        return None;
+                    }
+                }
+            }
+        }));
+    }
+    let submitted = clients.len();
+    let results: Vec<_> = clients.into_iter().filter_map(|c| c.join().ok().flatten()).collect();
+    let wall = t0.elapsed().as_secs_f64();
+    stop.store(true, Ordering::Relaxed);
+    let bit_mix = sampler.join().unwrap_or_default();
+    let m = handle.metrics().snapshot();
+    let r = rec.record();
+    engine.shutdown();
+
+    let mut ttft: Vec<f64> = results.iter().map(|r| r.0).collect();
+    let mut tpot: Vec<f64> = results.iter().flat_map(|r| r.1.iter().copied()).collect();
+    let tokens: usize = results.iter().map(|r| r.2).sum();
+    // Lowest committed expert bytes seen (at peak KV pressure) and the peak KV.
+    let min_experts = bit_mix
+        .iter()
+        .filter_map(|s| {
+            s["expert_gb_by_bits_3_to_8"].as_array().map(|v| v.iter().filter_map(Value::as_f64).sum::<f64>())
+        })
+        .fold(f64::INFINITY, f64::min);
+    let mem = m.memory.clone().unwrap_or_default();
+    let min_experts = if min_experts.is_finite() { min_experts } else { mem.weight_bytes() as f64 / 1e9 };
+    Ok(json!({
+        "model": a.model,
+        "policy": match policy { WeightPolicy::Pinned => "pinned-8bit", WeightPolicy::Planner => "planner" },
+        "req_s": results.len() as f64 / wall,
+        "tok_s": tokens as f64 / wall,
+        "ttft_p50_ms": percentile(&mut ttft, 0.5) * 1e3,
+        "tpot_p50_ms": percentile(&mut tpot, 0.5) * 1e3,
+        "tpot_p99_ms": percentile(&mut tpot, 0.99) * 1e3,
+        "max_concurrent": r.peak_active,
+        "weight_gb": (dense as f64 / 1e9) + min_experts,
+        "kv_gb": r.peak_kv_bytes_used as f64 / 1e9,
+        "gpu_memory_gb": gpu_bytes as f64 / 1e9,
+        "kv_capacity_gb": capacity as f64 / 1e9,
+        "requests": a.requests, "submitted": submitted, "completed": results.len(),
+        "rate_req_s": a.rate, "prompt_tokens": a.prompt, "output_tokens": a.output,
+        "max_batch": a.max_batch, "wall_s": wall, "load_s": load_s,
+        "page_moves_down": mem.page_moves_down_total, "page_moves_up": mem.page_moves_up_total,
+        "planner_lower": mem.planner_lower_total, "planner_raise": mem.planner_raise_total,
+        "final_mean_bits": mem.mean_bits(),
+        "bit_mix": bit_mix,
+    }))
+}
