@@ -2,9 +2,9 @@
 
 mod bench;
 mod bench_decode;
+mod bench_pages;
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
 mod bench_prefill;
-mod bench_pages;
 mod bench_serve;
 
 use anyhow::{Context, Result, bail};
