@@ -324,6 +324,8 @@ const PAGED_Q8_TOL: f32 = 5e-3;
 /// The wgpu kernels vs the CPU reference of the same (mixed) configuration: f32 summation
 /// order only, carried through every layer.
 const PAGED_KERNEL_TOL: f32 = 1e-4;
+/// Logits after 8 → mixed → 8 against the first 8-bit logits: only Burn's matmul order may differ.
+const PAGED_RESTORE_TOL: f32 = 1e-5;
 
 /// Quantizes every expert block of a fixture (uniform importance) into a PagedWeight
 /// checkpoint in `out`: the same layout `pagedweight quantize` writes, without the Fisher pass.
@@ -417,11 +419,15 @@ fn check_paged(name: &str) {
     assert!(em < PAGED_KERNEL_TOL, "{name}: mixed bits, wgpu vs CPU reference: {em}");
     assert!(rel_err(&gm, &g8) > em, "{name}: lowering pages changed nothing");
     eprintln!("{name}: paged q=8 vs dense {e8:.2e}; mixed bits wgpu vs CPU {em:.2e}");
-    // Raising back restores the 8-bit outputs bit for bit.
+    // Raising back restores the 8-bit outputs. The expert kernels are bit-exact after a raise
+    // (pw-linear's wgpu tests assert that); the model around them runs Burn's autotuned matmuls,
+    // which may switch kernels between calls and reorder sums, so logits get a float budget.
     pages.set_desired_all(8);
     pages.settle().unwrap();
+    assert!(pages.committed_bits().iter().all(|&b| b == 8));
     let back = logits(&gpu.model, &ids, &gdev);
-    assert!(back.iter().zip(&g8).all(|(a, b)| a.to_bits() == b.to_bits()), "{name}: 8 → mixed → 8");
+    let eb = rel_err(&back, &g8);
+    assert!(eb < PAGED_RESTORE_TOL, "{name}: 8 → mixed → 8 differs by {eb}");
 }
 
 #[test]
