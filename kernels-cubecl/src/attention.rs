@@ -6,10 +6,15 @@
 //! sequence's block table lists its blocks in token order, so token `t` lives in slot
 //! `table[t / block_size] · block_size + t % block_size`.
 //!
-//! Attention mapping: one plane (warp) per (query head, sequence); lane `l` owns the head
-//! dimensions `l, l + P, l + 2P, …` (`P` = plane size), so every K/V row is read coalesced.
-//! Tokens are visited in order with an online softmax (running max, running sum, rescaled
-//! accumulator), one `plane_sum` per token for the score.
+//! Attention mapping (split-context, "flash decoding"): a cube serves `hg` query heads that
+//! share one KV head (GQA: K/V rows are read once for the group) over one chunk of the
+//! context; its planes (warps) take interleaved runs of `unroll` tokens, lane `l` owning the
+//! head dimensions `l, l + P, …` (`P` = plane size) so every K/V row is read coalesced. Each
+//! plane keeps an online softmax (running max, sum, rescaled accumulator) per head; the planes
+//! merge theirs through shared memory. With one chunk per sequence the cube writes the output;
+//! otherwise it writes its unnormalised partial `(acc, m, l)` and [`paged_decode_combine_kernel`]
+//! merges the chunks. Why: one plane walking 4096 tokens one at a time is latency-bound (a
+//! dependent load, a plane reduction and two `exp` per token) and fills 32 of 132 SMs.
 
 use cubecl::prelude::*;
 
@@ -37,15 +42,15 @@ pub fn kv_append_kernel<KV: Float>(
     }
 }
 
-/// Decode attention over paged K/V. Grid: `(query heads, sequences)`; cube: one plane.
-/// Queries are read at `s · q_stride` (inside a fused QKV row), outputs are dense.
-/// `params[0]` is the score scale. `seq_lens[s]` counts the cached tokens of sequence `s`,
-/// the query's own included (it was appended first); with `window > 0` the query sees only the
-/// last `window` of them.
+/// Split-context decode attention, first pass. Grid: `(n_kv_heads · group / hg, seqs, splits)`;
+/// cube: `planes` planes. Sequence `s` sees tokens `start..len` (`start` from the window); split
+/// `z` takes `start + z · chunk ..` up to `chunk` of them. `direct` (one split): write
+/// normalised outputs to `out` `[seqs, n_heads, head_dim]`; otherwise write
+/// `part[((s · n_heads + h) · splits + z) · (head_dim + 2) ..]` = unnormalised accumulator,
+/// running max, running sum.
 #[cube(launch_unchecked)]
-// The window test is comptime, the length test runtime: they cannot share one `if`.
 #[allow(clippy::too_many_arguments, clippy::collapsible_if)]
-pub fn paged_decode_kernel<KV: Float>(
+pub fn paged_decode_split_kernel<KV: Float>(
     q: &Array<f32>,
     k_pool: &Array<KV>,
     v_pool: &Array<KV>,
@@ -53,21 +58,34 @@ pub fn paged_decode_kernel<KV: Float>(
     seq_lens: &Array<u32>,
     params: &Array<f32>,
     out: &mut Array<f32>,
+    part: &mut Array<f32>,
+    chunk: u32,
+    splits: u32,
     #[comptime] head_dim: usize,
     #[comptime] n_heads: usize,
     #[comptime] n_kv_heads: usize,
+    #[comptime] hg: usize,
     #[comptime] block_size: usize,
     #[comptime] max_blocks: usize,
     #[comptime] window: usize,
     #[comptime] plane_size: usize,
+    #[comptime] planes: usize,
+    #[comptime] unroll: usize,
     #[comptime] q_stride: usize,
+    #[comptime] direct: bool,
 ) {
     let per = comptime![head_dim / plane_size];
-    let h = CUBE_POS_X as usize;
-    let s = CUBE_POS_Y as usize;
-    let kvh = h / comptime![n_heads / n_kv_heads];
-    let lane = UNIT_POS as usize;
+    let group = comptime![n_heads / n_kv_heads];
+    let subs = comptime![group / hg];
     let kv_width = comptime![n_kv_heads * head_dim];
+    let x = CUBE_POS_X as usize;
+    let kvh = x / subs;
+    let h0 = kvh * group + (x % subs) * hg;
+    let s = CUBE_POS_Y as usize;
+    let z = CUBE_POS_Z as usize;
+    let lane = UNIT_POS as usize % plane_size;
+    let w = UNIT_POS as usize / plane_size;
+
     let len = seq_lens[s] as usize;
     let mut start = 0usize;
     if comptime![window > 0] {
@@ -75,42 +93,163 @@ pub fn paged_decode_kernel<KV: Float>(
             start = len - window;
         }
     }
+    let c0 = start + z * chunk as usize;
+    let c1 = min(len, c0 + chunk as usize);
     let scale = params[0];
 
-    let q_base = s * q_stride + h * head_dim + lane;
-    let o_base = (s * n_heads + h) * head_dim + lane;
-    let mut qv = Array::<f32>::new(per);
+    let mut qv = Array::<f32>::new(comptime![hg * per]);
+    let mut acc = Array::<f32>::new(comptime![hg * per]);
+    let mut m = Array::<f32>::new(hg);
+    let mut l = Array::<f32>::new(hg);
+    #[unroll]
+    for g in 0..hg {
+        #[unroll]
+        for j in 0..per {
+            qv[g * per + j] = q[s * q_stride + (h0 + g) * head_dim + lane + j * plane_size] * scale;
+            acc[g * per + j] = 0.0;
+        }
+        // A finite "minus infinity" keeps exp(m - m_new) away from inf - inf.
+        m[g] = -1.0e30;
+        l[g] = 0.0;
+    }
+    let head_off = kvh * head_dim + lane;
+    let mut kr = Array::<f32>::new(comptime![unroll * per]);
+    let mut vr = Array::<f32>::new(comptime![unroll * per]);
+    let mut sc = Array::<f32>::new(comptime![hg * unroll]);
+    let mut t0 = c0 + w * unroll;
+    while t0 < c1 {
+        // All K and V loads of `unroll` tokens are issued before any of them is used.
+        #[unroll]
+        for u in 0..unroll {
+            let t = min(t0 + u, c1 - 1);
+            let blk = block_table[s * max_blocks + t / block_size] as usize;
+            let base = (blk * block_size + t % block_size) * kv_width + head_off;
+            #[unroll]
+            for j in 0..per {
+                kr[u * per + j] = f32::cast_from(k_pool[base + j * plane_size]);
+                vr[u * per + j] = f32::cast_from(v_pool[base + j * plane_size]);
+            }
+        }
+        #[unroll]
+        for g in 0..hg {
+            let mut m_new = m[g];
+            #[unroll]
+            for u in 0..unroll {
+                let mut part_dot = 0.0f32;
+                #[unroll]
+                for j in 0..per {
+                    part_dot += qv[g * per + j] * kr[u * per + j];
+                }
+                // Tokens past the chunk (clamped loads) get a score that exp() turns into 0.
+                let score = select(t0 + u < c1, plane_sum(part_dot), f32::new(-1.0e30));
+                sc[g * unroll + u] = score;
+                m_new = max(m_new, score);
+            }
+            let corr = (m[g] - m_new).exp();
+            let mut lg = l[g] * corr;
+            #[unroll]
+            for j in 0..per {
+                acc[g * per + j] *= corr;
+            }
+            #[unroll]
+            for u in 0..unroll {
+                let p = (sc[g * unroll + u] - m_new).exp();
+                lg += p;
+                #[unroll]
+                for j in 0..per {
+                    acc[g * per + j] += p * vr[u * per + j];
+                }
+            }
+            l[g] = lg;
+            m[g] = m_new;
+        }
+        t0 += comptime![planes * unroll];
+    }
+
+    // Merge the planes: [planes, hg, head_dim] accumulators, then [planes, hg] maxima and sums.
+    let stat = comptime![planes * hg * head_dim];
+    let mut sh = SharedMemory::<f32>::new(comptime![planes * hg * (head_dim + 2)]);
+    #[unroll]
+    for g in 0..hg {
+        #[unroll]
+        for j in 0..per {
+            sh[(w * hg + g) * head_dim + lane + j * plane_size] = acc[g * per + j];
+        }
+        if lane == 0 {
+            sh[stat + w * hg + g] = m[g];
+            sh[stat + planes * hg + w * hg + g] = l[g];
+        }
+    }
+    sync_cube();
+    for i in range_stepped(UNIT_POS as usize, comptime![hg * head_dim], comptime![planes * plane_size]) {
+        let g = i / head_dim;
+        let d = i % head_dim;
+        let mut mm = f32::new(-1.0e30);
+        #[unroll]
+        for p in 0..planes {
+            mm = max(mm, sh[stat + p * hg + g]);
+        }
+        let mut ll = 0.0f32;
+        let mut aa = 0.0f32;
+        #[unroll]
+        for p in 0..planes {
+            let f = (sh[stat + p * hg + g] - mm).exp();
+            ll += sh[stat + planes * hg + p * hg + g] * f;
+            aa += sh[(p * hg + g) * head_dim + d] * f;
+        }
+        let h = h0 + g;
+        if comptime![direct] {
+            out[(s * n_heads + h) * head_dim + d] = aa / select(ll > 0.0, ll, 1.0f32);
+        } else {
+            let at = ((s * n_heads + h) * splits as usize + z) * comptime![head_dim + 2];
+            part[at + d] = aa;
+            if d == 0 {
+                part[at + head_dim] = mm;
+                part[at + head_dim + 1] = ll;
+            }
+        }
+    }
+}
+
+/// Split-context decode attention, second pass: merges the `splits` partials of each
+/// (sequence, head). Grid: `(n_heads, seqs)`; cube: one plane, lane `l` owning dims `l, l + P, …`.
+#[cube(launch_unchecked)]
+pub fn paged_decode_combine_kernel(
+    part: &Array<f32>,
+    out: &mut Array<f32>,
+    splits: u32,
+    #[comptime] head_dim: usize,
+    #[comptime] n_heads: usize,
+    #[comptime] plane_size: usize,
+) {
+    let per = comptime![head_dim / plane_size];
+    let h = CUBE_POS_X as usize;
+    let s = CUBE_POS_Y as usize;
+    let lane = UNIT_POS as usize;
+    let row = comptime![head_dim + 2];
+    let base = (s * n_heads + h) * splits as usize * row;
+    let mut mm = f32::new(-1.0e30);
+    for z in 0..splits as usize {
+        mm = max(mm, part[base + z * row + head_dim]);
+    }
     let mut acc = Array::<f32>::new(per);
     #[unroll]
     for j in 0..per {
-        qv[j] = q[q_base + j * plane_size] * scale;
         acc[j] = 0.0;
     }
-    // A finite "minus infinity" keeps exp(m - m_new) away from inf - inf.
-    let mut m = f32::new(-1.0e30);
-    let mut l = 0.0f32;
-    for t in start..len {
-        let blk = block_table[s * max_blocks + t / block_size] as usize;
-        let base = (blk * block_size + t % block_size) * kv_width + kvh * head_dim + lane;
-        let mut part = 0.0f32;
+    let mut ll = 0.0f32;
+    for z in 0..splits as usize {
+        let at = base + z * row;
+        let f = (part[at + head_dim] - mm).exp();
+        ll += part[at + head_dim + 1] * f;
         #[unroll]
         for j in 0..per {
-            part += qv[j] * f32::cast_from(k_pool[base + j * plane_size]);
+            acc[j] += part[at + lane + j * plane_size] * f;
         }
-        let score = plane_sum(part);
-        let m_new = select(score > m, score, m);
-        let corr = (m - m_new).exp();
-        let p = (score - m_new).exp();
-        l = l * corr + p;
-        #[unroll]
-        for j in 0..per {
-            acc[j] = acc[j] * corr + p * f32::cast_from(v_pool[base + j * plane_size]);
-        }
-        m = m_new;
     }
-    let z = select(l > 0.0, l, 1.0f32);
+    let zz = select(ll > 0.0, ll, 1.0f32);
     #[unroll]
     for j in 0..per {
-        out[o_base + j * plane_size] = acc[j] / z;
+        out[(s * n_heads + h) * head_dim + lane + j * plane_size] = acc[j] / zz;
     }
 }

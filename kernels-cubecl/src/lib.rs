@@ -553,7 +553,8 @@ pub fn kv_append_reference(
 
 /// Decode attention of one query token per sequence over its paged K/V:
 /// `out[s, h] = softmax(scale · q[s, h] · K[s, kv(h)]ᵀ) · V[s, kv(h)]` over the sequence's
-/// visible tokens. `params` holds `[scale]`. Does not synchronise.
+/// visible tokens. `params` holds `[scale]`; `max_len` bounds `seq_lens` (it sizes the split
+/// of the context across cubes; a smaller value would leave tokens out). Does not synchronise.
 ///
 /// # Shapes
 /// - `q`, `out`: `[seqs, n_heads, head_dim]`; `block_table`: `[seqs, max_blocks]`;
@@ -563,6 +564,7 @@ pub fn paged_decode_attention<R: Runtime, KV: Float + CubeElement>(
     client: &ComputeClient<R>,
     shape: PagedAttnShape,
     seqs: usize,
+    max_len: usize,
     q: &DeviceArray,
     k_pool: &DeviceArray,
     v_pool: &DeviceArray,
@@ -576,6 +578,7 @@ pub fn paged_decode_attention<R: Runtime, KV: Float + CubeElement>(
         client,
         shape,
         seqs,
+        max_len,
         q,
         q_stride,
         k_pool,
@@ -587,6 +590,65 @@ pub fn paged_decode_attention<R: Runtime, KV: Float + CubeElement>(
     )
 }
 
+/// How [`paged_decode_attention`] cuts its work: heads per cube, planes per cube, tokens per
+/// plane iteration and per split, number of splits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttnSplit {
+    /// Query heads per cube (they share one KV head).
+    pub hg: usize,
+    /// Planes per cube.
+    pub planes: usize,
+    /// Tokens per plane iteration (their loads are in flight together).
+    pub unroll: usize,
+    /// Tokens per split.
+    pub chunk: usize,
+    /// Splits of the context (1: no combine pass).
+    pub splits: usize,
+}
+
+impl AttnSplit {
+    /// The split for `seqs` sequences of at most `max_len` cached tokens on a device with
+    /// `sms` multiprocessors, `plane_size` lanes and `smem` bytes of shared memory per cube.
+    pub fn choose(
+        shape: &PagedAttnShape,
+        seqs: usize,
+        max_len: usize,
+        plane_size: usize,
+        sms: usize,
+        smem: usize,
+    ) -> Self {
+        let group = shape.n_heads / shape.n_kv_heads;
+        let per = shape.head_dim / plane_size;
+        // Registers: `hg · per` query and accumulator values per lane; 16 keeps ptxas from
+        // spilling with the K/V registers of `unroll` tokens beside them.
+        let mut hg = group;
+        while hg > 1 && (hg * per > 16 || !group.is_multiple_of(hg)) {
+            hg -= 1;
+        }
+        let unroll = if per <= 4 {
+            4
+        } else if per <= 8 {
+            2
+        } else {
+            1
+        };
+        // The plane merge needs `planes · hg · (head_dim + 2)` f32 of shared memory; stay within
+        // 16 KiB so that several cubes share an SM (and lavapipe's 32 KiB).
+        let budget = smem.min(16 * 1024) / 4;
+        let mut planes = 4;
+        while planes > 1 && planes * hg * (shape.head_dim + 2) > budget {
+            planes /= 2;
+        }
+        let visible = if shape.window > 0 { max_len.min(shape.window) } else { max_len }.max(1);
+        // Enough cubes to cover the SMs twice, but at least a few iterations per plane.
+        let base = (shape.n_heads / hg) * seqs.max(1);
+        let want = (2 * sms).div_ceil(base).max(1);
+        let min_chunk = planes * unroll * 4;
+        let chunk = visible.div_ceil(want).max(min_chunk);
+        Self { hg, planes, unroll, chunk, splits: visible.div_ceil(chunk) }
+    }
+}
+
 /// [`paged_decode_attention`] with the query of sequence `s` at `s · q_stride` (inside a fused
 /// QKV row).
 #[allow(clippy::too_many_arguments)]
@@ -594,6 +656,7 @@ pub fn paged_decode_attention_strided<R: Runtime, KV: Float + CubeElement>(
     client: &ComputeClient<R>,
     shape: PagedAttnShape,
     seqs: usize,
+    max_len: usize,
     q: &DeviceArray,
     q_stride: usize,
     k_pool: &DeviceArray,
@@ -603,7 +666,10 @@ pub fn paged_decode_attention_strided<R: Runtime, KV: Float + CubeElement>(
     params: &DeviceArray,
     out: &DeviceArray,
 ) -> Result<(), KernelError> {
-    let plane_size = client.properties().hardware.plane_size_max as usize;
+    let hw = &client.properties().hardware;
+    let plane_size = hw.plane_size_max as usize;
+    let sms = hw.num_streaming_multiprocessors.unwrap_or(8) as usize;
+    let smem = hw.max_shared_memory_size;
     shape.check(plane_size)?;
     if seqs == 0 {
         return Ok(());
@@ -621,13 +687,24 @@ pub fn paged_decode_attention_strided<R: Runtime, KV: Float + CubeElement>(
             reason: "paged_decode_attention: buffer sizes do not match".into(),
         });
     }
+    let sp = AttnSplit::choose(&shape, seqs, max_len, plane_size, sms, smem);
+    let direct = sp.splits == 1;
+    let row = shape.head_dim + 2;
+    let part = if direct {
+        None
+    } else {
+        Some(DeviceArray::empty::<R, f32>(client, qn / shape.head_dim * sp.splits * row))
+    };
+    let part_arg = part.as_ref().unwrap_or(out);
+    let group = shape.n_heads / shape.n_kv_heads;
     // SAFETY: q/out/table/lens sizes checked above; table entries and lengths come from the
-    // cache allocator, which keeps every referenced slot inside the pools.
+    // cache allocator, which keeps every referenced slot inside the pools; `part` holds
+    // `splits` rows per (sequence, head).
     unsafe {
-        attention::paged_decode_kernel::launch_unchecked::<KV, R>(
+        attention::paged_decode_split_kernel::launch_unchecked::<KV, R>(
             client,
-            CubeCount::Static(shape.n_heads as u32, seqs as u32, 1),
-            CubeDim::new_1d(plane_size as u32),
+            CubeCount::Static((shape.n_kv_heads * group / sp.hg) as u32, seqs as u32, sp.splits as u32),
+            CubeDim::new_1d((sp.planes * plane_size) as u32),
             q.arg(),
             k_pool.arg(),
             v_pool.arg(),
@@ -635,15 +712,35 @@ pub fn paged_decode_attention_strided<R: Runtime, KV: Float + CubeElement>(
             seq_lens.arg(),
             params.arg(),
             out.arg(),
+            part_arg.arg(),
+            sp.chunk as u32,
+            sp.splits as u32,
             shape.head_dim,
             shape.n_heads,
             shape.n_kv_heads,
+            sp.hg,
             shape.block_size,
             shape.max_blocks,
             shape.window,
             plane_size,
+            sp.planes,
+            sp.unroll,
             q_stride,
-        )
+            direct,
+        );
+        if let Some(part) = &part {
+            attention::paged_decode_combine_kernel::launch_unchecked::<R>(
+                client,
+                CubeCount::Static(shape.n_heads as u32, seqs as u32, 1),
+                CubeDim::new_1d(plane_size as u32),
+                part.arg(),
+                out.arg(),
+                sp.splits as u32,
+                shape.head_dim,
+                shape.n_heads,
+                plane_size,
+            );
+        }
     };
     Ok(())
 }

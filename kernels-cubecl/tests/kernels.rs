@@ -258,8 +258,11 @@ fn check_paged_attention<KV: Float + CubeElement>(
     let out = DeviceArray::from_slice(&client, &vec![f32::NAN; qn]);
     let args = [&q[..], &[scale]].map(|a| DeviceArray::from_slice(&client, a));
     let (td, ld) = (DeviceArray::from_slice(&client, &table), DeviceArray::from_slice(&client, lens));
-    paged_decode_attention::<_, KV>(&client, shape, seqs, &args[0], &kd, &vd, &td, &ld, &args[1], &out)
-        .unwrap();
+    let max_len = *lens.iter().max().unwrap() as usize;
+    paged_decode_attention::<_, KV>(
+        &client, shape, seqs, max_len, &args[0], &kd, &vd, &td, &ld, &args[1], &out,
+    )
+    .unwrap();
     let got = read_f32(&client, &out).unwrap();
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
         assert!((g - w).abs() <= ATTN_TOL, "{what}: out[{i}] = {g}, reference {w}");
@@ -268,6 +271,54 @@ fn check_paged_attention<KV: Float + CubeElement>(
 
 fn shape(n_heads: usize, n_kv_heads: usize, head_dim: usize, window: usize) -> PagedAttnShape {
     PagedAttnShape { n_heads, n_kv_heads, head_dim, block_size: 16, max_blocks: 8, window }
+}
+
+/// The split-context path: one long sequence cut into many chunks (combine pass), short
+/// sequences in one chunk (direct write), and a window whose chunks start mid-sequence.
+#[test]
+fn paged_decode_attention_splits_match_reference() {
+    let long = PagedAttnShape { max_blocks: 40, ..shape(8, 2, 32, 0) };
+    let f16 = |x| half::f16::from_f32(x);
+    let f32_ = |x: half::f16| x.to_f32();
+    check_paged_attention::<half::f16>(long, &[611], f16, f32_, "one long sequence");
+    check_paged_attention::<half::f16>(long, &[611, 3, 200, 64], f16, f32_, "mixed lengths");
+    check_paged_attention::<half::f16>(shape(8, 2, 32, 0), &[1, 5, 30, 64], f16, f32_, "one chunk each");
+    let windowed = PagedAttnShape { max_blocks: 40, ..shape(4, 4, 64, 300) };
+    check_paged_attention::<half::f16>(windowed, &[611, 299, 301], f16, f32_, "window 300");
+    // Groups wider than the register budget: heads of one KV head split across cubes.
+    let wide = PagedAttnShape { max_blocks: 40, ..shape(16, 2, 64, 0) };
+    check_paged_attention::<f32>(wide, &[450, 7], |x| x, |x| x, "group 8, d64");
+}
+
+/// The split heuristics: Mixtral's shape at batch 1 and 4096 tokens fills the H200's SMs with
+/// GQA groups of 4 heads; a large batch needs no combine pass.
+#[test]
+fn attention_split_choice() {
+    let mixtral = PagedAttnShape {
+        n_heads: 32,
+        n_kv_heads: 8,
+        head_dim: 128,
+        block_size: 16,
+        max_blocks: 256,
+        window: 0,
+    };
+    let sp = AttnSplit::choose(&mixtral, 1, 4096, 32, 132, 232_448);
+    assert_eq!((sp.hg, sp.planes, sp.unroll), (4, 4, 4));
+    assert!(8 * sp.splits >= 264 && sp.splits * sp.chunk >= 4096, "{sp:?}");
+    let sp = AttnSplit::choose(&mixtral, 64, 64, 32, 132, 232_448);
+    assert_eq!(sp.splits, 1, "{sp:?}");
+    // Gemma-4's global layers: head_dim 512, 8 query heads per KV head.
+    let gemma = PagedAttnShape {
+        n_heads: 16,
+        n_kv_heads: 2,
+        head_dim: 512,
+        block_size: 16,
+        max_blocks: 256,
+        window: 0,
+    };
+    let sp = AttnSplit::choose(&gemma, 1, 4096, 32, 132, 232_448);
+    assert_eq!(sp.hg, 1, "{sp:?}");
+    assert!(sp.planes * sp.hg * (512 + 2) * 4 <= 16 * 1024, "{sp:?}");
 }
 
 #[test]
@@ -306,10 +357,11 @@ fn paged_attention_rejects_bad_shapes() {
     let u = DeviceArray::from_slice(&client, &[0u32; 8]);
     let bad_group = shape(6, 4, 32, 0);
     let err =
-        paged_decode_attention::<_, f32>(&client, bad_group, 1, &a, &a, &a, &u, &u, &a, &a).unwrap_err();
+        paged_decode_attention::<_, f32>(&client, bad_group, 1, 1, &a, &a, &a, &u, &u, &a, &a).unwrap_err();
     assert!(err.to_string().contains("multiple of 4 KV heads"), "{err}");
     let bad_dim = shape(2, 1, 12, 0);
-    let err = paged_decode_attention::<_, f32>(&client, bad_dim, 1, &a, &a, &a, &u, &u, &a, &a).unwrap_err();
+    let err =
+        paged_decode_attention::<_, f32>(&client, bad_dim, 1, 1, &a, &a, &a, &u, &u, &a, &a).unwrap_err();
     assert!(err.to_string().contains("head_dim 12"), "{err}");
 }
 

@@ -761,6 +761,7 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
                 c,
                 attn_shape,
                 t,
+                step.max_len,
                 &s.qkv,
                 qkv_w,
                 kp,

@@ -16,6 +16,8 @@ pub struct StepArrays {
     pub table: DeviceArray,
     /// Cached tokens per sequence, the new one included.
     pub lens: DeviceArray,
+    /// The largest of `lens` (sizes the attention's split of the context).
+    pub max_len: usize,
 }
 
 /// K and V pools of every layer, each `[capacity · block_size, kv_heads · head_dim]` of `KV`.
@@ -86,6 +88,7 @@ impl<R: Runtime> DevicePools<R> {
             slots: DeviceArray::from_slice(client, new_slots),
             table: DeviceArray::from_slice(client, &table),
             lens: DeviceArray::from_slice(client, &lens),
+            max_len: lens.iter().copied().max().unwrap_or(0) as usize,
         })
     }
 
@@ -115,6 +118,7 @@ impl<R: Runtime> DevicePools<R> {
             client,
             shape,
             step.seqs,
+            step.max_len,
             q,
             k,
             v,
