@@ -53,6 +53,11 @@ pub struct BenchServeArgs {
     /// Most sequences per engine step.
     #[arg(long, default_value_t = 16)]
     pub max_batch: usize,
+    /// KV admission: `preempt` reserves what each sequence holds and preempts (then resumes by
+    /// recomputation) the latest requests when the cache runs out; `reserve` reserves prompt +
+    /// max_tokens up front.
+    #[arg(long, default_value = "reserve")]
+    pub admission: pw_serve::Admission,
     /// KV blocks below which the planner lowers pages (T_blk); also the give-back margin.
     #[arg(long, default_value_t = 16)]
     pub kv_threshold_blocks: u64,
@@ -257,6 +262,7 @@ where
         capacity as f64 / 1e9
     );
     let config = EngineConfig {
+        admission: a.admission,
         kv_budget_bytes: capacity,
         max_batch: a.max_batch,
         max_context,

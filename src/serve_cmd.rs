@@ -52,6 +52,11 @@ pub struct ServeArgs {
     /// Most sequences decoded together.
     #[arg(long, default_value_t = 16)]
     pub max_batch: usize,
+    /// KV admission: `preempt` reserves what each sequence holds and preempts (then resumes by
+    /// recomputation) the latest requests when the cache runs out; `reserve` reserves prompt +
+    /// max_tokens up front.
+    #[arg(long, default_value = "preempt")]
+    pub admission: pw_serve::Admission,
     /// Context length (default: `max_position_embeddings` of config.json).
     #[arg(long)]
     pub max_context: Option<usize>,
@@ -293,6 +298,7 @@ where
     let kv_budget_bytes =
         fast_kv.or(args.kv_budget_bytes).unwrap_or(kv.bytes_for(max_context) * args.max_batch.max(1) as u64);
     let config = EngineConfig {
+        admission: args.admission,
         kv_budget_bytes,
         max_batch: args.max_batch,
         max_context,

@@ -18,11 +18,39 @@ use crate::{
     ServeError, StepModel, StopText,
 };
 
+/// How admission reserves KV memory.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Admission {
+    /// Reserve prompt + `max_tokens` at admission: a running sequence never waits, but the
+    /// budget holds fewer sequences than it could (most stop long before `max_tokens`).
+    Reserve,
+    /// Reserve what a sequence holds plus its next token. When the running sequences outgrow
+    /// the budget, the latest submitted ones are preempted: their KV is freed, their state
+    /// (sampler, detokenizer, tokens so far) kept, and they resume before any new request by
+    /// recomputing prompt + generated tokens in one prefill. Their streams only see a pause.
+    #[default]
+    Preempt,
+}
+
+impl std::str::FromStr for Admission {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "reserve" => Ok(Self::Reserve),
+            "preempt" => Ok(Self::Preempt),
+            other => Err(format!("unknown admission policy `{other}` (expected `reserve` or `preempt`)")),
+        }
+    }
+}
+
 /// Scheduler limits.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EngineConfig {
-    /// KV bytes the running sequences may reserve together (prompt + max tokens each).
+    /// KV bytes the running sequences may reserve together (see [`Admission`]).
     pub kv_budget_bytes: u64,
+    /// How admission reserves KV memory.
+    pub admission: Admission,
     /// Most sequences running at once.
     pub max_batch: usize,
     /// Longest sequence (prompt + generated tokens).
@@ -388,6 +416,7 @@ impl Engine {
             metrics: metrics.clone(),
             rx,
             waiting: VecDeque::new(),
+            preempted: VecDeque::new(),
             active: Vec::new(),
             reserved: 0,
             step: 0,
@@ -438,6 +467,8 @@ struct Pending {
 struct Active {
     id: u64,
     prompt_len: usize,
+    /// Prompt then generated ids: what a preempted sequence recomputes when it resumes.
+    tokens: Vec<u32>,
     params: SamplingParams,
     sampler: Sampler,
     generated: usize,
@@ -465,6 +496,8 @@ struct Worker {
     metrics: Arc<Metrics>,
     rx: mpsc::Receiver<Msg>,
     waiting: VecDeque<Pending>,
+    /// Preempted sequences, oldest request first; they resume before `waiting` is admitted.
+    preempted: VecDeque<Active>,
     active: Vec<Active>,
     reserved: u64,
     step: u64,
@@ -510,6 +543,7 @@ fn deliver(a: &mut Active, tok: u32, tokenizer: &Tokenizer, eos: &[u32], metrics
     a.last_token_at = Some(now);
     a.generated += 1;
     a.last = tok;
+    a.tokens.push(tok);
     let piece = match a.detok.push(tokenizer, tok) {
         Ok(p) => p,
         Err(e) => {
@@ -550,7 +584,7 @@ fn deliver(a: &mut Active, tok: u32, tokenizer: &Tokenizer, eos: &[u32], metrics
 impl Worker {
     fn run(&mut self) {
         loop {
-            if self.active.is_empty() && self.waiting.is_empty() {
+            if self.active.is_empty() && self.waiting.is_empty() && self.preempted.is_empty() {
                 if self.settled {
                     // Idle: block until work arrives (or every handle is gone).
                     match self.rx.recv() {
@@ -576,7 +610,7 @@ impl Worker {
                     Ok(Msg::Shutdown) => return,
                     Err(mpsc::TryRecvError::Empty) => break,
                     Err(mpsc::TryRecvError::Disconnected) => {
-                        if self.active.is_empty() && self.waiting.is_empty() {
+                        if self.active.is_empty() && self.waiting.is_empty() && self.preempted.is_empty() {
                             return;
                         }
                         break;
@@ -584,6 +618,7 @@ impl Worker {
                 }
             }
             self.drop_cancelled();
+            self.preempt();
             let admitted = self.admit();
             let tokens = self.step(admitted);
             self.boundary(tokens);
@@ -593,9 +628,11 @@ impl Worker {
     /// Frees requests whose receiver is gone: queued ones leave the queue, running ones free
     /// their KV now.
     fn drop_cancelled(&mut self) {
-        let before = self.waiting.len();
+        let before = self.waiting.len() + self.preempted.len();
         self.waiting.retain(|p| !p.tx.is_closed());
-        let mut cancelled = (before - self.waiting.len()) as u64;
+        // A preempted sequence holds no KV (nor reservation): dropping it is enough.
+        self.preempted.retain(|a| !a.tx.is_closed());
+        let mut cancelled = (before - self.waiting.len() - self.preempted.len()) as u64;
         let mut i = 0;
         while i < self.active.len() {
             if self.active[i].tx.is_closed() {
@@ -618,22 +655,69 @@ impl Worker {
         self.reserved -= a.reserved;
     }
 
-    /// Moves queued requests to the running set, first come first served, while the batch,
-    /// the KV budget and the per-step prefill allowance permit. Returns them with their prompts.
+    /// [`Admission::Preempt`]: sizes each running sequence's reservation for the coming step
+    /// (the tokens its KV will hold after it) and, while they outgrow the budget, preempts the
+    /// latest submitted one: its KV is freed and it waits, state intact, to be resumed.
+    fn preempt(&mut self) {
+        if self.config.admission != Admission::Preempt {
+            return;
+        }
+        for a in &mut self.active {
+            a.reserved = self.kv_layout.bytes_for(a.tokens.len());
+        }
+        self.reserved = self.active.iter().map(|a| a.reserved).sum();
+        let mut preempted = 0;
+        // One sequence always fits: `submit` refuses requests that cannot fit alone.
+        while self.reserved > self.config.kv_budget_bytes && self.active.len() > 1 {
+            let Some(i) = (0..self.active.len()).max_by_key(|&i| self.active[i].id) else { break };
+            let a = self.active.swap_remove(i);
+            self.release(&a);
+            let at = self.preempted.partition_point(|p| p.id < a.id);
+            self.preempted.insert(at, a);
+            preempted += 1;
+        }
+        if preempted > 0 {
+            self.metrics.update(|m| m.requests_preempted_total += preempted);
+        }
+    }
+
+    /// Moves sequences to the running set while the batch, the KV budget and the per-step
+    /// prefill allowance permit: preempted ones first (oldest request first), then queued
+    /// requests first come first served. Returns them with the tokens to prefill (a resumed
+    /// sequence recomputes its prompt and what it generated).
     fn admit(&mut self) -> Vec<(Active, Vec<u32>)> {
         let mut admitted: Vec<(Active, Vec<u32>)> = Vec::new();
         let mut prefill_tokens = 0;
-        while let Some(p) = self.waiting.front() {
-            let len = p.req.prompt.len();
+        let mut prompt_tokens = 0;
+        loop {
+            let (len, need) = match (self.preempted.front(), self.waiting.front()) {
+                (Some(a), _) => (a.tokens.len(), self.kv_layout.bytes_for(a.tokens.len())),
+                (None, Some(p)) => {
+                    let len = p.req.prompt.len();
+                    let need = match self.config.admission {
+                        Admission::Reserve => p.projected,
+                        Admission::Preempt => self.kv_layout.bytes_for(len),
+                    };
+                    (len, need)
+                }
+                (None, None) => break,
+            };
             if self.active.len() + admitted.len() >= self.config.max_batch
-                || self.reserved + p.projected > self.config.kv_budget_bytes
+                || self.reserved + need > self.config.kv_budget_bytes
                 || (!admitted.is_empty() && prefill_tokens + len > self.config.max_prefill_tokens)
             {
                 break;
             }
-            let Some(p) = self.waiting.pop_front() else { break };
             prefill_tokens += len;
-            self.reserved += p.projected;
+            self.reserved += need;
+            if let Some(mut a) = self.preempted.pop_front() {
+                a.reserved = need;
+                let input = a.tokens.clone();
+                admitted.push((a, input));
+                continue;
+            }
+            let Some(p) = self.waiting.pop_front() else { break };
+            prompt_tokens += len as u64;
             let params = p.req.params;
             // Unseeded requests still get distinct, fixed streams.
             let seed = params.seed.unwrap_or(self.seed_base ^ p.id.wrapping_mul(0x9e37_79b9_7f4a_7c15));
@@ -648,6 +732,7 @@ impl Worker {
             let active = Active {
                 id: p.id,
                 prompt_len: len,
+                tokens: p.req.prompt.clone(),
                 stop: StopText::new(&params.stop),
                 params,
                 sampler,
@@ -655,15 +740,14 @@ impl Worker {
                 last: 0,
                 detok: IncrementalDetokenizer::new(&p.req.prompt),
                 tx: p.tx,
-                reserved: p.projected,
+                reserved: need,
                 submitted: p.submitted,
                 last_token_at: None,
             };
             admitted.push((active, p.req.prompt));
         }
-        if !admitted.is_empty() {
-            let n: u64 = admitted.iter().map(|(a, _)| a.prompt_len as u64).sum();
-            self.metrics.update(|m| m.prompt_tokens_total += n);
+        if prompt_tokens > 0 {
+            self.metrics.update(|m| m.prompt_tokens_total += prompt_tokens);
         }
         admitted
     }
@@ -802,7 +886,7 @@ impl Worker {
         let state = BoundaryState {
             step: self.step,
             active: self.active.len(),
-            waiting: self.waiting.len(),
+            waiting: self.waiting.len() + self.preempted.len(),
             step_tokens: tokens,
             kv_bytes_used: self.model.kv_bytes_held(),
             kv_bytes_reserved: self.reserved,

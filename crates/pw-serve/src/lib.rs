@@ -25,8 +25,8 @@ mod text;
 
 pub use chat::{ChatMessage, ChatTemplate};
 pub use engine::{
-    Completion, Engine, EngineConfig, EngineHandle, Event, FinishReason, GenerateRequest, RequestStream,
-    SamplingParams, Usage,
+    Admission, Completion, Engine, EngineConfig, EngineHandle, Event, FinishReason, GenerateRequest,
+    RequestStream, SamplingParams, Usage,
 };
 pub use error::ServeError;
 pub use fast::{FastOptions, FastStepModel, load_fast};

@@ -19,6 +19,8 @@ pub struct MetricsSnapshot {
     pub requests_cancelled_total: u64,
     /// Requests ended by a model error.
     pub requests_failed_total: u64,
+    /// Preemptions: a running sequence's KV freed to make room, to be recomputed later.
+    pub requests_preempted_total: u64,
     /// Prompt tokens of admitted requests.
     pub prompt_tokens_total: u64,
     /// Tokens generated.
@@ -31,7 +33,7 @@ pub struct MetricsSnapshot {
     pub active_sequences: u64,
     /// KV bytes held by running sequences.
     pub kv_bytes_used: u64,
-    /// KV bytes reserved by admission (prompt + max tokens of each running sequence).
+    /// KV bytes reserved by admission (see [`crate::Admission`]).
     pub kv_bytes_reserved: u64,
     /// The KV budget.
     pub kv_budget_bytes: u64,
@@ -136,6 +138,13 @@ impl Metrics {
             "counter",
             "Requests whose client went away before the end.",
             m.requests_cancelled_total.to_string(),
+        );
+        put(
+            &mut out,
+            "pw_requests_preempted_total",
+            "counter",
+            "Running sequences preempted (KV freed, resumed later by recomputation).",
+            m.requests_preempted_total.to_string(),
         );
         put(
             &mut out,

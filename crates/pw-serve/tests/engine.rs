@@ -73,6 +73,56 @@ fn a_small_kv_budget_queues_requests() {
     assert!(e.to_string().contains(&budget.to_string()), "{e}");
 }
 
+/// Preemptive admission on the budget of the test above: two sequences start at once, the
+/// cache runs out as they grow, the later one is preempted and resumed by recomputation, and
+/// every stream still yields exactly the reference tokens (greedy and seeded sampling).
+#[test]
+fn preemption_resumes_sequences_with_their_tokens_unchanged() {
+    let model = common::load_model();
+    let kv = common::kv_layout();
+    let (plen, max) = (10, 8);
+    let budget = kv.bytes_for(plen + max) * 3 / 2;
+    let cfg = pw_serve::EngineConfig { admission: pw_serve::Admission::Preempt, ..common::config(budget, 8) };
+    let (engine, rec) = common::engine(cfg, None);
+    let h = engine.handle();
+    let prompts: Vec<Vec<u32>> = (0..4).map(|i| common::prompt(plen, 10 + i)).collect();
+    let params = SamplingParams { ignore_eos: true, ..greedy(max) };
+    let streams: Vec<_> = prompts
+        .iter()
+        .map(|p| h.submit(GenerateRequest { prompt: p.clone(), params: params.clone() }).unwrap())
+        .collect();
+    for (s, p) in streams.into_iter().zip(&prompts) {
+        let c = s.collect_blocking().unwrap();
+        assert_eq!(c.tokens, common::reference(&model, p, max, false));
+        assert_eq!(c.usage.completion_tokens, max);
+        assert_eq!(c.usage.prompt_tokens, plen);
+    }
+    let m = common::wait_metrics(&h, |m| m.requests_finished_total == 4);
+    let r = rec.record();
+    assert!(r.peak_active >= 2, "admission reserved more than the sequences held: {r:?}");
+    assert!(m.requests_preempted_total >= 1, "the cache never ran out: {m:?}");
+    assert!(r.peak_kv_bytes_used <= budget && r.peak_kv_bytes_reserved <= budget, "{r:?}");
+    assert_eq!(m.prompt_tokens_total, 4 * plen as u64, "recomputation is not prompt traffic");
+
+    // Seeded sampling survives a preemption: the same request alone (no pressure) and among
+    // others under the same tight budget give the same tokens.
+    let sampled = SamplingParams { temperature: 0.9, seed: Some(5), ignore_eos: true, ..greedy(max) };
+    let alone = {
+        let (e, _) = common::engine(common::config(u64::MAX, 8), None);
+        let s = e.handle().submit(GenerateRequest { prompt: prompts[3].clone(), params: sampled.clone() });
+        s.unwrap().collect_blocking().unwrap().tokens
+    };
+    let before = m.requests_preempted_total;
+    let streams: Vec<_> = prompts
+        .iter()
+        .map(|p| h.submit(GenerateRequest { prompt: p.clone(), params: sampled.clone() }).unwrap())
+        .collect();
+    let last = streams.into_iter().map(|s| s.collect_blocking().unwrap().tokens).last().unwrap();
+    assert_eq!(last, alone);
+    let m = common::wait_metrics(&h, |m| m.requests_finished_total == 8);
+    assert!(m.requests_preempted_total > before, "{m:?}");
+}
+
 #[test]
 fn dropping_the_stream_frees_the_sequence_and_its_kv() {
     let (engine, _) = common::engine(common::config(u64::MAX, 4), Some(Duration::from_millis(10)));

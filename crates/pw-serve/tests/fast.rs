@@ -57,6 +57,7 @@ fn batches_equal_alone(dir: &Path) {
     assert!(model.weight_bytes() > 0);
 
     let config = EngineConfig {
+        admission: pw_serve::Admission::Reserve,
         kv_budget_bytes: 1 << 22,
         max_batch: 4,
         max_context: 128,

@@ -441,6 +441,7 @@ async fn the_planner_lowers_pages_under_16_concurrent_requests_and_raises_them_a
     assert!(capacity > 48 * block, "the planner can make room for every request: {capacity}");
     let tok = pw_serve::load_tokenizer(&dir).unwrap();
     let config = EngineConfig {
+        admission: pw_serve::Admission::Reserve,
         kv_budget_bytes: capacity,
         max_batch: 16,
         max_context: 128,

@@ -171,6 +171,7 @@ impl<M: StepModel> StepModel for Slow<M> {
 /// Engine limits for the fixture: context 256, eos 2.
 pub fn config(kv_budget_bytes: u64, max_batch: usize) -> EngineConfig {
     EngineConfig {
+        admission: pw_serve::Admission::Reserve,
         kv_budget_bytes,
         max_batch,
         max_context: 256,
