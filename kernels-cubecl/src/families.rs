@@ -9,19 +9,9 @@
 
 use cubecl::prelude::*;
 
+use crate::decode::cube_sum;
+use crate::step::{bad, cube_1d, need, row_units};
 use crate::{DeviceArray, KernelError, gemm};
-
-fn bad(reason: String) -> KernelError {
-    KernelError::BadItem { item: 0, reason }
-}
-
-fn need(what: &str, a: &DeviceArray, n: usize) -> Result<(), KernelError> {
-    if a.len < n { Err(bad(format!("{what}: {} elements, needs {n}", a.len))) } else { Ok(()) }
-}
-
-fn cube_1d(width: usize) -> CubeDim {
-    CubeDim::new_1d(width.clamp(1, 256) as u32)
-}
 
 #[cube]
 fn act_fn(g: f32, #[comptime] act: u32) -> f32 {
@@ -108,7 +98,8 @@ pub fn head_norm_kernel(
     }
 }
 
-/// `h[t] += x[t] / rms(x[t]) · w`; `params = [eps]`. Grid `(tokens)`; cube: one plane.
+/// `h[t] += x[t] / rms(x[t]) · w`; `params = [eps]`. Grid `(tokens)`; cube: `units` units,
+/// each owning columns `u + i · units` (unrolled; see [`crate::decode::rms_norm_kernel`]).
 #[cube(launch_unchecked)]
 pub fn add_rms_norm_kernel(
     x: &Array<f32>,
@@ -116,25 +107,40 @@ pub fn add_rms_norm_kernel(
     params: &Array<f32>,
     h: &mut Array<f32>,
     #[comptime] hidden: usize,
+    #[comptime] units: usize,
+    #[comptime] plane_size: usize,
 ) {
+    let per = comptime![hidden.div_ceil(units)];
     let base = CUBE_POS_X as usize * hidden;
+    let u = UNIT_POS as usize;
+    let mut xv = Array::<f32>::new(per);
     let mut ss = 0.0f32;
-    for c in range_stepped(UNIT_POS as usize, hidden, CUBE_DIM as usize) {
-        let v = x[base + c];
+    #[unroll]
+    for i in 0..per {
+        let c = u + i * units;
+        let mut v = 0.0f32;
+        if c < hidden {
+            v = x[base + c];
+        }
+        xv[i] = v;
         ss += v * v;
     }
-    let inv = 1.0 / (plane_sum(ss) / f32::cast_from(hidden) + params[0]).sqrt();
-    for c in range_stepped(UNIT_POS as usize, hidden, CUBE_DIM as usize) {
-        h[base + c] += x[base + c] * inv * w[c];
+    let inv = 1.0 / (cube_sum(ss, units, plane_size) / f32::cast_from(hidden) + params[0]).sqrt();
+    #[unroll]
+    for i in 0..per {
+        let c = u + i * units;
+        if c < hidden {
+            h[base + c] += xv[i] * inv * w[c];
+        }
     }
 }
 
-/// Gemma-4's feed-forward epilogue for token `t` (grid `(tokens)`, cube: one plane):
-/// routing recomputed from `logits[t]` exactly as `moe_route_kernel` selects it (softmax,
-/// top-k with lower expert first on ties, renormalised) times `per_expert_scale[e]`;
-/// `y = Σ_j w_j · down[pos[t, j]]`; then
+/// Gemma-4's feed-forward epilogue for token `t` (grid `(tokens)`, cube: `units` units, unit
+/// `u` owning columns `u + i · units` in registers): routing recomputed from `logits[t]`
+/// exactly as `moe_route_kernel` selects it (softmax, top-k with lower expert first on ties,
+/// renormalised) times `per_expert_scale[e]`; `y = Σ_j w_j · down[pos[t, j]]`; then
 /// `h = (h + norm(norm(m)·post1 + norm(y)·post2)·post) · scalar[0]`.
-/// `norms = [post1 | post2 | post]` (`3·hidden`), `params = [eps]`, `tmp`: `[tokens, hidden]`.
+/// `norms = [post1 | post2 | post]` (`3·hidden`), `params = [eps]`.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub fn gemma_ffn_out_kernel(
@@ -146,23 +152,32 @@ pub fn gemma_ffn_out_kernel(
     norms: &Array<f32>,
     scalar: &Array<f32>,
     params: &Array<f32>,
-    tmp: &mut Array<f32>,
     h: &mut Array<f32>,
     #[comptime] experts: usize,
     #[comptime] k: usize,
     #[comptime] hidden: usize,
+    #[comptime] units: usize,
+    #[comptime] plane_size: usize,
 ) {
+    let per = comptime![hidden.div_ceil(units)];
     let t = CUBE_POS_X as usize;
+    let u = UNIT_POS as usize;
     let base = t * hidden;
     let lb = t * experts;
     let eps = params[0];
-    let mut mx = logits[lb];
+    // The router row in shared memory: every unit walks it k times.
+    let mut lg = SharedMemory::<f32>::new(experts);
+    for e in range_stepped(u, experts, units) {
+        lg[e] = logits[lb + e];
+    }
+    sync_cube();
+    let mut mx = lg[0];
     for e in 1..experts {
-        mx = max(mx, logits[lb + e]);
+        mx = max(mx, lg[e]);
     }
     let mut z = 0.0f32;
     for e in 0..experts {
-        z += (logits[lb + e] - mx).exp();
+        z += (lg[e] - mx).exp();
     }
     let mut taken = Array::<u32>::new(4usize);
     #[unroll]
@@ -171,6 +186,7 @@ pub fn gemma_ffn_out_kernel(
     }
     let mut wsel = Array::<f32>::new(k);
     let mut esel = Array::<u32>::new(k);
+    let mut rows = Array::<u32>::new(k);
     let mut sum = 0.0f32;
     #[unroll]
     for j in 0..k {
@@ -178,7 +194,7 @@ pub fn gemma_ffn_out_kernel(
         let mut bv = f32::new(-1.0e30);
         for e in 0..experts {
             let free = ((taken[e / 32usize] >> (e % 32usize) as u32) & 1u32) == 0u32;
-            let v = logits[lb + e];
+            let v = lg[e];
             if free && v > bv {
                 bv = v;
                 best = e;
@@ -188,40 +204,57 @@ pub fn gemma_ffn_out_kernel(
         let p = (bv - mx).exp() / z;
         wsel[j] = p;
         esel[j] = best as u32;
+        rows[j] = pos[t * k + j];
         sum += p;
     }
     #[unroll]
     for j in 0..k {
         wsel[j] = wsel[j] / sum * pes[esel[j] as usize];
     }
-    // Pass 1: the experts' sum and both sums of squares. Each lane only touches its own
-    // columns, so `tmp` needs no barrier between passes.
+    // Pass 1: the experts' sum and both sums of squares, all loads of a unit in flight together.
+    let mut yv = Array::<f32>::new(per);
+    let mut mv = Array::<f32>::new(per);
     let mut ss_y = 0.0f32;
     let mut ss_m = 0.0f32;
-    for c in range_stepped(UNIT_POS as usize, hidden, CUBE_DIM as usize) {
+    #[unroll]
+    for i in 0..per {
+        let c = u + i * units;
         let mut y = 0.0f32;
-        #[unroll]
-        for j in 0..k {
-            y += wsel[j] * down[pos[t * k + j] as usize * hidden + c];
+        let mut mm = 0.0f32;
+        if c < hidden {
+            #[unroll]
+            for j in 0..k {
+                y += wsel[j] * down[rows[j] as usize * hidden + c];
+            }
+            mm = m[base + c];
         }
-        tmp[base + c] = y;
+        yv[i] = y;
+        mv[i] = mm;
         ss_y += y * y;
-        let mv = m[base + c];
-        ss_m += mv * mv;
+        ss_m += mm * mm;
     }
     let hf = f32::cast_from(hidden);
-    let inv_y = 1.0 / (plane_sum(ss_y) / hf + eps).sqrt();
-    let inv_m = 1.0 / (plane_sum(ss_m) / hf + eps).sqrt();
+    let inv_y = 1.0 / (cube_sum(ss_y, units, plane_size) / hf + eps).sqrt();
+    let inv_m = 1.0 / (cube_sum(ss_m, units, plane_size) / hf + eps).sqrt();
     let mut ss_x = 0.0f32;
-    for c in range_stepped(UNIT_POS as usize, hidden, CUBE_DIM as usize) {
-        let x = m[base + c] * inv_m * norms[c] + tmp[base + c] * inv_y * norms[hidden + c];
-        tmp[base + c] = x;
+    #[unroll]
+    for i in 0..per {
+        let c = u + i * units;
+        let mut x = 0.0f32;
+        if c < hidden {
+            x = mv[i] * inv_m * norms[c] + yv[i] * inv_y * norms[hidden + c];
+        }
+        yv[i] = x;
         ss_x += x * x;
     }
-    let inv_x = 1.0 / (plane_sum(ss_x) / hf + eps).sqrt();
+    let inv_x = 1.0 / (cube_sum(ss_x, units, plane_size) / hf + eps).sqrt();
     let s = scalar[0];
-    for c in range_stepped(UNIT_POS as usize, hidden, CUBE_DIM as usize) {
-        h[base + c] = (h[base + c] + tmp[base + c] * inv_x * norms[2 * hidden + c]) * s;
+    #[unroll]
+    for i in 0..per {
+        let c = u + i * units;
+        if c < hidden {
+            h[base + c] = (h[base + c] + yv[i] * inv_x * norms[2 * hidden + c]) * s;
+        }
     }
 }
 
@@ -237,25 +270,65 @@ pub fn softcap_kernel(x: &mut Array<f32>, params: &Array<f32>, meta: &Array<u32>
 }
 
 /// Greedy sampling: `ids[t] = argmax(x[t])` (lowest index on ties). Grid `(tokens)`; cube:
-/// one plane.
+/// `units` units, each visiting its columns in increasing order, 8 loads in flight per round
+/// (a one-plane loop over a 32000-wide row took 344 µs on the H200).
 #[cube(launch_unchecked)]
-pub fn argmax_kernel(x: &Array<f32>, ids: &mut Array<u32>, #[comptime] width: usize) {
+pub fn argmax_kernel(
+    x: &Array<f32>,
+    ids: &mut Array<u32>,
+    #[comptime] width: usize,
+    #[comptime] units: usize,
+    #[comptime] plane_size: usize,
+) {
     let t = CUBE_POS_X as usize;
+    let u = UNIT_POS as usize;
     let base = t * width;
     let mut bv = f32::new(-3.0e38);
     let mut bi = 0u32;
-    for c in range_stepped(UNIT_POS as usize, width, CUBE_DIM as usize) {
-        let v = x[base + c];
-        if v > bv {
-            bv = v;
-            bi = c as u32;
+    let mut vals = Array::<f32>::new(8usize);
+    for c0 in range_stepped(0usize, width, comptime![8 * units]) {
+        #[unroll]
+        for i in 0..8usize {
+            // Clamped loads (always in bounds), masked below.
+            vals[i] = x[base + min(c0 + i * units + u, comptime![width - 1])];
+        }
+        #[unroll]
+        for i in 0..8usize {
+            let c = c0 + i * units + u;
+            if c < width && vals[i] > bv {
+                bv = vals[i];
+                bi = c as u32;
+            }
         }
     }
     let m = plane_max(bv);
-    let cand = select(bv == m, bi, 0xFFFF_FFFFu32);
-    let best = plane_min(cand);
-    if UNIT_POS == 0 {
-        ids[t] = best;
+    let best = plane_min(select(bv == m, bi, 0xFFFF_FFFFu32));
+    if comptime![units > plane_size] {
+        let planes = comptime![units / plane_size];
+        let mut shv = SharedMemory::<f32>::new(planes);
+        let mut shi = SharedMemory::<u32>::new(planes);
+        if u % plane_size == 0 {
+            shv[u / plane_size] = m;
+            shi[u / plane_size] = best;
+        }
+        sync_cube();
+        if u == 0 {
+            let mut vb = shv[0];
+            let mut ib = shi[0];
+            for p in 1..planes {
+                let v = shv[p];
+                let i = shi[p];
+                if v > vb || (v == vb && i < ib) {
+                    vb = v;
+                    ib = i;
+                }
+            }
+            ids[t] = ib;
+        }
+    } else {
+        if u == 0 {
+            ids[t] = best;
+        }
     }
 }
 
@@ -461,18 +534,23 @@ pub fn add_rms_norm<R: Runtime>(
     if tokens == 0 {
         return Ok(());
     }
-    let plane = client.properties().hardware.plane_size_max;
+    let (units, plane) = row_units(client, hidden, 16);
+    if hidden > 32 * units {
+        return Err(bad(format!("add_rms_norm: width {hidden} exceeds 32 values per unit of {units} units")));
+    }
     // SAFETY: sizes checked above.
     unsafe {
         add_rms_norm_kernel::launch_unchecked::<R>(
             client,
             CubeCount::Static(tokens as u32, 1, 1),
-            CubeDim::new_1d(plane),
+            CubeDim::new_1d(units as u32),
             x.arg(),
             w.arg(),
             params.arg(),
             h.arg(),
             hidden,
+            units,
+            plane,
         )
     };
     Ok(())
@@ -505,8 +583,6 @@ pub struct GemmaFfnOut<'a> {
     pub scalar: &'a DeviceArray,
     /// `[eps]`.
     pub params: &'a DeviceArray,
-    /// `[tokens, hidden]` scratch.
-    pub tmp: &'a DeviceArray,
     /// `[tokens, hidden]` residual stream, updated.
     pub h: &'a DeviceArray,
 }
@@ -531,18 +607,22 @@ pub fn gemma_ffn_out<R: Runtime>(
     need("gemma_ffn_out norms", b.norms, 3 * hidden)?;
     need("gemma_ffn_out scalar", b.scalar, 1)?;
     need("gemma_ffn_out params", b.params, 1)?;
-    need("gemma_ffn_out tmp", b.tmp, tokens * hidden)?;
     need("gemma_ffn_out h", b.h, tokens * hidden)?;
     if tokens == 0 {
         return Ok(());
     }
-    let plane = client.properties().hardware.plane_size_max;
+    let (units, plane) = row_units(client, hidden, 16);
+    if hidden > 32 * units {
+        return Err(bad(format!(
+            "gemma_ffn_out: width {hidden} exceeds 32 values per unit of {units} units"
+        )));
+    }
     // SAFETY: sizes checked above; `pos` entries come from `moe_route`, below `tokens · k`.
     unsafe {
         gemma_ffn_out_kernel::launch_unchecked::<R>(
             client,
             CubeCount::Static(tokens as u32, 1, 1),
-            CubeDim::new_1d(plane),
+            CubeDim::new_1d(units as u32),
             b.logits.arg(),
             b.per_expert_scale.arg(),
             b.pos.arg(),
@@ -551,11 +631,12 @@ pub fn gemma_ffn_out<R: Runtime>(
             b.norms.arg(),
             b.scalar.arg(),
             b.params.arg(),
-            b.tmp.arg(),
             b.h.arg(),
             experts,
             k,
             hidden,
+            units,
+            plane,
         )
     };
     Ok(())
@@ -651,16 +732,21 @@ pub fn argmax<R: Runtime>(
     if tokens == 0 {
         return Ok(());
     }
-    let plane = client.properties().hardware.plane_size_max;
+    if width == 0 {
+        return Err(bad("argmax: rows of width 0".into()));
+    }
+    let (units, plane) = row_units(client, width, 32);
     // SAFETY: sizes checked above.
     unsafe {
         argmax_kernel::launch_unchecked::<R>(
             client,
             CubeCount::Static(tokens as u32, 1, 1),
-            CubeDim::new_1d(plane),
+            CubeDim::new_1d(units as u32),
             x.arg(),
             ids.arg(),
             width,
+            units,
+            plane,
         )
     };
     Ok(())

@@ -9,16 +9,29 @@ use half::f16;
 
 use crate::{DeviceArray, KernelError, MAX_TOKENS, PoolSlot, decode, gemm, token_bucket};
 
-fn bad(reason: String) -> KernelError {
+pub(crate) fn bad(reason: String) -> KernelError {
     KernelError::BadItem { item: 0, reason }
 }
 
-fn need(what: &str, a: &DeviceArray, n: usize) -> Result<(), KernelError> {
+pub(crate) fn need(what: &str, a: &DeviceArray, n: usize) -> Result<(), KernelError> {
     if a.len < n { Err(bad(format!("{what}: {} elements, needs {n}", a.len))) } else { Ok(()) }
 }
 
-fn cube_1d(width: usize) -> CubeDim {
+pub(crate) fn cube_1d(width: usize) -> CubeDim {
     CubeDim::new_1d(width.clamp(1, 256) as u32)
+}
+
+/// Units of a cube that reduces rows of `width` with up to `per_unit` values per unit: a
+/// multiple of the plane size, at least one plane, at most the device's cube size and 1024.
+pub(crate) fn row_units<R: Runtime>(
+    client: &ComputeClient<R>,
+    width: usize,
+    per_unit: usize,
+) -> (usize, usize) {
+    let hw = &client.properties().hardware;
+    let plane = hw.plane_size_max as usize;
+    let cap = (hw.max_units_per_cube as usize).clamp(plane, 1024) / plane * plane;
+    (width.div_ceil(per_unit).next_multiple_of(plane).clamp(plane, cap), plane)
 }
 
 /// Embedding lookup: `h[t] = table[ids[t]] · params[0]`.
@@ -83,18 +96,24 @@ pub fn rms_norm<R: Runtime>(
     if tokens == 0 {
         return Ok(());
     }
-    let plane = client.properties().hardware.plane_size_max;
+    // Up to 16 values per unit: 256 units for a 4096-wide row.
+    let (units, plane) = row_units(client, hidden, 16);
+    if hidden > 32 * units {
+        return Err(bad(format!("rms_norm: width {hidden} exceeds 32 values per unit of {units} units")));
+    }
     // SAFETY: sizes checked above.
     unsafe {
         decode::rms_norm_kernel::launch_unchecked::<R>(
             client,
             CubeCount::Static(tokens as u32, 1, 1),
-            CubeDim::new_1d(plane),
+            CubeDim::new_1d(units as u32),
             x.arg(),
             w.arg(),
             params.arg(),
             out.arg(),
             hidden,
+            units,
+            plane,
         )
     };
     Ok(())

@@ -681,16 +681,34 @@ fn add_rms_norm_softcap_argmax_match_reference() {
     want.extend_from_slice(&x[3 * hidden..]);
     assert_close(&read_f32(&client, &xd).unwrap(), &want, FAMILY_TOL, "softcap");
 
-    // Greedy ids, with a tie in row 1 that must go to the lower index.
-    let width = 300;
-    let mut v = rand_vec(&mut rng, tokens * width, 1.0);
-    v[width + 17] = 5.0;
-    v[width + 250] = 5.0;
-    let ids = DeviceArray::empty::<WgpuRuntime, u32>(&client, tokens);
-    argmax(&client, tokens, width, &up(&v), &ids).unwrap();
-    let want = argmax_reference(&v, width);
-    assert_eq!(want[1], 17);
-    assert_eq!(read_u32(&client, &ids).unwrap(), want);
+    // Greedy ids, with a tie in row 1 that must go to the lower index: a row narrower than
+    // one round of the cube, and a wide one whose tie spans planes and rounds.
+    for width in [300, 20_011] {
+        let mut v = rand_vec(&mut rng, tokens * width, 1.0);
+        v[width + 17] = 5.0;
+        v[width + width - 50] = 5.0;
+        v[3 * width + width - 1] = 7.0;
+        let ids = DeviceArray::empty::<WgpuRuntime, u32>(&client, tokens);
+        argmax(&client, tokens, width, &up(&v), &ids).unwrap();
+        let want = argmax_reference(&v, width);
+        assert_eq!((want[1], want[3]), (17, width as u32 - 1));
+        assert_eq!(read_u32(&client, &ids).unwrap(), want, "width {width}");
+    }
+
+    // Rows wider than a cube's units (several values per unit, a partial last round).
+    let hidden = 3001;
+    let x = rand_vec(&mut rng, tokens * hidden, 2.0);
+    let w = rand_vec(&mut rng, hidden, 1.0);
+    let mut h = rand_vec(&mut rng, tokens * hidden, 1.0);
+    let hd = up(&h);
+    add_rms_norm(&client, tokens, hidden, &up(&x), &up(&w), &up(&[1e-6]), &hd).unwrap();
+    add_rms_norm_reference(&x, &w, 1e-6, &mut h);
+    assert_close(&read_f32(&client, &hd).unwrap(), &h, FAMILY_TOL, "add_rms_norm, wide");
+    let out = DeviceArray::empty::<WgpuRuntime, f32>(&client, tokens * hidden);
+    kernels_cubecl::step::rms_norm(&client, tokens, hidden, &up(&x), &up(&w), &up(&[1e-5, 1.0]), &out)
+        .unwrap();
+    let want = kernels_cubecl::step::rms_norm_reference(&x, &w, 1e-5, 1.0);
+    assert_close(&read_f32(&client, &out).unwrap(), &want, STEP_TOL, "rms_norm, wide");
 }
 
 #[test]
@@ -699,36 +717,42 @@ fn gemma_ffn_out_matches_reference() {
     let client = client();
     let mut rng = StdRng::seed_from_u64(14);
     let up = |v: &[f32]| DeviceArray::from_slice(&client, v);
-    let (tokens, experts, k, hidden) = (5, 12, 3, 48);
-    let logits = rand_vec(&mut rng, tokens * experts, 3.0);
-    let pes: Vec<f32> = (0..experts).map(|e| 0.5 + e as f32 * 0.1).collect();
-    // Per (token, choice) outputs, stored at a permuted gathered row as `moe_route` would.
-    let per_choice = rand_vec(&mut rng, tokens * k * hidden, 1.0);
-    let pos: Vec<u32> = (0..(tokens * k) as u32).map(|i| (i * 7) % (tokens * k) as u32).collect();
-    let mut down = vec![0f32; tokens * k * hidden];
-    for (i, &p) in pos.iter().enumerate() {
-        down[p as usize * hidden..][..hidden].copy_from_slice(&per_choice[i * hidden..][..hidden]);
+    // One plane, and several planes reducing through shared memory.
+    for hidden in [48, 1000] {
+        let (tokens, experts, k) = (5, 12, 3);
+        let logits = rand_vec(&mut rng, tokens * experts, 3.0);
+        let pes: Vec<f32> = (0..experts).map(|e| 0.5 + e as f32 * 0.1).collect();
+        // Per (token, choice) outputs, stored at a permuted gathered row as `moe_route` would.
+        let per_choice = rand_vec(&mut rng, tokens * k * hidden, 1.0);
+        let pos: Vec<u32> = (0..(tokens * k) as u32).map(|i| (i * 7) % (tokens * k) as u32).collect();
+        let mut down = vec![0f32; tokens * k * hidden];
+        for (i, &p) in pos.iter().enumerate() {
+            down[p as usize * hidden..][..hidden].copy_from_slice(&per_choice[i * hidden..][..hidden]);
+        }
+        let mlp = rand_vec(&mut rng, tokens * hidden, 2.0);
+        let norms = rand_vec(&mut rng, 3 * hidden, 1.0);
+        let mut h = rand_vec(&mut rng, tokens * hidden, 1.0);
+        let hd = up(&h);
+        let b = GemmaFfnOut {
+            logits: &up(&logits),
+            per_expert_scale: &up(&pes),
+            pos: &DeviceArray::from_slice(&client, &pos),
+            down: &up(&down),
+            mlp: &up(&mlp),
+            norms: &up(&norms),
+            scalar: &up(&[0.7]),
+            params: &up(&[1e-6]),
+            h: &hd,
+        };
+        gemma_ffn_out(&client, tokens, experts, k, hidden, b).unwrap();
+        gemma_ffn_out_reference(&logits, experts, k, &pes, &per_choice, &mlp, &norms, 0.7, 1e-6, &mut h);
+        assert_close(
+            &read_f32(&client, &hd).unwrap(),
+            &h,
+            FAMILY_TOL,
+            &format!("gemma_ffn_out, hidden {hidden}"),
+        );
     }
-    let mlp = rand_vec(&mut rng, tokens * hidden, 2.0);
-    let norms = rand_vec(&mut rng, 3 * hidden, 1.0);
-    let mut h = rand_vec(&mut rng, tokens * hidden, 1.0);
-    let hd = up(&h);
-    let tmp = DeviceArray::empty::<WgpuRuntime, f32>(&client, tokens * hidden);
-    let b = GemmaFfnOut {
-        logits: &up(&logits),
-        per_expert_scale: &up(&pes),
-        pos: &DeviceArray::from_slice(&client, &pos),
-        down: &up(&down),
-        mlp: &up(&mlp),
-        norms: &up(&norms),
-        scalar: &up(&[0.7]),
-        params: &up(&[1e-6]),
-        tmp: &tmp,
-        h: &hd,
-    };
-    gemma_ffn_out(&client, tokens, experts, k, hidden, b).unwrap();
-    gemma_ffn_out_reference(&logits, experts, k, &pes, &per_choice, &mlp, &norms, 0.7, 1e-6, &mut h);
-    assert_close(&read_f32(&client, &hd).unwrap(), &h, FAMILY_TOL, "gemma_ffn_out");
 }
 
 #[test]

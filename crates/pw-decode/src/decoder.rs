@@ -73,7 +73,6 @@ struct Scratch {
     mlp_gu: DeviceArray,
     mlp_act: DeviceArray,
     mlp_out: DeviceArray,
-    tmp: DeviceArray,
     logits: DeviceArray,
     route: RouteBuffers,
     norm_params: DeviceArray,
@@ -448,7 +447,6 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
             mlp_gu: scratch(t * widest(&|l| cfg.mlp_rows(l))),
             mlp_act: scratch(t * widest(&|l| cfg.mlp_inter(l))),
             mlp_out: scratch(t * h),
-            tmp: scratch(t * h),
             logits: scratch(t * cfg.vocab),
             route: RouteBuffers::new(client, cfg.moe_shape()),
             norm_params: DeviceArray::from_slice(client, &[cfg.eps, 0.0]),
@@ -829,7 +827,6 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
                         norms: &gl.post_norms,
                         scalar: &gl.scalar,
                         params: &s.eps,
-                        tmp: &s.tmp,
                         h: &s.h,
                     };
                     launch!(gemma_ffn_out(c, t, e, cfg.top_k, h, b));
