@@ -33,7 +33,8 @@ pub fn cube_sum(v: f32, #[comptime] units: usize, #[comptime] plane_size: usize)
     if comptime![units > plane_size] {
         let planes = comptime![units / plane_size];
         let mut sh = SharedMemory::<f32>::new(planes);
-        if UNIT_POS as usize % plane_size == 0 {
+        let lane = UNIT_POS as usize % plane_size;
+        if lane == 0 {
             sh[UNIT_POS as usize / plane_size] = total;
         }
         sync_cube();

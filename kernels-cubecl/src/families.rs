@@ -307,7 +307,8 @@ pub fn argmax_kernel(
         let planes = comptime![units / plane_size];
         let mut shv = SharedMemory::<f32>::new(planes);
         let mut shi = SharedMemory::<u32>::new(planes);
-        if u % plane_size == 0 {
+        let lane = u % plane_size;
+        if lane == 0 {
             shv[u / plane_size] = m;
             shi[u / plane_size] = best;
         }
