@@ -213,16 +213,22 @@ impl Curve<'_> {
 
     /// Cheapest lowering from `cur` by damage per byte freed: `(ratio, to)`.
     fn best_down(&self, cur: u8) -> Option<(f64, u8)> {
-        let (dc, bc) = (self.damage(cur), self.bytes(cur));
-        let mut best: Option<(f64, u8)> = None;
-        // From high to low so that a tie keeps the smaller move.
-        for b in (self.floor..cur).rev() {
-            let r = (self.damage(b) - dc) / (bc - self.bytes(b)) as f64;
-            if best.is_none_or(|(br, _)| r < br) {
-                best = Some((r, b));
-            }
+        if cur <= self.floor {
+            return None;
         }
-        best
+        let (dc, bc) = (self.damage(cur), self.bytes(cur));
+        let ratio = |b: u8| (self.damage(b) - dc) / (bc - self.bytes(b)) as f64;
+        // From high to low so that a tie keeps the smaller move. Selects without branches:
+        // which depth wins is unpredictable, and a mispredicted branch would discard the
+        // divisions already in flight.
+        let (mut best_r, mut best_b) = (ratio(cur - 1), cur - 1);
+        for b in (self.floor..cur - 1).rev() {
+            let r = ratio(b);
+            let less = r < best_r;
+            best_r = if less { r } else { best_r };
+            best_b = if less { b } else { best_b };
+        }
+        Some((best_r, best_b))
     }
 
     /// Best raise from `cur` within `budget` bytes by damage saved per byte: `(ratio, to)`;
@@ -282,6 +288,8 @@ fn curves(
     cs.spans.clear();
     cs.damage.clear();
     cs.bytes.clear();
+    // An expert's pages are usually adjacent: its bucket is looked up once for them.
+    let mut expert_terms: Option<((usize, usize), f64, u8)> = None;
     for p in &snapshot.pages {
         p.validate()?;
         let mut weight = 1.0;
@@ -293,8 +301,17 @@ fn curves(
                     reason: format!("cover {}×{} experts, not page {}", r.layers(), r.experts(), p.id),
                 });
             }
-            weight *= r.multiplier(p.id.layer, p.id.expert);
-            floor = floor.max(r.floor_bits(p.id.layer, p.id.expert));
+            let key = (p.id.layer, p.id.expert);
+            let (multiplier, expert_floor) = match expert_terms {
+                Some((k, m, f)) if k == key => (m, f),
+                _ => {
+                    let terms = (r.multiplier(key.0, key.1), r.floor_bits(key.0, key.1));
+                    expert_terms = Some((key, terms.0, terms.1));
+                    terms
+                }
+            };
+            weight *= multiplier;
+            floor = floor.max(expert_floor);
         }
         if let Some(f) = residual {
             if p.id.layer >= f.layers() {
