@@ -389,10 +389,7 @@ pub fn estimated_damage(
             if (c.min..=c.max).contains(&b) {
                 Ok(c.damage(b))
             } else {
-                Err(PlanError::Page {
-                    page: p.id.to_string(),
-                    reason: format!("{b} bits is not stored"),
-                })
+                Err(PlanError::Page { page: p.id.to_string(), reason: format!("{b} bits is not stored") })
             }
         })
         .sum();
@@ -913,7 +910,8 @@ mod tests {
             ];
             for t in targets {
                 let got = plan(&snap, Some(&routing), Some(&residual), t, &cfg).unwrap();
-                let want = reference::plan_reference(&snap, Some(&routing), Some(&residual), t, &cfg).unwrap();
+                let want =
+                    reference::plan_reference(&snap, Some(&routing), Some(&residual), t, &cfg).unwrap();
                 let same = got == want && got.damage_delta.to_bits() == want.damage_delta.to_bits();
                 assert!(same, "case {case} {t:?} {cfg:?}:\n got {got:?}\nwant {want:?}");
                 checked += 1;

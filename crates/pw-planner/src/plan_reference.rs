@@ -5,7 +5,9 @@
 use std::collections::BinaryHeap;
 
 use super::Cand;
-use crate::{MemoryTarget, PageState, Plan, PlanError, PlannerConfig, ResidualFactors, RoutingStats, Snapshot};
+use crate::{
+    MemoryTarget, PageState, Plan, PlanError, PlannerConfig, ResidualFactors, RoutingStats, Snapshot,
+};
 
 #[derive(Clone, Copy)]
 struct Curve<'a> {
