@@ -473,9 +473,9 @@ enum Greedy {
 /// the greedy takes exactly the shortest prefix, in [`seg_order`], of all pages' hull
 /// segments whose bytes reach the target. Small targets (the per-step case: a few KV blocks)
 /// run a heap (pop the cheapest segment, push that page's next) and stop after a few pops;
-/// large ones (or a heap that takes more than `pages / 8 + 16` pops) find the prefix by a
-/// weighted quickselect over all segments in expected linear time (a Gemma-4 table has ~38k).
-/// Both produce the same prefix.
+/// large ones (or a heap that takes more than `pages / 8 + 16` pops) find the prefix's last
+/// segment over all segments in linear time ([`cutoff`]; a Gemma-4 table has ~38k). Both
+/// produce the same prefix.
 fn lower(cs: &Curves, cur: &mut [u8], target: u64) -> bool {
     if target == 0 {
         return true;
@@ -530,7 +530,7 @@ fn lower_heap(cs: &Curves, cur: &mut [u8], target: u64, max_pops: usize) -> Opti
     outcome
 }
 
-/// The quickselect greedy over all hull segments.
+/// The selection greedy over all hull segments ([`cutoff`]; once a quickselect, hence the test name).
 fn lower_select(cs: &Curves, cur: &mut [u8], target: u64) -> Greedy {
     let mut segs = SEGS.with(Cell::take);
     segs.clear();
@@ -713,7 +713,7 @@ fn undo_surplus(cs: &Curves, cur: &mut [u8], orig: &[u8], freed: &mut u64, targe
 ///
 /// Until the first move that does not fit, that greedy takes the longest prefix (in
 /// [`seg_order`] on minus the ratio) of all pages' upward hull segments that fits in the
-/// budget, found by quickselect; from there a heap finishes with what is left, re-planning a
+/// budget, found by [`cutoff`]; from there a heap finishes with what is left, re-planning a
 /// page under the remaining budget when its best move no longer fits.
 fn raise(cs: &Curves, cur: &mut [u8], budget: u64) {
     if budget == 0 {
@@ -848,7 +848,7 @@ mod tests {
         let mut checked = 0;
         for case in 0..400 {
             let (layers, experts) = match case % 10 {
-                9 => (12, 64), // 1536 pages: large enough for the quickselect path and buckets
+                9 => (12, 64), // 1536 pages: large enough for the selection path and buckets
                 _ => (1 + rng.random_range(0..4), 1 + rng.random_range(0..6)),
             };
             let mut pages = Vec::new();
