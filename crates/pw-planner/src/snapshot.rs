@@ -113,10 +113,15 @@ impl PageState {
             )));
         }
         // A move that frees nothing has no damage per byte; bytes must grow with bits.
-        if self.bytes.windows(2).any(|w| w[1] <= w[0]) {
+        // (Branch-free folds: `plan` checks every page on every call; the offender is looked
+        // up only for the message.)
+        if !self.bytes.windows(2).fold(true, |ok, w| ok & (w[1] > w[0])) {
             return Err(err(format!("field `bytes` is not strictly increasing in bits: {:?}", self.bytes)));
         }
-        if let Some(s) = self.sensitivity.iter().find(|s| !s.is_finite() || **s < 0.0) {
+        let valid = |s: &f64| s.is_finite() & (*s >= 0.0);
+        if !self.sensitivity.iter().fold(true, |ok, s| ok & valid(s))
+            && let Some(s) = self.sensitivity.iter().find(|s| !valid(s))
+        {
             return Err(err(format!("field `sensitivity` holds {s}, expected finite and >= 0")));
         }
         Ok(())
