@@ -415,6 +415,9 @@ pub fn floors(
 /// `n` fewer bytes; if even every page at its floor does not free `n`, all reachable lowering
 /// is planned and `met` is false. `Spare(n)` raises pages (never above `max_bits`) spending at
 /// most `n` bytes. `Hold` returns the desired state unchanged.
+///
+/// Keeps its working buffers per thread between calls (about 2 MB for a Gemma-4-sized table
+/// of 7680 pages) so that a call between decode steps does not fault fresh memory in.
 pub fn plan(
     snapshot: &Snapshot,
     routing: Option<&RoutingStats>,
@@ -659,7 +662,9 @@ fn replace_final_move(cs: &Curves, cur: &mut [u8], freed: &mut u64, target: u64,
         for b in c.floor..from {
             let bytes = c.bytes(from) - c.bytes(b);
             if bytes < need {
-                continue;
+                // Bytes freed only shrink as `b` rises; ties are broken by (bytes, page), so
+                // the scan order does not matter.
+                break;
             }
             let dmg = c.damage(b) - c.damage(from);
             let better = dmg < best.0 || (dmg == best.0 && (bytes, j) < (best.1, best.2));
