@@ -146,6 +146,8 @@ struct Curves {
     damage: Vec<f64>,
     /// `bytes_i(b)`, laid out like `damage`.
     bytes: Vec<u64>,
+    /// `Σ_i bytes_i(desired_i)`: the snapshot's desired bytes.
+    desired_bytes: u64,
 }
 
 /// Where one page's curve lies in [`Curves`], and its range.
@@ -288,6 +290,7 @@ fn curves(
     cs.spans.clear();
     cs.damage.clear();
     cs.bytes.clear();
+    cs.desired_bytes = 0;
     // An expert's pages are usually adjacent: its bucket is looked up once for them.
     let mut expert_terms: Option<((usize, usize), f64, u8)> = None;
     for (i, p) in snapshot.pages.iter().enumerate() {
@@ -334,6 +337,7 @@ fn curves(
             cs.damage.extend((p.min_bits..=p.max_bits).map(|b| weight * (top * 0.25f64.powi(b as i32))));
         }
         cs.bytes.extend_from_slice(&p.bytes);
+        cs.desired_bytes += p.bytes[(p.desired - p.min_bits) as usize];
         cs.spans.push(Span {
             off,
             min: p.min_bits,
@@ -435,7 +439,7 @@ pub fn plan(
             true
         }
     };
-    let bytes_before = cs.iter().zip(&cs.spans).map(|(c, s)| c.bytes(s.desired)).sum();
+    let bytes_before = cs.desired_bytes;
     let bytes_after = cs.iter().zip(&cur).map(|(c, &b)| c.bytes(b)).sum();
     let damage_delta =
         cs.iter().zip(&cur).zip(&cs.spans).map(|((c, &b), s)| c.damage(b) - c.damage(s.desired)).sum();
@@ -485,8 +489,8 @@ fn lower(cs: &Curves, cur: &mut [u8], target: u64) -> bool {
     }
     let orig = cur.to_vec();
     // A bit step frees about an eighth of a page: up to ~pages/8 steps, the heap is cheaper.
-    let desired: u64 = cs.iter().zip(cur.iter()).map(|(c, &b)| c.bytes(b)).sum();
-    let max_pops = if target <= desired / 64 { cs.len() / 8 + 16 } else { 0 };
+    // (`cur` is still the snapshot's desired state.)
+    let max_pops = if target <= cs.desired_bytes / 64 { cs.len() / 8 + 16 } else { 0 };
     let heap = if max_pops > 0 { lower_heap(cs, cur, target, max_pops) } else { None };
     let outcome = heap.unwrap_or_else(|| {
         cur.copy_from_slice(&orig);
