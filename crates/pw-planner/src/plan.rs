@@ -557,9 +557,12 @@ fn lower_select(cs: &Curves, cur: &mut [u8], target: u64) -> Greedy {
     }
     let last = cutoff(&segs, target);
     let mut freed = 0;
-    for s in segs.iter().filter(|s| last.is_none_or(|l| seg_order(s, &l) != Ordering::Greater)) {
-        cur[s.page as usize] = cur[s.page as usize].min(s.to);
-        freed += s.bytes;
+    // Whether a segment is taken is unpredictable: select without branching.
+    for s in &segs {
+        let take = last.is_none_or(|l| seg_order(s, &l) != Ordering::Greater);
+        let p = s.page as usize;
+        cur[p] = if take { cur[p].min(s.to) } else { cur[p] };
+        freed += if take { s.bytes } else { 0 };
     }
     SEGS.with(|c| c.set(segs));
     match last {
@@ -745,9 +748,11 @@ fn raise(cs: &Curves, cur: &mut [u8], budget: u64) {
     // The shortest prefix exceeding the budget, minus its last segment, is the longest that fits.
     let last = cutoff(&segs, budget.saturating_add(1));
     let mut left = budget;
-    for s in segs.iter().filter(|s| last.is_none_or(|l| seg_order(s, &l) == Ordering::Less)) {
-        cur[s.page as usize] = cur[s.page as usize].max(s.to);
-        left -= s.bytes;
+    for s in &segs {
+        let take = last.is_none_or(|l| seg_order(s, &l) == Ordering::Less);
+        let p = s.page as usize;
+        cur[p] = if take { cur[p].max(s.to) } else { cur[p] };
+        left -= if take { s.bytes } else { 0 };
     }
     SEGS.with(|c| c.set(segs));
     if last.is_some() {
