@@ -297,7 +297,9 @@ fn curves(
         if let Some(ahead) = snapshot.pages.get(i + PREFETCH_PAGES) {
             prefetch_tables(ahead);
         }
-        p.validate()?;
+        if !p.is_valid() {
+            p.validate()?;
+        }
         let mut weight = 1.0;
         let mut floor = p.min_bits.max(config.floor_bits);
         if let Some(r) = routing {
