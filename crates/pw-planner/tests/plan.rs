@@ -448,3 +448,47 @@ fn hook_holds_without_pressure_and_plans_under_it() {
     let e = hook.observe(1, &[1, 0], &[1.0, 0.0]).unwrap_err();
     assert!(e.to_string().contains("routing counts"), "{e}");
 }
+
+/// `is_valid` (the planner's fast check) agrees with `validate` on every kind of bad page, and
+/// `plan` then reports `validate`'s error naming the page and the field.
+#[test]
+fn fast_page_check_agrees_with_validate() {
+    let good = page(1, 4, 6, 3, vec![3, 4, 5, 6, 7, 8], vec![6.0, 5.0, 4.0, 3.0, 2.0, -0.0]);
+    type Corrupt = fn(&mut PageState);
+    let cases: [(&str, Corrupt); 13] = [
+        ("", |_| {}),
+        ("bit range", |p| p.min_bits = 0),
+        ("bit range", |p| p.min_bits = 9),
+        ("desired", |p| p.desired = 2),
+        ("desired", |p| p.desired = 9),
+        ("committed", |p| p.committed = 9),
+        ("bytes", |p| p.bytes.push(9)),
+        ("sensitivity", |p| {
+            p.sensitivity.pop();
+        }),
+        ("bytes", |p| p.bytes[5] = 7),
+        ("bytes", |p| p.bytes[0] = 4),
+        ("sensitivity", |p| p.sensitivity[3] = f64::NAN),
+        ("sensitivity", |p| p.sensitivity[0] = f64::INFINITY),
+        ("sensitivity", |p| p.sensitivity[5] = -1e-300),
+    ];
+    for (field, corrupt) in cases {
+        let mut p = good.clone();
+        corrupt(&mut p);
+        let checked = p.validate();
+        assert_eq!(p.is_valid(), checked.is_ok(), "{field}: {checked:?}");
+        let planned =
+            plan(&Snapshot { pages: vec![good.clone(), p] }, None, None, MemoryTarget::Hold, &plain());
+        match (checked, planned) {
+            (Ok(()), Ok(_)) => assert!(field.is_empty()),
+            (Err(e), Err(f)) => {
+                assert_eq!(e.to_string(), f.to_string());
+                assert!(
+                    f.to_string().contains("layer 1 expert 4 gate_up") && f.to_string().contains(field),
+                    "{f}"
+                );
+            }
+            (c, p) => panic!("{field}: validate {c:?}, plan {p:?}"),
+        }
+    }
+}

@@ -1,5 +1,9 @@
 //! `plan` on model-sized page tables: it runs between decode steps, so it must cost far less
 //! than a step. Mixtral-8x7B: 32 layers × 8 experts × 2 kinds; Gemma-4-26B-A4B: 30 × 128 × 2.
+//!
+//! `cargo bench -p pw-planner --bench plan -- --warm-up-time 1 --measurement-time 3`; figures go
+//! to `benches/results/planner-cpu.md`. Calls repeat on one thread, as a server's calls between
+//! steps do, so `plan`'s per-thread buffers are warm after the first.
 
 use criterion::{Criterion, criterion_main};
 use pw_format::{BlockEntry, BlockKind};
