@@ -126,7 +126,32 @@ pub fn dense_gemm_kernel<N: Size>(
     }
     let kv = comptime![k / vec];
     let wrow = row * kv;
-    for v in range_stepped(lane, kv, plane_size) {
+    // Rounds of 4 vectors per lane whose loads are all issued before any is used (one load in
+    // flight per lane leaves HBM idle), then the remaining vectors one by one.
+    let full = comptime![kv / (4 * plane_size)];
+    for r in 0..full {
+        let v0 = r * comptime![4 * plane_size] + lane;
+        let mut wv = Array::<Vector<f16, N>>::new(4usize);
+        #[unroll]
+        for q in 0..4usize {
+            wv[q] = w[wrow + v0 + q * plane_size];
+        }
+        #[unroll]
+        for q in 0..4usize {
+            #[unroll]
+            for i in 0..vec {
+                let wf = f32::cast_from(wv[q][i]);
+                let c = (v0 + q * plane_size) * vec + i;
+                #[unroll]
+                for t in 0..max_tokens {
+                    if t < tokens {
+                        acc[t] += wf * x[t * k + c];
+                    }
+                }
+            }
+        }
+    }
+    for v in range_stepped(full * comptime![4 * plane_size] + lane, kv, plane_size) {
         let wv = w[wrow + v];
         #[unroll]
         for i in 0..vec {
