@@ -109,8 +109,8 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
             o.max_context,
         )
         .map_err(|e| model(e.to_string()))?;
-        let kv = KvLayout::from_config(&config, size_of::<KV>() as u64);
-        Self::assemble(dec, kv, accountant, &o.memory, plan, o.max_batch).map_err(model)
+        Self::assemble(dec, pool_layout(&cfg, size_of::<KV>()), accountant, &o.memory, plan, o.max_batch)
+            .map_err(model)
     }
 
     /// A model of `cfg`'s shapes with random weights (see [`MixtralDecoder::synthetic_paged`]),
@@ -147,15 +147,8 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
             o.max_context,
         )
         .map_err(|e| model(e.to_string()))?;
-        let layers = cfg
-            .attn
-            .iter()
-            .map(|a| crate::LayerKv {
-                bytes_per_token: (a.kv_heads * a.head_dim * 2 * size_of::<KV>()) as u64,
-                window: (a.window > 0).then_some(a.window),
-            })
-            .collect();
-        Self::assemble(dec, KvLayout { layers }, accountant, &o.memory, plan, o.max_batch).map_err(model)
+        Self::assemble(dec, pool_layout(&cfg, size_of::<KV>()), accountant, &o.memory, plan, o.max_batch)
+            .map_err(model)
     }
 
     fn assemble(
@@ -230,6 +223,22 @@ struct MemoryPlan {
     initial_bits: u8,
     kv_blocks: usize,
     kv_capacity: u64,
+}
+
+/// The engine's view of the paged cache's bytes per token. One block id addresses the same
+/// slots in every layer's pools, so a sliding-window layer keeps its old blocks for the life of
+/// the sequence: the accounting counts every layer in full, or admission would promise more
+/// than the pool holds once a sequence passes the window.
+fn pool_layout(cfg: &DecodeConfig, elem_bytes: usize) -> KvLayout {
+    let layers = cfg
+        .attn
+        .iter()
+        .map(|a| crate::LayerKv {
+            bytes_per_token: (a.kv_heads * a.head_dim * 2 * elem_bytes) as u64,
+            window: None,
+        })
+        .collect();
+    KvLayout { layers }
 }
 
 impl MemoryPlan {
@@ -362,4 +371,28 @@ where
     let m = FastStepModel::<R, half::f16>::load_with(client, dir, options)?;
     let cap = m.kv_capacity_bytes();
     Ok((Box::new(m), cap))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Past Gemma's sliding window the engine's byte count still equals what the paged pool
+    /// takes: whole blocks of every layer.
+    #[test]
+    fn pool_layout_counts_what_the_block_pool_takes() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/pw-models/tests/fixtures/gemma4");
+        let cfg = DecodeConfig::from_model(&ModelConfig::from_dir(&dir).unwrap()).unwrap();
+        let window = cfg.attn.iter().map(|a| a.window).max().unwrap();
+        assert!(window > 0, "the fixture has sliding layers");
+        let geometry = cfg.kv_geometry(BLOCK, 2, 256);
+        let layout = pool_layout(&cfg, 2);
+        for blocks in [1, window.div_ceil(BLOCK), window.div_ceil(BLOCK) + 3] {
+            let tokens = blocks * BLOCK;
+            assert_eq!(layout.bytes_for(tokens), (blocks * geometry.block_bytes()) as u64, "{tokens} tokens");
+        }
+        // The HF layout caps sliding layers at the window, which the shared pool does not.
+        let hf = KvLayout::from_config(&ModelConfig::from_dir(&dir).unwrap(), 2);
+        assert!(hf.bytes_for(4 * window) < layout.bytes_for(4 * window));
+    }
 }
