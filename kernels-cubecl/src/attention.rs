@@ -253,3 +253,63 @@ pub fn paged_decode_combine_kernel(
         out[(s * n_heads + h) * head_dim + lane + j * plane_size] = acc[j] / zz;
     }
 }
+
+/// RoPE and the K/V append of a decode step in one launch (grid `(tokens)`): the query heads of
+/// row `t` of `qkv` are rotated in place (attention reads them there), its key heads are rotated
+/// on their way into K pool slot `slots[t]` (the unrotated dimensions past `rot_dim` copied as
+/// they are), and its value heads are copied into the V pool. Key heads must follow the query
+/// heads in the row (`k_off = heads · head_dim`). Angle `pos[t] · inv_freq[i]`, rotate-half.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn rope_append_kernel<KV: Float>(
+    qkv: &mut Array<f32>,
+    pos: &Array<u32>,
+    inv_freq: &Array<f32>,
+    slots: &Array<u32>,
+    k_pool: &mut Array<KV>,
+    v_pool: &mut Array<KV>,
+    #[comptime] stride: usize,
+    #[comptime] heads: usize,
+    #[comptime] kv_heads: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] rot_dim: usize,
+    #[comptime] v_off: usize,
+) {
+    let t = CUBE_POS_X as usize;
+    let half = comptime![rot_dim / 2];
+    let kv_width = comptime![kv_heads * head_dim];
+    let p = f32::cast_from(pos[t]);
+    let row = t * stride;
+    let dst = slots[t] as usize * kv_width;
+    for u in range_stepped(UNIT_POS as usize, comptime![(heads + kv_heads) * half], CUBE_DIM as usize) {
+        let hd = u / half;
+        let i = u % half;
+        let a = p * inv_freq[i];
+        let (s, c) = (a.sin(), a.cos());
+        let b = row + hd * head_dim + i;
+        let x1 = qkv[b];
+        let x2 = qkv[b + half];
+        let y1 = x1 * c - x2 * s;
+        let y2 = x2 * c + x1 * s;
+        if hd < heads {
+            qkv[b] = y1;
+            qkv[b + half] = y2;
+        } else {
+            let d = dst + (hd - heads) * head_dim + i;
+            k_pool[d] = KV::cast_from(y1);
+            k_pool[d + half] = KV::cast_from(y2);
+        }
+    }
+    let tail = comptime![head_dim - rot_dim];
+    if comptime![tail > 0] {
+        for u in range_stepped(UNIT_POS as usize, comptime![kv_heads * tail], CUBE_DIM as usize) {
+            let i = rot_dim + u % tail;
+            let h = u / tail;
+            k_pool[dst + h * head_dim + i] =
+                KV::cast_from(qkv[row + comptime![heads * head_dim] + h * head_dim + i]);
+        }
+    }
+    for i in range_stepped(UNIT_POS as usize, kv_width, CUBE_DIM as usize) {
+        v_pool[dst + i] = KV::cast_from(qkv[row + v_off + i]);
+    }
+}

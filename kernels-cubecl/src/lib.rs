@@ -534,6 +534,73 @@ pub fn kv_append_rows<R: Runtime, KV: Float + CubeElement>(
     Ok(())
 }
 
+/// RoPE of the query and key heads of `qkv` rows and the K/V append in one launch (see
+/// [`attention::rope_append_kernel`]): the decode step's `rope` + [`kv_append_rows`] with one
+/// launch less per layer. `layout.k_off` must be `n_heads · head_dim` (keys right after the
+/// queries). Does not synchronise.
+///
+/// # Shapes
+/// - `qkv`: `[tokens, layout.stride]`; `pos`, `slots`: `[tokens]`; `inv_freq`: `[rot_dim / 2]`;
+///   pools: `[pool slots, n_kv_heads · head_dim]`
+#[allow(clippy::too_many_arguments)]
+pub fn rope_append<R: Runtime, KV: Float + CubeElement>(
+    client: &ComputeClient<R>,
+    shape: PagedAttnShape,
+    tokens: usize,
+    layout: RowLayout,
+    rot_dim: usize,
+    qkv: &DeviceArray,
+    pos: &DeviceArray,
+    inv_freq: &DeviceArray,
+    slots: &DeviceArray,
+    k_pool: &DeviceArray,
+    v_pool: &DeviceArray,
+) -> Result<(), KernelError> {
+    let (hd, w) = (shape.head_dim, shape.slot_width());
+    let bad = |reason: String| Err(KernelError::BadItem { item: 0, reason });
+    if layout.k_off != shape.n_heads * hd
+        || layout.k_off + w > layout.stride
+        || layout.v_off + w > layout.stride
+    {
+        return bad(format!("rope_append: row layout {layout:?} does not hold Q | K | V heads of {hd}"));
+    }
+    if rot_dim == 0 || rot_dim > hd || !rot_dim.is_multiple_of(2) {
+        return bad(format!("rope_append: rot_dim {rot_dim} for head_dim {hd}"));
+    }
+    if tokens == 0 {
+        return Ok(());
+    }
+    if qkv.len < tokens * layout.stride
+        || pos.len < tokens
+        || slots.len < tokens
+        || inv_freq.len < rot_dim / 2
+        || k_pool.len != v_pool.len
+    {
+        return bad("rope_append: buffer sizes do not match".into());
+    }
+    // SAFETY: sizes checked above; slot values are the cache allocator's (inside the pools).
+    unsafe {
+        attention::rope_append_kernel::launch_unchecked::<KV, R>(
+            client,
+            CubeCount::Static(tokens as u32, 1, 1),
+            CubeDim::new_1d(((shape.n_heads + shape.n_kv_heads) * rot_dim / 2).clamp(1, 256) as u32),
+            qkv.arg(),
+            pos.arg(),
+            inv_freq.arg(),
+            slots.arg(),
+            k_pool.arg(),
+            v_pool.arg(),
+            layout.stride,
+            shape.n_heads,
+            shape.n_kv_heads,
+            hd,
+            rot_dim,
+            layout.v_off,
+        )
+    };
+    Ok(())
+}
+
 /// CPU reference of [`kv_append`] on f32 pools.
 pub fn kv_append_reference(
     shape: PagedAttnShape,

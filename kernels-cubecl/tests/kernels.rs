@@ -769,3 +769,94 @@ fn fill_uniform_matches_reference() {
             && want.iter().any(|v| *v < -0.2)
     );
 }
+
+/// RoPE + K/V append in one launch against `rope_reference` then `kv_append_reference`: query
+/// heads rotated in place, key heads rotated into the K pool, value heads copied; full and
+/// partial rotary, an f32 and an f16 pool.
+#[test]
+fn rope_append_matches_reference() {
+    use kernels_cubecl::step::{Rope, rope_reference};
+    let client = client();
+    let mut rng = StdRng::seed_from_u64(21);
+    for (rot_dim, f16_pool) in [(16usize, false), (10, true)] {
+        let shape = PagedAttnShape {
+            n_heads: 4,
+            n_kv_heads: 2,
+            head_dim: 16,
+            block_size: 4,
+            max_blocks: 4,
+            window: 0,
+        };
+        let (nh, kvh, hd, w) = (4, 2, 16, shape.slot_width());
+        // Q | K | V and 3 spare columns per row, as a fused projection may leave.
+        let stride = (nh + 2 * kvh) * hd + 3;
+        let layout = RowLayout { stride, k_off: nh * hd, v_off: (nh + kvh) * hd };
+        let tokens = 3;
+        let qkv = rand_vec(&mut rng, tokens * stride, 1.0);
+        let pos = [0u32, 7, 130];
+        let inv_freq: Vec<f32> =
+            (0..rot_dim / 2).map(|i| 10000f32.powf(-((2 * i) as f32) / rot_dim as f32)).collect();
+        let slots = [5u32, 0, 9];
+        let pool_slots = 12;
+
+        let mut want_qkv = qkv.clone();
+        rope_reference(
+            Rope { stride, heads: nh + kvh, head_dim: hd, rot_dim },
+            &mut want_qkv,
+            &pos,
+            &inv_freq,
+        );
+        let rows = |off: usize| -> Vec<f32> {
+            (0..tokens).flat_map(|t| want_qkv[t * stride + off..][..w].to_vec()).collect()
+        };
+        let (mut kp, mut vp) = (vec![0f32; pool_slots * w], vec![0f32; pool_slots * w]);
+        kv_append_reference(shape, &rows(layout.k_off), &rows(layout.v_off), &slots, &mut kp, &mut vp);
+
+        let qd = DeviceArray::from_slice(&client, &qkv);
+        let (pd, fd, sd) = (
+            DeviceArray::from_slice(&client, &pos),
+            DeviceArray::from_slice(&client, &inv_freq),
+            DeviceArray::from_slice(&client, &slots),
+        );
+        let read_pool = |d: &DeviceArray| -> Vec<f32> {
+            if f16_pool {
+                sync(&client).unwrap();
+                let b = client.read_one(d.handle.clone()).unwrap();
+                half::f16::from_bytes(&b)[..d.len].iter().map(|x| x.to_f32()).collect()
+            } else {
+                read_f32(&client, d).unwrap()
+            }
+        };
+        let (kd, vd) = if f16_pool {
+            let z = vec![half::f16::ZERO; pool_slots * w];
+            (DeviceArray::from_slice(&client, &z), DeviceArray::from_slice(&client, &z))
+        } else {
+            let z = vec![0f32; pool_slots * w];
+            (DeviceArray::from_slice(&client, &z), DeviceArray::from_slice(&client, &z))
+        };
+        if f16_pool {
+            rope_append::<_, half::f16>(
+                &client, shape, tokens, layout, rot_dim, &qd, &pd, &fd, &sd, &kd, &vd,
+            )
+            .unwrap();
+        } else {
+            rope_append::<_, f32>(&client, shape, tokens, layout, rot_dim, &qd, &pd, &fd, &sd, &kd, &vd)
+                .unwrap();
+        }
+        // f16 pools round each value once (relative 2^-11 of |x| ≤ ~1.5).
+        let tol = if f16_pool { 1e-3 } else { STEP_TOL };
+        let got = read_f32(&client, &qd).unwrap();
+        let q: Vec<f32> = (0..tokens).flat_map(|t| got[t * stride..][..nh * hd].to_vec()).collect();
+        let wq: Vec<f32> = (0..tokens).flat_map(|t| want_qkv[t * stride..][..nh * hd].to_vec()).collect();
+        assert_close(&q, &wq, STEP_TOL, "rotated queries");
+        assert_close(&read_pool(&kd), &kp, tol, &format!("K pool, rot_dim {rot_dim}"));
+        assert_close(&read_pool(&vd), &vp, tol, &format!("V pool, rot_dim {rot_dim}"));
+    }
+    // Keys that do not follow the queries are refused.
+    let shape =
+        PagedAttnShape { n_heads: 4, n_kv_heads: 2, head_dim: 16, block_size: 4, max_blocks: 4, window: 0 };
+    let a = DeviceArray::from_slice(&client, &[0f32; 256]);
+    let bad = RowLayout { stride: 128, k_off: 0, v_off: 96 };
+    let err = rope_append::<_, f32>(&client, shape, 1, bad, 16, &a, &a, &a, &a, &a, &a).unwrap_err();
+    assert!(err.to_string().contains("rope_append"), "{err}");
+}

@@ -10,12 +10,11 @@ use kernels_cubecl::families::{
     GemmaFfnOut, HeadNorm, add_rms_norm, argmax, gated_act, gemma_ffn_out, head_norm, softcap,
 };
 use kernels_cubecl::step::{
-    DenseGemm, Rope, RouteBuffers, ap_gemm_routed, dense_gemm, embed, gather_rows, moe_combine, moe_route,
-    rms_norm, rope,
+    DenseGemm, RouteBuffers, ap_gemm_routed, dense_gemm, embed, gather_rows, moe_combine, moe_route, rms_norm,
 };
 use kernels_cubecl::{
-    Activation, DeviceArray, GemmConfig, MAX_TOKENS, RowLayout, kv_append_rows,
-    paged_decode_attention_strided, read_f32, read_u32,
+    Activation, DeviceArray, GemmConfig, MAX_TOKENS, RowLayout, paged_decode_attention_strided, read_f32,
+    read_u32, rope_append,
 };
 use pw_hf::{Checkpoint, ModelConfig};
 use pw_kv::{BlockTables, DevicePools, SeqId};
@@ -749,12 +748,22 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
                 };
                 launch!(head_norm(c, g, t, &s.proj, w, &s.eps, &s.qkv));
             }
-            let r = Rope { stride: qkv_w, heads: nh + kvh, head_dim: hd, rot_dim: hd };
-            launch!(rope(c, r, t, &s.qkv, &pos, &layer.inv_freq));
             let attn_shape = self.kv.geometry().attn_shape(li);
             let (kp, vp) = self.kv.layer(li);
             let layout = RowLayout { stride: qkv_w, k_off: nh * hd, v_off: (nh + kvh) * hd };
-            launch!(kv_append_rows::<R, KV>(c, attn_shape, t, layout, &s.qkv, &s.qkv, &step.slots, kp, vp));
+            launch!(rope_append::<R, KV>(
+                c,
+                attn_shape,
+                t,
+                layout,
+                hd,
+                &s.qkv,
+                &pos,
+                &layer.inv_freq,
+                &step.slots,
+                kp,
+                vp
+            ));
             launch!(paged_decode_attention_strided::<R, KV>(
                 c,
                 attn_shape,
