@@ -50,6 +50,31 @@ pub fn cube_sum(v: f32, #[comptime] units: usize, #[comptime] plane_size: usize)
     total
 }
 
+/// Loads this unit's columns `UNIT_POS + i · units` of the row at `base` into `xv` (zeros past
+/// `hidden`), all loads unrolled so they are in flight together; returns their sum of squares.
+#[cube]
+pub fn load_row(
+    x: &Array<f32>,
+    base: usize,
+    xv: &mut Array<f32>,
+    #[comptime] hidden: usize,
+    #[comptime] units: usize,
+) -> f32 {
+    let u = UNIT_POS as usize;
+    let mut ss = 0.0f32;
+    #[unroll]
+    for i in 0..comptime![hidden.div_ceil(units)] {
+        let c = u + i * units;
+        let mut v = 0.0f32;
+        if c < hidden {
+            v = x[base + c];
+        }
+        xv[i] = v;
+        ss += v * v;
+    }
+    ss
+}
+
 /// `out[t] = x[t] / rms(x[t]) · (w + offset)`; `params = [eps, offset]` (offset 1 for
 /// Gemma-style `1 + w` norms). Grid `(tokens)`; cube: `units` units, unit `u` owning columns
 /// `u + i · units` (`i < ⌈hidden / units⌉`, unrolled) so that all its loads are in flight
@@ -69,17 +94,7 @@ pub fn rms_norm_kernel(
     let base = CUBE_POS_X as usize * hidden;
     let u = UNIT_POS as usize;
     let mut xv = Array::<f32>::new(per);
-    let mut ss = 0.0f32;
-    #[unroll]
-    for i in 0..per {
-        let c = u + i * units;
-        let mut v = 0.0f32;
-        if c < hidden {
-            v = x[base + c];
-        }
-        xv[i] = v;
-        ss += v * v;
-    }
+    let ss = load_row(x, base, &mut xv, hidden, units);
     let total = cube_sum(ss, units, plane_size);
     let inv = (total / f32::cast_from(hidden) + params[0]).sqrt();
     let off = params[1];

@@ -9,7 +9,7 @@
 
 use cubecl::prelude::*;
 
-use crate::decode::cube_sum;
+use crate::decode::{cube_sum, load_row};
 use crate::step::{bad, cube_1d, need, row_units};
 use crate::{DeviceArray, KernelError, gemm};
 
@@ -114,17 +114,7 @@ pub fn add_rms_norm_kernel(
     let base = CUBE_POS_X as usize * hidden;
     let u = UNIT_POS as usize;
     let mut xv = Array::<f32>::new(per);
-    let mut ss = 0.0f32;
-    #[unroll]
-    for i in 0..per {
-        let c = u + i * units;
-        let mut v = 0.0f32;
-        if c < hidden {
-            v = x[base + c];
-        }
-        xv[i] = v;
-        ss += v * v;
-    }
+    let ss = load_row(x, base, &mut xv, hidden, units);
     let inv = 1.0 / (cube_sum(ss, units, plane_size) / f32::cast_from(hidden) + params[0]).sqrt();
     #[unroll]
     for i in 0..per {

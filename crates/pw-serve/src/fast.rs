@@ -109,8 +109,7 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
             o.max_context,
         )
         .map_err(|e| model(e.to_string()))?;
-        Self::assemble(dec, pool_layout(&cfg, size_of::<KV>()), accountant, &o.memory, plan, o.max_batch)
-            .map_err(model)
+        Self::assemble(dec, accountant, &o.memory, plan, o.max_batch).map_err(model)
     }
 
     /// A model of `cfg`'s shapes with random weights (see [`MixtralDecoder::synthetic_paged`]),
@@ -147,13 +146,11 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
             o.max_context,
         )
         .map_err(|e| model(e.to_string()))?;
-        Self::assemble(dec, pool_layout(&cfg, size_of::<KV>()), accountant, &o.memory, plan, o.max_batch)
-            .map_err(model)
+        Self::assemble(dec, accountant, &o.memory, plan, o.max_batch).map_err(model)
     }
 
     fn assemble(
         dec: MixtralDecoder<R, KV>,
-        kv: KvLayout,
         accountant: Accountant,
         memory: &MemoryOptions,
         plan: MemoryPlan,
@@ -161,6 +158,7 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
     ) -> Result<Self, String> {
         let (layers, experts) = (dec.config().layers, dec.config().experts);
         let block_bytes = dec.kv_block_bytes() as u64;
+        let kv = pool_layout(dec.config(), size_of::<KV>());
         let mem =
             PagedMemory::new(accountant, block_bytes, layers, experts, memory.clone()).map_err(|e| e.0)?;
         let mut me = Self { dec, kv, block_bytes, live: HashSet::new(), mem, kv_capacity: plan.kv_capacity };
