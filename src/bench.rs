@@ -43,7 +43,8 @@ pub struct BenchKernelsArgs {
     /// Override the rows per warp of the grouped GEMM.
     #[arg(long)]
     pub rows_per_warp: Option<usize>,
-    /// Also time the first (unspecialised) grouped GEMM kernel, for a ratio in the same run.
+    /// Also time the tiled kernel alone (no persistent GEMV) and the first (unspecialised)
+    /// kernel, for ratios in the same run.
     #[arg(long)]
     pub compare_v1: bool,
     /// Only these bit-widths (comma-separated; default 3..=8).
@@ -111,10 +112,13 @@ pub(crate) fn gaussian_block(rows: usize, cols: usize, seed: u64) -> Result<ApBl
     Ok(ApBlock::quantize("bench", &w, None, rows, cols, 3, 8)?)
 }
 
-/// The kernel variants to time: the current one, and the first one when asked.
+/// The kernel variants to time: the current one ("specialized": the persistent GEMV for items
+/// of ≤ 2 tokens, the tiled kernel otherwise), and when asked the tiled kernel alone and the
+/// first kernel.
 fn variants(cfg: GemmConfig, compare_v1: bool) -> Vec<(&'static str, GemmConfig)> {
     let mut v = vec![("specialized", cfg)];
     if compare_v1 {
+        v.push(("tiled", GemmConfig { gemv: false, ..cfg }));
         v.push(("v1", GemmConfig { specialized: false, ..cfg }));
     }
     v

@@ -26,6 +26,8 @@ pub mod families;
 #[allow(missing_docs)]
 pub mod gemm;
 #[allow(missing_docs)]
+pub mod gemv;
+#[allow(missing_docs)]
 pub mod prefill;
 pub mod step;
 
@@ -187,6 +189,12 @@ pub struct GemmConfig {
     /// few-token items; `false`: the first kernel, kept so `bench-kernels` can compare both
     /// in one run.
     pub specialized: bool,
+    /// `true` (the default): launches whose items have at most [`GEMV_MAX_TOKENS`] tokens and
+    /// whose `x` fits in shared memory go to the persistent GEMV kernel ([`gemv`]).
+    pub gemv: bool,
+    /// The GEMV kernel's inner loops fully unrolled (constant shifts; the GPU's choice) or
+    /// compact (CPU shader compilers such as lavapipe's take minutes on the unrolled bodies).
+    pub gemv_unrolled: bool,
 }
 
 impl GemmConfig {
@@ -196,8 +204,82 @@ impl GemmConfig {
         // Devices with little shared memory (lavapipe: 32 KiB) get one row per warp.
         // 2 measured fastest on the H200 (bench-kernels sweep of 1, 2, 4, 8 rows per warp).
         let rows_per_warp = if hw.max_shared_memory_size >= 96 * 1024 { 2 } else { 1 };
-        Self { plane_size: hw.plane_size_max as usize, warps: 8, rows_per_warp, specialized: true }
+        // Planes narrower than 16 lanes: lavapipe (8), a CPU behind a shader compiler.
+        let gemv_unrolled = hw.plane_size_max >= 16;
+        Self {
+            plane_size: hw.plane_size_max as usize,
+            warps: 8,
+            rows_per_warp,
+            specialized: true,
+            gemv: true,
+            gemv_unrolled,
+        }
     }
+}
+
+/// Most tokens per item the persistent GEMV kernel takes (its `x` for all columns stays in
+/// shared memory).
+pub const GEMV_MAX_TOKENS: usize = 2;
+/// Rows of one warp unit of the GEMV kernel.
+const GEMV_ROWS: usize = 2;
+/// Plane words per lane and row loaded together by the GEMV kernel.
+const GEMV_WORDS_PER_LANE: usize = 2;
+
+/// Launches [`gemv::ap_gemv_kernel`] over `n_items` descriptors when it applies (`tokens` ≤
+/// [`GEMV_MAX_TOKENS`], `x` of `cols` columns fits in shared memory); `false` when it does not.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn launch_gemv<R: Runtime>(
+    client: &ComputeClient<R>,
+    cfg: GemmConfig,
+    [planes, luts, desc, x, y]: [&DeviceArray; 5],
+    n_items: usize,
+    cols: usize,
+    tokens: usize,
+    act: Activation,
+    lut_slots: usize,
+) -> bool {
+    let tb = token_bucket(tokens);
+    if !cfg.gemv || !cfg.specialized || tb > GEMV_MAX_TOKENS || n_items == 0 {
+        return false;
+    }
+    let ps = cfg.plane_size;
+    let step = ps * GEMV_WORDS_PER_LANE;
+    let x_words = cols.div_ceil(32).div_ceil(step) * step;
+    let shared = 4 * (tb * x_words * 33 + cfg.warps * GEMV_ROWS * lut_slots + n_items + 1 + cfg.warps);
+    let hw = &client.properties().hardware;
+    if shared > hw.max_shared_memory_size {
+        return false;
+    }
+    let threads = cfg.warps * ps;
+    // A few cubes per SM, as many as shared memory and the SM's 2048 threads allow.
+    let per_sm = (hw.max_shared_memory_size / shared).min(2048 / threads).clamp(1, 8);
+    let cubes = hw.num_streaming_multiprocessors.unwrap_or(4) as usize * per_sm;
+    // SAFETY: callers checked the descriptors against the buffers (host items) or built them
+    // on the device from validated slot words (routed items).
+    unsafe {
+        gemv::ap_gemv_kernel::launch_unchecked::<R>(
+            client,
+            CubeCount::Static(cubes as u32, 1, 1),
+            CubeDim::new_1d(threads as u32),
+            planes.arg(),
+            luts.arg(),
+            desc.arg(),
+            x.arg(),
+            y.arg(),
+            n_items as u32,
+            n_items,
+            tb,
+            ps,
+            cfg.warps,
+            GEMV_ROWS,
+            GEMV_WORDS_PER_LANE,
+            x_words,
+            act.code(),
+            lut_slots,
+            cfg.gemv_unrolled,
+        )
+    };
+    true
 }
 
 /// Smallest compiled token bucket holding `tokens`.
@@ -276,14 +358,20 @@ pub fn ap_gemm<R: Runtime>(
         });
     }
     let max_rows = items.iter().map(|i| i.rows).max().unwrap_or(0) as usize;
-    let max_tokens = token_bucket(items.iter().map(|i| i.tokens).max().unwrap_or(1) as usize);
+    let most_tokens = items.iter().map(|i| i.tokens).max().unwrap_or(1) as usize;
+    let max_cols = items.iter().map(|i| i.cols).max().unwrap_or(0) as usize;
+    let lut_slots = 1usize << items.iter().map(|i| i.bits).max().unwrap_or(8);
+    let bufs = [planes, luts, desc, x, y];
+    if launch_gemv(client, cfg, bufs, items.len(), max_cols, most_tokens, act, lut_slots) {
+        return Ok(());
+    }
+    let max_tokens = token_bucket(most_tokens);
     let tiles = max_rows.div_ceil(cfg.warps * cfg.rows_per_warp) as u32;
     let cube_dim = CubeDim::new_1d((cfg.warps * cfg.plane_size) as u32);
     // SAFETY: every offset and length was checked against the buffers above.
     let count = CubeCount::Static(tiles, items.len() as u32, 1);
     let (p, l, d, xa, ya) = (planes.arg(), luts.arg(), desc.arg(), x.arg(), y.arg());
     let (ps, w, r, a) = (cfg.plane_size, cfg.warps, cfg.rows_per_warp, act.code());
-    let lut_slots = 1usize << items.iter().map(|i| i.bits).max().unwrap_or(8);
     unsafe {
         if cfg.specialized {
             gemm::ap_gemm_kernel::launch_unchecked::<R>(

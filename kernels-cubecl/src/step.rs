@@ -504,7 +504,7 @@ pub fn moe_combine<R: Runtime>(
 
 /// The grouped expert GEMM over a descriptor table built on the device by [`moe_route`]
 /// (`experts · ROUTE_CHUNKS` items, each at most `min(tokens, ROUTE_CHUNK)` tokens and
-/// `max_rows` rows).
+/// `max_rows` rows of `cols` columns).
 #[allow(clippy::too_many_arguments)]
 pub fn ap_gemm_routed<R: Runtime>(
     client: &ComputeClient<R>,
@@ -514,6 +514,7 @@ pub fn ap_gemm_routed<R: Runtime>(
     desc: &DeviceArray,
     experts: usize,
     max_rows: usize,
+    cols: usize,
     tokens: usize,
     x: &DeviceArray,
     y: &DeviceArray,
@@ -522,6 +523,12 @@ pub fn ap_gemm_routed<R: Runtime>(
     let items = experts * ROUTE_CHUNKS;
     need("routed gemm descriptors", desc, items * gemm::DESC_WORDS)?;
     if tokens == 0 {
+        return Ok(());
+    }
+    // Bit-widths live in device descriptors: room for the widest LUT.
+    let bufs = [planes, luts, desc, x, y];
+    let item_tokens = tokens.min(ROUTE_CHUNK);
+    if crate::launch_gemv(client, cfg, bufs, items, cols, item_tokens, act, gemm::LUT_SLOTS) {
         return Ok(());
     }
     let tiles = max_rows.div_ceil(cfg.warps * cfg.rows_per_warp) as u32;

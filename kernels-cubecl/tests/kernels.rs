@@ -44,10 +44,19 @@ fn check(
     ap_gemm_reference(pool, items, x, &mut want, act);
     // The device's own configuration, and several rows per warp (the GPU's).
     let base = GemmConfig::for_client(client);
-    // The first kernel stays checked: bench-kernels compares against it.
-    for cfg in
-        [base, GemmConfig { warps: 2, rows_per_warp: 3, ..base }, GemmConfig { specialized: false, ..base }]
-    {
+    // The first kernel stays checked (bench-kernels compares against it); the persistent GEMV
+    // takes items of at most 2 tokens unless switched off.
+    let few = items.iter().all(|i| i.tokens as usize <= GEMV_MAX_TOKENS);
+    let mut cfgs = vec![
+        base,
+        GemmConfig { warps: 2, rows_per_warp: 3, gemv: false, ..base },
+        GemmConfig { specialized: false, ..base },
+    ];
+    if few {
+        cfgs.push(GemmConfig { gemv: false, ..base });
+        cfgs.push(GemmConfig { warps: 2, ..base });
+    }
+    for cfg in cfgs {
         ap_gemm(client, cfg, &planes, &luts, items, &desc, &xd, &yd, act).unwrap();
         let got = read_f32(client, &yd).unwrap();
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
@@ -95,6 +104,35 @@ fn gemv_and_skinny_gemm_match_reference() {
         for (a, b) in y.iter().zip(&want) {
             assert!((a - b).abs() < 1e-4, "{a} vs {b}");
         }
+    }
+}
+
+/// The GPU's build of the persistent GEMV (inner loops unrolled, constant shifts), which the
+/// CI device otherwise compiles compactly: one kernel, two tokens, mixed widths.
+#[test]
+fn gemv_unrolled_matches_reference() {
+    let client = client();
+    let mut rng = StdRng::seed_from_u64(12);
+    let mut pool = PoolImage::default();
+    let cols = 150;
+    let a = pool.push(&random_block(&mut rng, 21, cols), 3);
+    let b = pool.push(&random_block(&mut rng, 40, cols), 8);
+    let items = [a.item(0, 0, 2), b.item(2 * cols as u32, 2 * 21, 1)];
+    let x: Vec<f32> = (0..3 * cols).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+    let y_len = 2 * 21 + 40;
+    let planes = DeviceArray::from_slice(&client, &pool.planes);
+    let luts = DeviceArray::from_slice(&client, &pool.luts);
+    let desc = upload_items(&client, &items);
+    let xd = DeviceArray::from_slice(&client, &x);
+    let yd = DeviceArray::from_slice(&client, &vec![f32::NAN; y_len]);
+    let cfg = GemmConfig { gemv_unrolled: true, ..GemmConfig::for_client(&client) };
+    ap_gemm(&client, cfg, &planes, &luts, &items, &desc, &xd, &yd, Activation::None).unwrap();
+    let got = read_f32(&client, &yd).unwrap();
+    let mut want = vec![f32::NAN; y_len];
+    ap_gemm_reference(&pool, &items, &x, &mut want, Activation::None);
+    let scale = x.iter().map(|v| v.abs()).sum::<f32>() * 0.5 + 1.0;
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert!((g - w).abs() <= GEMM_RTOL * scale, "y[{i}] = {g}, reference {w}");
     }
 }
 
@@ -487,7 +525,8 @@ fn check_routed_moe(
     let slot_words = DeviceArray::from_slice(client, &expert_slot_words(shape, &slots).unwrap());
     let cfg = GemmConfig::for_client(client);
     let bufs = RouteBuffers::new(client, shape);
-    for tokens in [1usize, 5, 16] {
+    // 1 and 2 tokens: the persistent GEMV; 5 and 16: the tiled kernel.
+    for tokens in [1usize, 2, 5, 16] {
         let meta = DeviceArray::from_slice(client, &[tokens as u32]);
         let x = rand_vec(rng, tokens * h, 1.0);
         let logits = rand_vec(rng, tokens * shape.experts, 3.0);
@@ -515,6 +554,7 @@ fn check_routed_moe(
             &bufs.desc_gate_up,
             shape.experts,
             2 * i,
+            h,
             tokens,
             &xg,
             &gu,
@@ -529,6 +569,7 @@ fn check_routed_moe(
             &bufs.desc_down,
             shape.experts,
             h,
+            i,
             tokens,
             &gu,
             &dn,

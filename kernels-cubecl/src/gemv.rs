@@ -1,0 +1,464 @@
+//! Persistent grouped bit-plane + LUT GEMV for work items of one or two tokens (routed decode
+//! items), same descriptors and results as [`crate::gemm`].
+//!
+//! Why a second kernel: the tiled kernel stages `x` chunk by chunk behind two cube barriers and
+//! launches a cube per (row tile, item), including the items the router left empty, so at one
+//! token its warps spend most of their time waiting at barriers or on a DRAM latency with few
+//! loads in flight (ncu on the H200: ~930 GB/s for Mixtral's gate_up at 4 bits). Here:
+//!
+//! - a fixed grid of cubes (a few per SM) shares the *active* items' warp units (R rows each)
+//!   in contiguous ranges, from a prefix sum over the descriptors computed in each cube;
+//! - a cube stages `x` (all columns, all tokens, activation applied) once per item it visits;
+//! - each warp then walks its units with no cube barrier: it stages its rows' LUTs in a
+//!   warp-private region, loads `J` plane words per lane and row (all in flight), rebuilds
+//!   four indices per shift/mask step and reduces with `plane_sum`.
+
+use cubecl::prelude::*;
+use half::f16;
+
+use crate::gemm::DESC_WORDS;
+
+#[cube]
+fn staged_x(x: &Array<f32>, base: usize, k: usize, col: usize, #[comptime] act: u32) -> f32 {
+    if comptime![act == 0] {
+        x[base + col]
+    } else {
+        let g = x[base + col];
+        let a = if comptime![act == 1] {
+            g / (1.0 + (-g).exp())
+        } else {
+            let inner = 0.797_884_6 * (g + 0.044715 * g * g * g);
+            0.5 * g * (1.0 + inner.tanh())
+        };
+        a * x[base + k + col]
+    }
+}
+
+/// The kernel. Grid: any number of cubes (a few per SM); cube: `warps · plane_size` units.
+/// `n_items` descriptors of [`DESC_WORDS`] words (see [`crate::gemm::ap_gemm_kernel`]); items
+/// with zero tokens take no work. `x_words` (comptime) bounds `ceil(cols / 32)` over the items,
+/// rounded up to a multiple of `plane_size · J`.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn ap_gemv_kernel(
+    planes: &Array<u32>,
+    luts: &Array<f16>,
+    desc: &Array<u32>,
+    x: &Array<f32>,
+    y: &mut Array<f32>,
+    n_items: u32,
+    #[comptime] max_items: usize,
+    #[comptime] tb: usize,
+    #[comptime] plane_size: usize,
+    #[comptime] warps: usize,
+    #[comptime] rows: usize,
+    #[comptime] words_per_lane: usize,
+    #[comptime] x_words: usize,
+    #[comptime] act: u32,
+    #[comptime] lut_slots: usize,
+    #[comptime] unrolled: bool,
+) {
+    let unit = UNIT_POS as usize;
+    let lane = unit % plane_size;
+    let warp = unit / plane_size;
+    let cube_units = warps * plane_size;
+    let items = n_items as usize;
+
+    // pref[i] = warp units of items before i (an item of n rows has ceil(n / rows) units).
+    let mut pref = SharedMemory::<u32>::new(max_items + 1);
+    let mut wsum = SharedMemory::<u32>::new(warps);
+    if unit == 0 {
+        pref[0] = 0u32;
+    }
+    let mut carry = 0u32;
+    for base in range_stepped(0usize, items, cube_units) {
+        let i = base + unit;
+        let mut c = 0u32;
+        if i < items {
+            let d = i * DESC_WORDS;
+            if desc[d + 7] > 0u32 {
+                c = (desc[d + 2] + comptime![rows as u32 - 1]) / comptime![rows as u32];
+            }
+        }
+        let s = plane_inclusive_sum(c);
+        if lane == plane_size - 1 {
+            wsum[warp] = s;
+        }
+        sync_cube();
+        let mut before = carry;
+        let mut total = carry;
+        for w in 0..warps {
+            let v = wsum[w];
+            if w < warp {
+                before += v;
+            }
+            total += v;
+        }
+        if i < items {
+            pref[i + 1] = before + s;
+        }
+        carry = total;
+        sync_cube();
+    }
+    let units_total = carry as usize;
+
+    // This cube's contiguous range of units.
+    let cubes = CUBE_COUNT;
+    let c = CUBE_POS;
+    let per = units_total / cubes;
+    let rem = units_total % cubes;
+    let start = c * per + select(c < rem, c, rem);
+    let end = start + per + select(c < rem, 1usize, 0usize);
+
+    let xs_stride = x_words * 33usize;
+    let mut x_s = SharedMemory::<f32>::new(tb * x_words * 33usize);
+    let mut lut_s = SharedMemory::<f32>::new(warps * rows * lut_slots);
+    let lbase = warp * rows * lut_slots;
+
+    let mut cur = start;
+    loop {
+        if cur >= end {
+            break;
+        }
+        // The item holding unit `cur`: largest i with pref[i] <= cur.
+        let mut lo = 0usize;
+        let mut hi = items;
+        loop {
+            if hi - lo <= 1 {
+                break;
+            }
+            let mid = (lo + hi) / 2;
+            if (pref[mid] as usize) <= cur {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        let it = lo;
+        let first = pref[it] as usize;
+        let seg_end = min(end, pref[it + 1] as usize);
+        let d = it * DESC_WORDS;
+        let plane_off = desc[d] as usize;
+        let lut_off = desc[d + 1] as usize;
+        let n = desc[d + 2] as usize;
+        let k = desc[d + 3] as usize;
+        let bits = desc[d + 4];
+        let x_off = desc[d + 5] as usize;
+        let y_off = desc[d + 6] as usize;
+        let tokens = desc[d + 7] as usize;
+        let x_stride = if comptime![act == 0] { k } else { 2usize * k };
+
+        // The previous item's x is consumed; stage this one's, zero past its columns.
+        sync_cube();
+        let cols_pad = x_words * 32usize;
+        for i in range_stepped(unit, tb * cols_pad, cube_units) {
+            let t = i / cols_pad;
+            let col = i % cols_pad;
+            let mut v = 0.0f32;
+            if t < tokens && col < k {
+                v = staged_x(x, x_off + t * x_stride, k, col, act);
+            }
+            x_s[t * xs_stride + (col / 32usize) * 33usize + col % 32usize] = v;
+        }
+        sync_cube();
+
+        let words = k.div_ceil(32usize);
+        let u0 = cur + warp;
+        if bits == 3u32 {
+            gemv_units(
+                planes,
+                luts,
+                &mut lut_s,
+                &x_s,
+                y,
+                plane_off,
+                lut_off,
+                n,
+                words,
+                y_off,
+                tokens,
+                first,
+                u0,
+                seg_end,
+                lane,
+                lbase,
+                3usize,
+                tb,
+                plane_size,
+                warps,
+                rows,
+                words_per_lane,
+                xs_stride,
+                lut_slots,
+                unrolled,
+            );
+        } else if bits == 4u32 {
+            gemv_units(
+                planes,
+                luts,
+                &mut lut_s,
+                &x_s,
+                y,
+                plane_off,
+                lut_off,
+                n,
+                words,
+                y_off,
+                tokens,
+                first,
+                u0,
+                seg_end,
+                lane,
+                lbase,
+                4usize,
+                tb,
+                plane_size,
+                warps,
+                rows,
+                words_per_lane,
+                xs_stride,
+                lut_slots,
+                unrolled,
+            );
+        } else if bits == 5u32 {
+            gemv_units(
+                planes,
+                luts,
+                &mut lut_s,
+                &x_s,
+                y,
+                plane_off,
+                lut_off,
+                n,
+                words,
+                y_off,
+                tokens,
+                first,
+                u0,
+                seg_end,
+                lane,
+                lbase,
+                5usize,
+                tb,
+                plane_size,
+                warps,
+                rows,
+                words_per_lane,
+                xs_stride,
+                lut_slots,
+                unrolled,
+            );
+        } else if bits == 6u32 {
+            gemv_units(
+                planes,
+                luts,
+                &mut lut_s,
+                &x_s,
+                y,
+                plane_off,
+                lut_off,
+                n,
+                words,
+                y_off,
+                tokens,
+                first,
+                u0,
+                seg_end,
+                lane,
+                lbase,
+                6usize,
+                tb,
+                plane_size,
+                warps,
+                rows,
+                words_per_lane,
+                xs_stride,
+                lut_slots,
+                unrolled,
+            );
+        } else if bits == 7u32 {
+            gemv_units(
+                planes,
+                luts,
+                &mut lut_s,
+                &x_s,
+                y,
+                plane_off,
+                lut_off,
+                n,
+                words,
+                y_off,
+                tokens,
+                first,
+                u0,
+                seg_end,
+                lane,
+                lbase,
+                7usize,
+                tb,
+                plane_size,
+                warps,
+                rows,
+                words_per_lane,
+                xs_stride,
+                lut_slots,
+                unrolled,
+            );
+        } else {
+            gemv_units(
+                planes,
+                luts,
+                &mut lut_s,
+                &x_s,
+                y,
+                plane_off,
+                lut_off,
+                n,
+                words,
+                y_off,
+                tokens,
+                first,
+                u0,
+                seg_end,
+                lane,
+                lbase,
+                8usize,
+                tb,
+                plane_size,
+                warps,
+                rows,
+                words_per_lane,
+                xs_stride,
+                lut_slots,
+                unrolled,
+            );
+        }
+        cur = seg_end;
+    }
+}
+
+/// One warp's units `u0, u0 + warps, … < seg_end` of an item at `bits` bits.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn gemv_units(
+    planes: &Array<u32>,
+    luts: &Array<f16>,
+    lut_s: &mut SharedMemory<f32>,
+    x_s: &SharedMemory<f32>,
+    y: &mut Array<f32>,
+    plane_off: usize,
+    lut_off: usize,
+    n: usize,
+    words: usize,
+    y_off: usize,
+    tokens: usize,
+    first: usize,
+    u0: usize,
+    seg_end: usize,
+    lane: usize,
+    lbase: usize,
+    #[comptime] bits: usize,
+    #[comptime] tb: usize,
+    #[comptime] plane_size: usize,
+    #[comptime] warps: usize,
+    #[comptime] rows: usize,
+    #[comptime] wpl: usize,
+    xs_stride: usize,
+    #[comptime] lut_slots: usize,
+    #[comptime] unrolled: bool,
+) {
+    let lut_len = comptime![1usize << bits];
+    let step_words = comptime![plane_size * wpl];
+    let steps = words.div_ceil(step_words);
+    let mut acc = Array::<f32>::new(rows * tb);
+    let mut pw = Array::<u32>::new(rows * wpl * bits);
+    let mut idx4 = Array::<u32>::new(rows);
+    let mut xv = Array::<f32>::new(tb);
+    for u in range_stepped(u0, seg_end, warps) {
+        let row0 = (u - first) * rows;
+        // This warp's LUT region is free once every lane left the previous unit.
+        sync_plane();
+        for i in range_stepped(lane, rows * lut_len, plane_size) {
+            let r = i / lut_len;
+            let e = i % lut_len;
+            if row0 + r < n {
+                lut_s[lbase + r * lut_slots + e] = f32::cast_from(luts[lut_off + (row0 + r) * lut_len + e]);
+            }
+        }
+        sync_plane();
+        #[unroll]
+        for a in 0..rows * tb {
+            acc[a] = 0.0;
+        }
+        for s in 0..steps {
+            // Every plane word of the step first, so they are all in flight together.
+            #[unroll]
+            for r in 0..rows {
+                let row = row0 + r;
+                #[unroll]
+                for j in 0..wpl {
+                    let wi = s * step_words + j * plane_size + lane;
+                    let live = row < n && wi < words;
+                    #[unroll]
+                    for p in 0..bits {
+                        let mut v = 0u32;
+                        if live {
+                            v = planes[plane_off + (p * n + row) * words + wi];
+                        }
+                        pw[(r * wpl + j) * bits + p] = v;
+                    }
+                }
+            }
+            // Unrolled (constant shifts) on GPUs; compact code for CPU shader compilers.
+            #[unroll(unrolled)]
+            for j in 0..wpl {
+                let xb = (s * step_words + j * plane_size + lane) * 33usize;
+                #[unroll(unrolled)]
+                for q in 0..8usize {
+                    #[unroll]
+                    for r in 0..rows {
+                        // Bit q of every byte of each plane word, placed at the plane's position
+                        // in a byte: four indices per shift/mask step.
+                        let mut v = 0u32;
+                        #[unroll]
+                        for p in 0..bits {
+                            let word = pw[(r * wpl + j) * bits + p];
+                            // Constant shifts when unrolled: the compiler merges them into
+                            // one shift and one mask.
+                            let sh = (bits - 1usize - p) as u32;
+                            v |= ((word >> (q as u32)) & 0x0101_0101u32) << sh;
+                        }
+                        idx4[r] = v;
+                    }
+                    #[unroll]
+                    for kk in 0..4usize {
+                        #[unroll]
+                        for t in 0..tb {
+                            xv[t] = x_s[t * xs_stride + xb + q + 8usize * kk];
+                        }
+                        #[unroll]
+                        for r in 0..rows {
+                            let idx = ((idx4[r] >> ((8usize * kk) as u32)) & 0xFFu32) as usize;
+                            let w = lut_s[lbase + r * lut_slots + idx];
+                            #[unroll]
+                            for t in 0..tb {
+                                acc[r * tb + t] += w * xv[t];
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        #[unroll]
+        for r in 0..rows {
+            #[unroll]
+            for t in 0..tb {
+                let sum = plane_sum(acc[r * tb + t]);
+                let row = row0 + r;
+                if lane == 0 && row < n && t < tokens {
+                    y[y_off + t * n + row] = sum;
+                }
+            }
+        }
+    }
+}
