@@ -43,8 +43,11 @@ pub struct BenchKernelsArgs {
     /// Override the rows per warp of the grouped GEMM.
     #[arg(long)]
     pub rows_per_warp: Option<usize>,
-    /// Also time the tiled kernel alone (no persistent GEMV) and the first (unspecialised)
-    /// kernel, for ratios in the same run.
+    /// Override the plane words per lane of the GEMV kernel.
+    #[arg(long)]
+    pub gemv_words: Option<usize>,
+    /// Also time the GEMV kernel wherever it applies, the tiled kernel alone and the first
+    /// (unspecialised) kernel, for ratios in the same run.
     #[arg(long)]
     pub compare_v1: bool,
     /// Only these bit-widths (comma-separated; default 3..=8).
@@ -112,12 +115,13 @@ pub(crate) fn gaussian_block(rows: usize, cols: usize, seed: u64) -> Result<ApBl
     Ok(ApBlock::quantize("bench", &w, None, rows, cols, 3, 8)?)
 }
 
-/// The kernel variants to time: the current one ("specialized": the persistent GEMV for items
-/// of ≤ 2 tokens, the tiled kernel otherwise), and when asked the tiled kernel alone and the
-/// first kernel.
+/// The kernel variants to time: the current choice ("specialized": the persistent GEMV for
+/// launches of many items of ≤ 2 tokens, the tiled kernel otherwise), and when asked the GEMV
+/// wherever it applies, the tiled kernel alone and the first kernel.
 fn variants(cfg: GemmConfig, compare_v1: bool) -> Vec<(&'static str, GemmConfig)> {
     let mut v = vec![("specialized", cfg)];
     if compare_v1 {
+        v.push(("gemv", GemmConfig { gemv_min_items: 1, ..cfg }));
         v.push(("tiled", GemmConfig { gemv: false, ..cfg }));
         v.push(("v1", GemmConfig { specialized: false, ..cfg }));
     }
@@ -183,6 +187,7 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchKernelsArgs) -> Result<Vec<Value
     let mut cfg = GemmConfig::for_client(&client);
     cfg.warps = a.warps.unwrap_or(cfg.warps);
     cfg.rows_per_warp = a.rows_per_warp.unwrap_or(cfg.rows_per_warp);
+    cfg.gemv_words_per_lane = a.gemv_words.unwrap_or(cfg.gemv_words_per_lane);
     eprintln!("config: {cfg:?}");
     let wanted = |m: &str| a.models.is_empty() || a.models.iter().any(|w| w == m);
     let mut records = Vec::new();

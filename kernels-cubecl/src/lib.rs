@@ -189,9 +189,15 @@ pub struct GemmConfig {
     /// few-token items; `false`: the first kernel, kept so `bench-kernels` can compare both
     /// in one run.
     pub specialized: bool,
-    /// `true` (the default): launches whose items have at most [`GEMV_MAX_TOKENS`] tokens and
-    /// whose `x` fits in shared memory go to the persistent GEMV kernel ([`gemv`]).
+    /// `true` (the default): launches of at least `gemv_min_items` items of at most
+    /// [`GEMV_MAX_TOKENS`] tokens whose `x` fits in shared memory go to the persistent GEMV
+    /// kernel ([`gemv`]).
     pub gemv: bool,
+    /// Fewest items for the GEMV kernel ([`GEMV_MIN_ITEMS`] by default).
+    pub gemv_min_items: usize,
+    /// Plane words per lane and row that the GEMV kernel loads together (registers against
+    /// loads in flight).
+    pub gemv_words_per_lane: usize,
     /// The GEMV kernel's inner loops fully unrolled (constant shifts; the GPU's choice) or
     /// compact (CPU shader compilers such as lavapipe's take minutes on the unrolled bodies).
     pub gemv_unrolled: bool,
@@ -212,6 +218,8 @@ impl GemmConfig {
             rows_per_warp,
             specialized: true,
             gemv: true,
+            gemv_min_items: GEMV_MIN_ITEMS,
+            gemv_words_per_lane: 2,
             gemv_unrolled,
         }
     }
@@ -220,13 +228,17 @@ impl GemmConfig {
 /// Most tokens per item the persistent GEMV kernel takes (its `x` for all columns stays in
 /// shared memory).
 pub const GEMV_MAX_TOKENS: usize = 2;
+/// Fewest items for which the persistent GEMV kernel is chosen. Measured on the H200
+/// (`bench-decode`, git `09f2cf5`): with Mixtral's 16 routed items (8 experts × 2 chunks) the
+/// tiled kernel is faster (Mixtral batch 1, 4 bits: 11.3 ms tiled vs 13.0 ms per step), with
+/// Qwen1.5-MoE's 120 mostly empty items the GEMV is (5.65 → 5.35 ms): the tiled grid
+/// launches cubes for every item, the GEMV only works on the active ones.
+pub const GEMV_MIN_ITEMS: usize = 32;
 /// Rows of one warp unit of the GEMV kernel.
 const GEMV_ROWS: usize = 2;
-/// Plane words per lane and row loaded together by the GEMV kernel.
-const GEMV_WORDS_PER_LANE: usize = 2;
 
-/// Launches [`gemv::ap_gemv_kernel`] over `n_items` descriptors when it applies (`tokens` ≤
-/// [`GEMV_MAX_TOKENS`], `x` of `cols` columns fits in shared memory); `false` when it does not.
+/// Launches [`gemv::ap_gemv_kernel`] over `n_items` descriptors when it applies (see
+/// [`GemmConfig::gemv`]; `x` of `cols` columns fits in shared memory); `false` when it does not.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn launch_gemv<R: Runtime>(
     client: &ComputeClient<R>,
@@ -239,11 +251,11 @@ pub(crate) fn launch_gemv<R: Runtime>(
     lut_slots: usize,
 ) -> bool {
     let tb = token_bucket(tokens);
-    if !cfg.gemv || !cfg.specialized || tb > GEMV_MAX_TOKENS || n_items == 0 {
+    if !cfg.gemv || !cfg.specialized || tb > GEMV_MAX_TOKENS || n_items < cfg.gemv_min_items.max(1) {
         return false;
     }
     let ps = cfg.plane_size;
-    let step = ps * GEMV_WORDS_PER_LANE;
+    let step = ps * cfg.gemv_words_per_lane;
     let x_words = cols.div_ceil(32).div_ceil(step) * step;
     let shared = 4 * (tb * x_words * 33 + cfg.warps * GEMV_ROWS * lut_slots + n_items + 1 + cfg.warps);
     let hw = &client.properties().hardware;
@@ -251,8 +263,10 @@ pub(crate) fn launch_gemv<R: Runtime>(
         return false;
     }
     let threads = cfg.warps * ps;
-    // A few cubes per SM, as many as shared memory and the SM's 2048 threads allow.
-    let per_sm = (hw.max_shared_memory_size / shared).min(2048 / threads).clamp(1, 8);
+    // As many cubes per SM as can be resident (shared memory, the SM's 2048 threads, and
+    // registers: ncu on the H200 saw 77 per thread, 3 cubes of 256), so no second wave
+    // leaves SMs idle at the end.
+    let per_sm = (hw.max_shared_memory_size / shared).min(2048 / threads).clamp(1, 3);
     let cubes = hw.num_streaming_multiprocessors.unwrap_or(4) as usize * per_sm;
     // SAFETY: callers checked the descriptors against the buffers (host items) or built them
     // on the device from validated slot words (routed items).
@@ -272,7 +286,7 @@ pub(crate) fn launch_gemv<R: Runtime>(
             ps,
             cfg.warps,
             GEMV_ROWS,
-            GEMV_WORDS_PER_LANE,
+            cfg.gemv_words_per_lane,
             x_words,
             act.code(),
             lut_slots,

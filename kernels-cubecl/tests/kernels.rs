@@ -43,7 +43,8 @@ fn check(
     let mut want = vec![f32::NAN; y_len];
     ap_gemm_reference(pool, items, x, &mut want, act);
     // The device's own configuration, and several rows per warp (the GPU's).
-    let base = GemmConfig::for_client(client);
+    // Every launch of few-token items through the GEMV kernel, whatever its item count.
+    let base = GemmConfig { gemv_min_items: 1, ..GemmConfig::for_client(client) };
     // The first kernel stays checked (bench-kernels compares against it); the persistent GEMV
     // takes items of at most 2 tokens unless switched off.
     let few = items.iter().all(|i| i.tokens as usize <= GEMV_MAX_TOKENS);
@@ -54,7 +55,7 @@ fn check(
     ];
     if few {
         cfgs.push(GemmConfig { gemv: false, ..base });
-        cfgs.push(GemmConfig { warps: 2, ..base });
+        cfgs.push(GemmConfig { warps: 2, gemv_words_per_lane: 1, ..base });
     }
     for cfg in cfgs {
         ap_gemm(client, cfg, &planes, &luts, items, &desc, &xd, &yd, act).unwrap();
@@ -125,7 +126,7 @@ fn gemv_unrolled_matches_reference() {
     let desc = upload_items(&client, &items);
     let xd = DeviceArray::from_slice(&client, &x);
     let yd = DeviceArray::from_slice(&client, &vec![f32::NAN; y_len]);
-    let cfg = GemmConfig { gemv_unrolled: true, ..GemmConfig::for_client(&client) };
+    let cfg = GemmConfig { gemv_unrolled: true, gemv_min_items: 1, ..GemmConfig::for_client(&client) };
     ap_gemm(&client, cfg, &planes, &luts, &items, &desc, &xd, &yd, Activation::None).unwrap();
     let got = read_f32(&client, &yd).unwrap();
     let mut want = vec![f32::NAN; y_len];
@@ -523,7 +524,8 @@ fn check_routed_moe(
     let planes = DeviceArray::from_slice(client, &pool.planes);
     let luts = DeviceArray::from_slice(client, &pool.luts);
     let slot_words = DeviceArray::from_slice(client, &expert_slot_words(shape, &slots).unwrap());
-    let cfg = GemmConfig::for_client(client);
+    // The routed launches of 1 and 2 tokens through the GEMV kernel (few items here).
+    let cfg = GemmConfig { gemv_min_items: 1, ..GemmConfig::for_client(client) };
     let bufs = RouteBuffers::new(client, shape);
     // 1 and 2 tokens: the persistent GEMV; 5 and 16: the tiled kernel.
     for tokens in [1usize, 2, 5, 16] {
