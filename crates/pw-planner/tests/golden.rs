@@ -84,9 +84,12 @@ fn plans_match_the_snapshot() {
             pg.committed = *d;
         }
     }
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/snapshots/plans.txt");
+    // The crate's directory at run time: a test binary reused from a target directory shared
+    // with another checkout would otherwise look in that checkout.
+    let dir = std::env::var("CARGO_MANIFEST_DIR").unwrap_or_else(|_| env!("CARGO_MANIFEST_DIR").into());
+    let path = std::path::Path::new(&dir).join("tests/snapshots/plans.txt");
     if std::env::var_os("UPDATE_SNAPSHOTS").is_some() {
-        std::fs::write(path, &out).unwrap();
+        std::fs::write(&path, &out).unwrap();
     }
     let want =
         std::fs::read_to_string(path).expect("tests/snapshots/plans.txt (UPDATE_SNAPSHOTS=1 writes it)");
