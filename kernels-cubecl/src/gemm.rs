@@ -53,6 +53,41 @@ fn activate(g: f32, #[comptime] act: u32) -> f32 {
     }
 }
 
+/// Column `col` of the `x` row at `base` as the kernels use it: as is, or `act(gate) · up` with
+/// `up` `k` columns after `gate`.
+#[cube]
+pub(crate) fn staged_x(x: &Array<f32>, base: usize, k: usize, col: usize, #[comptime] act: u32) -> f32 {
+    if comptime![act == 0] { x[base + col] } else { activate(x[base + col], act) * x[base + k + col] }
+}
+
+/// Reduces each lane's partial sums `acc[r · tb + t]` across the warp and lets lane 0 store the
+/// rows `row0 + r` below `n` of the `tokens` real tokens.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn store_rows(
+    acc: &Array<f32>,
+    y: &mut Array<f32>,
+    y_off: usize,
+    n: usize,
+    row0: usize,
+    tokens: usize,
+    lane: usize,
+    #[comptime] rows: usize,
+    #[comptime] tb: usize,
+) {
+    #[unroll]
+    for r in 0..rows {
+        #[unroll]
+        for t in 0..tb {
+            let s = plane_sum(acc[r * tb + t]);
+            let row = row0 + r;
+            if lane == 0 && row < n && t < tokens {
+                y[y_off + t * n + row] = s;
+            }
+        }
+    }
+}
+
 /// The first kernel, kept for comparison in `bench-kernels` (`GemmConfig::specialized =
 /// false`): the bit loop is unrolled over all 8 planes with a runtime guard, so a 3-bit block
 /// pays the index-building instructions of an 8-bit one, and every item computes the launch's
@@ -128,12 +163,7 @@ pub fn ap_gemm_kernel_v1(
             let col = c0 + c;
             let mut v = 0.0f32;
             if t < tokens && col < k {
-                let base = x_off + t * x_stride;
-                if comptime![act == 0] {
-                    v = x[base + col];
-                } else {
-                    v = activate(x[base + col], act) * x[base + k + col];
-                }
+                v = staged_x(x, x_off + t * x_stride, k, col, act);
             }
             x_s[t * xs_stride + c + c / 32usize] = v;
         }
@@ -176,17 +206,7 @@ pub fn ap_gemm_kernel_v1(
         }
     }
 
-    #[unroll]
-    for r in 0..rows_per_warp {
-        #[unroll]
-        for t in 0..max_tokens {
-            let s = plane_sum(acc[r * max_tokens + t]);
-            let row = wrow0 + r;
-            if lane == 0 && row < n && t < tokens {
-                y[y_off + t * n + row] = s;
-            }
-        }
-    }
+    store_rows(&acc, y, y_off, n, wrow0, tokens, lane, rows_per_warp, max_tokens);
 }
 
 /// The kernel. Grid: `(row tiles of warps · rows_per_warp, work items)`;
@@ -346,12 +366,7 @@ fn gemm_item(
             let col = c0 + c;
             let mut v = 0.0f32;
             if t < tokens && col < k {
-                let base = x_off + t * x_stride;
-                if comptime![act == 0] {
-                    v = x[base + col];
-                } else {
-                    v = activate(x[base + col], act) * x[base + k + col];
-                }
+                v = staged_x(x, x_off + t * x_stride, k, col, act);
             }
             x_s[t * xs_stride + c + c / 32usize] = v;
         }
@@ -476,17 +491,7 @@ fn gemm_item(
         }
     }
 
-    #[unroll]
-    for r in 0..rows_per_warp {
-        #[unroll]
-        for t in 0..tb {
-            let s = plane_sum(acc[r * tb + t]);
-            let row = wrow0 + r;
-            if lane == 0 && row < n && t < tokens {
-                y[y_off + t * n + row] = s;
-            }
-        }
-    }
+    store_rows(&acc, y, y_off, n, wrow0, tokens, lane, rows_per_warp, tb);
 }
 
 /// One lane's word of one staged chunk for the warp's rows, at `bits` bits: loads every

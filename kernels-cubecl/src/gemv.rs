@@ -16,23 +16,7 @@
 use cubecl::prelude::*;
 use half::f16;
 
-use crate::gemm::DESC_WORDS;
-
-#[cube]
-fn staged_x(x: &Array<f32>, base: usize, k: usize, col: usize, #[comptime] act: u32) -> f32 {
-    if comptime![act == 0] {
-        x[base + col]
-    } else {
-        let g = x[base + col];
-        let a = if comptime![act == 1] {
-            g / (1.0 + (-g).exp())
-        } else {
-            let inner = 0.797_884_6 * (g + 0.044715 * g * g * g);
-            0.5 * g * (1.0 + inner.tanh())
-        };
-        a * x[base + k + col]
-    }
-}
+use crate::gemm::{DESC_WORDS, staged_x, store_rows};
 
 /// The kernel. Grid: any number of cubes (a few per SM); cube: `warps · plane_size` units.
 /// `n_items` descriptors of [`DESC_WORDS`] words (see [`crate::gemm::ap_gemm_kernel`]); items
@@ -449,16 +433,6 @@ fn gemv_units(
                 }
             }
         }
-        #[unroll]
-        for r in 0..rows {
-            #[unroll]
-            for t in 0..tb {
-                let sum = plane_sum(acc[r * tb + t]);
-                let row = row0 + r;
-                if lane == 0 && row < n && t < tokens {
-                    y[y_off + t * n + row] = sum;
-                }
-            }
-        }
+        store_rows(&acc, y, y_off, n, row0, tokens, lane, rows, tb);
     }
 }
