@@ -109,12 +109,17 @@ pub fn rms_norm_kernel(
 
 /// `y[t, r] (+)= Σ_c x[t, c] · W[r, c] (+ bias[r])` for `t < meta[0]`, `W` f16 row-major
 /// `[n, k]` as PyTorch stores it, read as vectors of `vec` halves (16-byte loads on CUDA).
-/// Grid `(ceil(n / warps))`, cube `warps` planes; a plane owns a row, its lanes stride the row's
-/// vectors (coalesced), one `plane_sum` per token.
+/// Grid `(ceil(n / (warps · rows)))`, cube `warps` planes; a plane owns `rows` rows, its lanes
+/// stride the rows' vectors (coalesced), one `plane_sum` per row and token.
+///
+/// `x` is read as vectors of the same width as `W`'s (two 16-byte loads on CUDA): read one
+/// f32 at a time, a warp's loads of a column were 32 bytes apart, eight L1 wavefronts per
+/// instruction, which held the H200 at ~1.6 TB/s (ncu, Mixtral's QKV). With several tokens
+/// each plane takes two rows so each `x` vector serves both.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub fn dense_gemm_kernel<N: Size>(
-    x: &Array<f32>,
+    x: &Array<Vector<f32, N>>,
     w: &Array<Vector<f16, N>>,
     bias: &Array<f32>,
     meta: &Array<u32>,
@@ -125,72 +130,95 @@ pub fn dense_gemm_kernel<N: Size>(
     #[comptime] max_tokens: usize,
     #[comptime] plane_size: usize,
     #[comptime] warps: usize,
+    #[comptime] rows: usize,
     #[comptime] has_bias: bool,
     #[comptime] accumulate: bool,
 ) {
     let lane = UNIT_POS as usize % plane_size;
-    let row = CUBE_POS_X as usize * warps + UNIT_POS as usize / plane_size;
+    let row0 = (CUBE_POS_X as usize * warps + UNIT_POS as usize / plane_size) * rows;
     let tokens = meta[0] as usize;
-    if row >= n {
+    if row0 >= n {
         terminate!();
     }
-    let mut acc = Array::<f32>::new(max_tokens);
+    let mut acc = Array::<f32>::new(max_tokens * rows);
     #[unroll]
-    for t in 0..max_tokens {
+    for t in 0..max_tokens * rows {
         acc[t] = 0.0;
     }
     let kv = comptime![k / vec];
-    let wrow = row * kv;
-    // Rounds of 4 vectors per lane whose loads are all issued before any is used (one load in
-    // flight per lane leaves HBM idle), then the remaining vectors one by one.
+    // Rows past `n` (the last plane of a ragged tile) read row `n - 1` and store nothing, so
+    // the loads need no guard.
+    let mut wrow = Array::<usize>::new(rows);
+    #[unroll]
+    for r in 0..rows {
+        wrow[r] = min(row0 + r, n - 1) * kv;
+    }
+    // Rounds of 4 vectors per lane and row whose loads are all issued before any is used (one
+    // load in flight per lane leaves HBM idle), then the remaining vectors one by one.
     let full = comptime![kv / (4 * plane_size)];
-    for r in 0..full {
-        let v0 = r * comptime![4 * plane_size] + lane;
-        let mut wv = Array::<Vector<f16, N>>::new(4usize);
+    for rd in 0..full {
+        let v0 = rd * comptime![4 * plane_size] + lane;
+        let mut wv = Array::<Vector<f16, N>>::new(4usize * rows);
         #[unroll]
-        for q in 0..4usize {
-            wv[q] = w[wrow + v0 + q * plane_size];
+        for r in 0..rows {
+            #[unroll]
+            for q in 0..4usize {
+                wv[r * 4usize + q] = w[wrow[r] + v0 + q * plane_size];
+            }
         }
         #[unroll]
         for q in 0..4usize {
+            let v = v0 + q * plane_size;
             #[unroll]
-            for i in 0..vec {
-                let wf = f32::cast_from(wv[q][i]);
-                let c = (v0 + q * plane_size) * vec + i;
-                #[unroll]
-                for t in 0..max_tokens {
-                    if t < tokens {
-                        acc[t] += wf * x[t * k + c];
+            for t in 0..max_tokens {
+                if t < tokens {
+                    let xv = x[t * kv + v];
+                    #[unroll]
+                    for r in 0..rows {
+                        #[unroll]
+                        for i in 0..vec {
+                            acc[r * max_tokens + t] += f32::cast_from(wv[r * 4usize + q][i]) * xv[i];
+                        }
                     }
                 }
             }
         }
     }
     for v in range_stepped(full * comptime![4 * plane_size] + lane, kv, plane_size) {
-        let wv = w[wrow + v];
+        let mut wv = Array::<Vector<f16, N>>::new(rows);
         #[unroll]
-        for i in 0..vec {
-            let wf = f32::cast_from(wv[i]);
-            let c = v * vec + i;
-            #[unroll]
-            for t in 0..max_tokens {
-                if t < tokens {
-                    acc[t] += wf * x[t * k + c];
+        for r in 0..rows {
+            wv[r] = w[wrow[r] + v];
+        }
+        #[unroll]
+        for t in 0..max_tokens {
+            if t < tokens {
+                let xv = x[t * kv + v];
+                #[unroll]
+                for r in 0..rows {
+                    #[unroll]
+                    for i in 0..vec {
+                        acc[r * max_tokens + t] += f32::cast_from(wv[r][i]) * xv[i];
+                    }
                 }
             }
         }
     }
     #[unroll]
-    for t in 0..max_tokens {
-        let mut s = plane_sum(acc[t]);
-        if comptime![has_bias] {
-            s += bias[row];
-        }
-        if lane == 0 && t < tokens {
-            if comptime![accumulate] {
-                y[t * n + row] += s;
-            } else {
-                y[t * n + row] = s;
+    for r in 0..rows {
+        let row = row0 + r;
+        #[unroll]
+        for t in 0..max_tokens {
+            let mut s = plane_sum(acc[r * max_tokens + t]);
+            if comptime![has_bias] {
+                s += bias[min(row, n - 1)];
+            }
+            if lane == 0 && t < tokens && row < n {
+                if comptime![accumulate] {
+                    y[t * n + row] += s;
+                } else {
+                    y[t * n + row] = s;
+                }
             }
         }
     }

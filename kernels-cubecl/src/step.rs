@@ -176,15 +176,20 @@ pub fn dense_gemm<R: Runtime>(
     // The widest load the device likes that divides the row (16 bytes of halves on CUDA).
     let vec =
         client.io_optimized_vector_sizes(2).filter(|v| *v <= 8 && g.k.is_multiple_of(*v)).max().unwrap_or(1);
+    let tb = token_bucket(tokens);
+    // Two rows per plane share each `x` vector once there are several tokens; at one or two
+    // tokens one row per plane keeps twice the cubes (and loads) in flight.
+    let rows = if tb > 2 { 2 } else { 1 };
     // SAFETY: sizes checked above; the kernel reads `meta[0] ≤ tokens` rows; `w` holds `n · k`
-    // halves, i.e. `n · k / vec` vectors.
+    // halves, i.e. `n · k / vec` vectors, and `x` at least `tokens · k / vec` (whole buffers,
+    // so their starts are aligned for any vector width).
     unsafe {
         decode::dense_gemm_kernel::launch_unchecked::<R>(
             client,
-            CubeCount::Static(g.n.div_ceil(warps) as u32, 1, 1),
+            CubeCount::Static(g.n.div_ceil(warps * rows) as u32, 1, 1),
             CubeDim::new_1d((warps * plane) as u32),
             vec,
-            x.arg(),
+            ArrayArg::from_raw_parts(x.handle.clone(), x.len / vec),
             ArrayArg::from_raw_parts(w.handle.clone(), g.n * g.k / vec),
             bias.arg(),
             meta.arg(),
@@ -192,9 +197,10 @@ pub fn dense_gemm<R: Runtime>(
             g.n,
             g.k,
             vec,
-            token_bucket(tokens),
+            tb,
             plane,
             warps,
+            rows,
             g.bias,
             g.accumulate,
         )
