@@ -88,6 +88,133 @@ pub(crate) fn store_rows(
     }
 }
 
+/// `f32` vectors of four staged `x` values.
+pub(crate) type X4 = Vector<f32, Const<4>>;
+/// Shared-memory vectors per staged 32-column word: 8 of data and one of padding, so the
+/// lanes' 16-byte reads of consecutive words hit distinct banks (a stride of 36 words).
+pub(crate) const XV_PER_WORD: usize = 9;
+
+/// Staged vector `s` (`0..8`) of the word starting at column `col0`: within a word, columns are
+/// stored in the order `pos(c) = 8 · (c mod 4) + c / 4`, the order in which [`word_rows`] takes
+/// its indices, so the 8 columns of one shift `q` are two consecutive vectors. Vector `s` holds
+/// columns `col0 + q + 16h + 4jj` (`q = s / 2`, `h = s mod 2`, `jj = 0..4`); columns at or past
+/// `k` are zero.
+#[cube]
+pub(crate) fn staged_vec(
+    x: &Array<f32>,
+    base: usize,
+    k: usize,
+    col0: usize,
+    s: usize,
+    #[comptime] act: u32,
+) -> X4 {
+    let c = col0 + s / 2usize + 16usize * (s % 2usize);
+    let mut v = X4::empty();
+    #[unroll]
+    for jj in 0..4usize {
+        let col = c + 4usize * jj;
+        let mut e = 0.0f32;
+        if col < k {
+            e = staged_x(x, base, k, col, act);
+        }
+        v[jj] = e;
+    }
+    v
+}
+
+/// Adds one lane's plane word (32 columns) of `rows` rows at `bits` bits to
+/// `acc[r · tb + t]`. `pw[pw0 + r · row_stride + p]` is plane `p`'s word of row `r`; `rb[r]` is
+/// row `r`'s LUT base in `lut_s`, a multiple of a power of two ≥ `2^bits`, so an OR places an
+/// index in its row (no add); `x_s[xv0 + t · xs_stride ..][..8]` is the word's staged `x`
+/// (see [`staged_vec`]).
+///
+/// Per shift `q` (4 per word), eight indices come out of the planes at once: nibbles at ≤ 4
+/// bits (`(w >> q) & 0x11111111`, bit `p` of the nibble from plane `p`), or two words of bytes
+/// above (shifts `q` and `q + 4`). Either way index `j` belongs to column `q + 4j`, whose `x`
+/// is element `j` of the two staged vectors of `q`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn word_rows(
+    pw: &Array<u32>,
+    pw0: usize,
+    rb: &Array<u32>,
+    lut_s: &SharedMemory<f32>,
+    x_s: &SharedMemory<X4>,
+    xv0: usize,
+    xs_stride: usize,
+    acc: &mut Array<f32>,
+    #[comptime] row_stride: usize,
+    #[comptime] bits: usize,
+    #[comptime] tb: usize,
+    #[comptime] rows: usize,
+    #[comptime] unrolled: bool,
+) {
+    let nib = comptime![bits <= 4];
+    let mut iw = Array::<u32>::new(2usize * rows);
+    // Few tokens: both of a shift's `x` vectors in registers; many: one at a time.
+    let halves = comptime![if tb <= 4 { 1usize } else { 2usize }];
+    let per_half = comptime![8usize / halves];
+    let xw = comptime![2usize / halves];
+    let mut xv = Array::<X4>::new(tb * xw);
+    // Unrolled on GPUs (constant shifts that merge into one shift and one mask per plane);
+    // compact for CPU shader compilers.
+    #[unroll(unrolled)]
+    for q in 0..4usize {
+        #[unroll]
+        for r in 0..rows {
+            if comptime![nib] {
+                let mut v = 0u32;
+                #[unroll]
+                for p in 0..bits {
+                    let sh = (bits - 1usize - p) as u32;
+                    v |= ((pw[pw0 + r * row_stride + p] >> (q as u32)) & 0x1111_1111u32) << sh;
+                }
+                iw[2usize * r] = v;
+            } else {
+                #[unroll]
+                for h in 0..2usize {
+                    let mut v = 0u32;
+                    #[unroll]
+                    for p in 0..bits {
+                        let sh = (bits - 1usize - p) as u32;
+                        v |= ((pw[pw0 + r * row_stride + p] >> ((q + 4usize * h) as u32)) & 0x0101_0101u32)
+                            << sh;
+                    }
+                    iw[2usize * r + h] = v;
+                }
+            }
+        }
+        // Compact builds keep these loops too (lavapipe's compile time grows with the body).
+        #[unroll(unrolled)]
+        for hv in 0..halves {
+            #[unroll(unrolled)]
+            for t in 0..tb {
+                #[unroll]
+                for e in 0..xw {
+                    xv[t * xw + e] = x_s[xv0 + t * xs_stride + 2usize * q + hv + e];
+                }
+            }
+            #[unroll(unrolled)]
+            for jl in 0..per_half {
+                let j = hv * per_half + jl;
+                #[unroll]
+                for r in 0..rows {
+                    let idx = if comptime![nib] {
+                        (iw[2usize * r] >> ((4usize * j) as u32)) & 0xFu32
+                    } else {
+                        (iw[2usize * r + j % 2usize] >> ((8usize * (j / 2usize)) as u32)) & 0xFFu32
+                    };
+                    let w = lut_s[(idx | rb[r]) as usize];
+                    #[unroll(unrolled)]
+                    for t in 0..tb {
+                        acc[r * tb + t] += w * xv[t * xw + jl / 4usize][jl % 4usize];
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// The first kernel, kept for comparison in `bench-kernels` (`GemmConfig::specialized =
 /// false`): the bit loop is unrolled over all 8 planes with a runtime guard, so a 3-bit block
 /// pays the index-building instructions of an 8-bit one, and every item computes the launch's
@@ -232,6 +359,7 @@ pub fn ap_gemm_kernel(
     #[comptime] rows_per_warp: usize,
     #[comptime] act: u32,
     #[comptime] lut_slots: usize,
+    #[comptime] unrolled: bool,
 ) {
     let rows_per_cube = warps * rows_per_warp;
     let d = CUBE_POS_Y as usize * 8usize;
@@ -262,7 +390,7 @@ pub fn ap_gemm_kernel(
             lut_s[r * lut_slots + e] = f32::cast_from(luts[lut_off + (row0 + r) * lut_len + e]);
         }
     }
-    let mut x_s = SharedMemory::<f32>::new(max_tokens * (32usize * plane_size + plane_size));
+    let mut x_s = SharedMemory::<X4>::new(max_tokens * plane_size * XV_PER_WORD);
 
     // Few-token items (most routed decode items) run a body with no padding tokens.
     let small = comptime![if max_tokens < 2 { max_tokens } else { 2usize }];
@@ -287,6 +415,7 @@ pub fn ap_gemm_kernel(
             rows_per_warp,
             act,
             lut_slots,
+            unrolled,
         );
     } else {
         gemm_item(
@@ -309,6 +438,7 @@ pub fn ap_gemm_kernel(
             rows_per_warp,
             act,
             lut_slots,
+            unrolled,
         );
     }
 }
@@ -322,7 +452,7 @@ fn gemm_item(
     x: &Array<f32>,
     y: &mut Array<f32>,
     lut_s: &SharedMemory<f32>,
-    x_s: &mut SharedMemory<f32>,
+    x_s: &mut SharedMemory<X4>,
     plane_off: usize,
     n: usize,
     k: usize,
@@ -337,6 +467,7 @@ fn gemm_item(
     #[comptime] rows_per_warp: usize,
     #[comptime] act: u32,
     #[comptime] lut_slots: usize,
+    #[comptime] unrolled: bool,
 ) {
     let words = k.div_ceil(32usize);
     let unit = UNIT_POS as usize;
@@ -344,11 +475,13 @@ fn gemm_item(
     let lane = unit % plane_size;
     let warp = unit / plane_size;
     let wrow0 = row0 + warp * rows_per_warp;
-    let lrow0 = warp * rows_per_warp;
-    let chunk = 32usize * plane_size;
-    let xs_stride = chunk + plane_size;
+    let xs_stride = plane_size * XV_PER_WORD;
     let x_stride = if comptime![act == 0] { k } else { 2usize * k };
-    let xbase = lane * 33usize;
+    let mut rb = Array::<u32>::new(rows_per_warp);
+    #[unroll]
+    for r in 0..rows_per_warp {
+        rb[r] = ((warp * rows_per_warp + r) * lut_slots) as u32;
+    }
 
     let mut acc = Array::<f32>::new(tb * rows_per_warp);
     #[unroll]
@@ -359,16 +492,16 @@ fn gemm_item(
     for ch in 0..n_chunks {
         // The previous chunk must be consumed (and the LUTs staged) first.
         sync_cube();
-        let c0 = ch * chunk;
-        for i in range_stepped(unit, tb * chunk, cube_units) {
-            let t = i / chunk;
-            let c = i % chunk;
-            let col = c0 + c;
-            let mut v = 0.0f32;
-            if t < tokens && col < k {
-                v = staged_x(x, x_off + t * x_stride, k, col, act);
+        let c0 = ch * 32usize * plane_size;
+        for i in range_stepped(unit, tb * plane_size * 8usize, cube_units) {
+            let t = i / (plane_size * 8usize);
+            let wl = (i / 8usize) % plane_size;
+            let sv = i % 8usize;
+            let mut v = X4::empty().fill(0.0f32);
+            if t < tokens {
+                v = staged_vec(x, x_off + t * x_stride, k, c0 + 32usize * wl, sv, act);
             }
-            x_s[t * xs_stride + c + c / 32usize] = v;
+            x_s[t * xs_stride + wl * XV_PER_WORD + sv] = v;
         }
         sync_cube();
 
@@ -382,16 +515,16 @@ fn gemm_item(
                 words,
                 wi,
                 wrow0,
+                &rb,
                 lut_s,
-                lrow0,
                 x_s,
                 xs_stride,
-                xbase,
+                lane,
                 &mut acc,
                 3usize,
                 tb,
                 rows_per_warp,
-                lut_slots,
+                unrolled,
             );
         } else if bits == 4u32 {
             chunk_rows(
@@ -401,16 +534,16 @@ fn gemm_item(
                 words,
                 wi,
                 wrow0,
+                &rb,
                 lut_s,
-                lrow0,
                 x_s,
                 xs_stride,
-                xbase,
+                lane,
                 &mut acc,
                 4usize,
                 tb,
                 rows_per_warp,
-                lut_slots,
+                unrolled,
             );
         } else if bits == 5u32 {
             chunk_rows(
@@ -420,16 +553,16 @@ fn gemm_item(
                 words,
                 wi,
                 wrow0,
+                &rb,
                 lut_s,
-                lrow0,
                 x_s,
                 xs_stride,
-                xbase,
+                lane,
                 &mut acc,
                 5usize,
                 tb,
                 rows_per_warp,
-                lut_slots,
+                unrolled,
             );
         } else if bits == 6u32 {
             chunk_rows(
@@ -439,16 +572,16 @@ fn gemm_item(
                 words,
                 wi,
                 wrow0,
+                &rb,
                 lut_s,
-                lrow0,
                 x_s,
                 xs_stride,
-                xbase,
+                lane,
                 &mut acc,
                 6usize,
                 tb,
                 rows_per_warp,
-                lut_slots,
+                unrolled,
             );
         } else if bits == 7u32 {
             chunk_rows(
@@ -458,16 +591,16 @@ fn gemm_item(
                 words,
                 wi,
                 wrow0,
+                &rb,
                 lut_s,
-                lrow0,
                 x_s,
                 xs_stride,
-                xbase,
+                lane,
                 &mut acc,
                 7usize,
                 tb,
                 rows_per_warp,
-                lut_slots,
+                unrolled,
             );
         } else {
             chunk_rows(
@@ -477,16 +610,16 @@ fn gemm_item(
                 words,
                 wi,
                 wrow0,
+                &rb,
                 lut_s,
-                lrow0,
                 x_s,
                 xs_stride,
-                xbase,
+                lane,
                 &mut acc,
                 8usize,
                 tb,
                 rows_per_warp,
-                lut_slots,
+                unrolled,
             );
         }
     }
@@ -495,8 +628,7 @@ fn gemm_item(
 }
 
 /// One lane's word of one staged chunk for the warp's rows, at `bits` bits: loads every
-/// plane word first (all in flight together), rebuilds four indices per shift/mask step,
-/// and reads each column's `x` once for all rows.
+/// plane word first (all in flight together), then [`word_rows`].
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn chunk_rows(
@@ -506,16 +638,16 @@ fn chunk_rows(
     words: usize,
     wi: usize,
     wrow0: usize,
+    rb: &Array<u32>,
     lut_s: &SharedMemory<f32>,
-    lrow0: usize,
-    x_s: &SharedMemory<f32>,
+    x_s: &SharedMemory<X4>,
     xs_stride: usize,
-    xbase: usize,
+    lane: usize,
     acc: &mut Array<f32>,
     #[comptime] bits: usize,
     #[comptime] tb: usize,
     #[comptime] rows_per_warp: usize,
-    #[comptime] lut_slots: usize,
+    #[comptime] unrolled: bool,
 ) {
     let mut pw = Array::<u32>::new(rows_per_warp * bits);
     #[unroll]
@@ -531,36 +663,19 @@ fn chunk_rows(
             pw[r * bits + p] = v;
         }
     }
-    let mut idx4 = Array::<u32>::new(rows_per_warp);
-    let mut xv = Array::<f32>::new(tb);
-    // Not unrolled: twelve bodies per kernel (6 widths × 2 token buckets) stay small enough
-    // to compile quickly, and the loop costs a few instructions per 32·rows·tokens FMAs.
-    for q in 0..8usize {
-        #[unroll]
-        for r in 0..rows_per_warp {
-            let mut v = 0u32;
-            #[unroll]
-            for p in 0..bits {
-                v = (v << 1u32) | ((pw[r * bits + p] >> (q as u32)) & 0x0101_0101u32);
-            }
-            idx4[r] = v;
-        }
-        #[unroll]
-        for kk in 0..4usize {
-            let xo = xbase + q + 8usize * kk;
-            #[unroll]
-            for t in 0..tb {
-                xv[t] = x_s[t * xs_stride + xo];
-            }
-            #[unroll]
-            for r in 0..rows_per_warp {
-                let idx = ((idx4[r] >> (8 * kk) as u32) & 0xFFu32) as usize;
-                let w = lut_s[(lrow0 + r) * lut_slots + idx];
-                #[unroll]
-                for t in 0..tb {
-                    acc[r * tb + t] += w * xv[t];
-                }
-            }
-        }
-    }
+    word_rows(
+        &pw,
+        0usize,
+        rb,
+        lut_s,
+        x_s,
+        lane * XV_PER_WORD,
+        xs_stride,
+        acc,
+        bits,
+        bits,
+        tb,
+        rows_per_warp,
+        unrolled,
+    );
 }

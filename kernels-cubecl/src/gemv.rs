@@ -16,7 +16,7 @@
 use cubecl::prelude::*;
 use half::f16;
 
-use crate::gemm::{DESC_WORDS, staged_x, store_rows};
+use crate::gemm::{DESC_WORDS, X4, XV_PER_WORD, staged_vec, store_rows, word_rows};
 
 /// The kernel. Grid: any number of cubes (a few per SM); cube: `warps · plane_size` units.
 /// `n_items` descriptors of [`DESC_WORDS`] words (see [`crate::gemm::ap_gemm_kernel`]); items
@@ -94,8 +94,8 @@ pub fn ap_gemv_kernel(
     let start = c * per + select(c < rem, c, rem);
     let end = start + per + select(c < rem, 1usize, 0usize);
 
-    let xs_stride = x_words * 33usize;
-    let mut x_s = SharedMemory::<f32>::new(tb * x_words * 33usize);
+    let xs_stride = x_words * XV_PER_WORD;
+    let mut x_s = SharedMemory::<X4>::new(tb * x_words * XV_PER_WORD);
     let mut lut_s = SharedMemory::<f32>::new(warps * rows * lut_slots);
     let lbase = warp * rows * lut_slots;
 
@@ -134,15 +134,15 @@ pub fn ap_gemv_kernel(
 
         // The previous item's x is consumed; stage this one's, zero past its columns.
         sync_cube();
-        let cols_pad = x_words * 32usize;
-        for i in range_stepped(unit, tb * cols_pad, cube_units) {
-            let t = i / cols_pad;
-            let col = i % cols_pad;
-            let mut v = 0.0f32;
-            if t < tokens && col < k {
-                v = staged_x(x, x_off + t * x_stride, k, col, act);
+        for i in range_stepped(unit, tb * x_words * 8usize, cube_units) {
+            let t = i / (x_words * 8usize);
+            let wl = (i / 8usize) % x_words;
+            let sv = i % 8usize;
+            let mut v = X4::empty().fill(0.0f32);
+            if t < tokens {
+                v = staged_vec(x, x_off + t * x_stride, k, 32usize * wl, sv, act);
             }
-            x_s[t * xs_stride + (col / 32usize) * 33usize + col % 32usize] = v;
+            x_s[t * xs_stride + wl * XV_PER_WORD + sv] = v;
         }
         sync_cube();
 
@@ -328,7 +328,7 @@ fn gemv_units(
     planes: &Array<u32>,
     luts: &Array<f16>,
     lut_s: &mut SharedMemory<f32>,
-    x_s: &SharedMemory<f32>,
+    x_s: &SharedMemory<X4>,
     y: &mut Array<f32>,
     plane_off: usize,
     lut_off: usize,
@@ -356,8 +356,11 @@ fn gemv_units(
     let steps = words.div_ceil(step_words);
     let mut acc = Array::<f32>::new(rows * tb);
     let mut pw = Array::<u32>::new(rows * wpl * bits);
-    let mut idx4 = Array::<u32>::new(rows);
-    let mut xv = Array::<f32>::new(tb);
+    let mut rb = Array::<u32>::new(rows);
+    #[unroll]
+    for r in 0..rows {
+        rb[r] = (lbase + r * lut_slots) as u32;
+    }
     for u in range_stepped(u0, seg_end, warps) {
         let row0 = (u - first) * rows;
         // This warp's LUT region is free once every lane left the previous unit.
@@ -393,44 +396,24 @@ fn gemv_units(
                     }
                 }
             }
-            // Unrolled (constant shifts) on GPUs; compact code for CPU shader compilers.
             #[unroll(unrolled)]
             for j in 0..wpl {
-                let xb = (s * step_words + j * plane_size + lane) * 33usize;
-                #[unroll(unrolled)]
-                for q in 0..8usize {
-                    #[unroll]
-                    for r in 0..rows {
-                        // Bit q of every byte of each plane word, placed at the plane's position
-                        // in a byte: four indices per shift/mask step.
-                        let mut v = 0u32;
-                        #[unroll]
-                        for p in 0..bits {
-                            let word = pw[(r * wpl + j) * bits + p];
-                            // Constant shifts when unrolled: the compiler merges them into
-                            // one shift and one mask.
-                            let sh = (bits - 1usize - p) as u32;
-                            v |= ((word >> (q as u32)) & 0x0101_0101u32) << sh;
-                        }
-                        idx4[r] = v;
-                    }
-                    #[unroll]
-                    for kk in 0..4usize {
-                        #[unroll]
-                        for t in 0..tb {
-                            xv[t] = x_s[t * xs_stride + xb + q + 8usize * kk];
-                        }
-                        #[unroll]
-                        for r in 0..rows {
-                            let idx = ((idx4[r] >> ((8usize * kk) as u32)) & 0xFFu32) as usize;
-                            let w = lut_s[lbase + r * lut_slots + idx];
-                            #[unroll]
-                            for t in 0..tb {
-                                acc[r * tb + t] += w * xv[t];
-                            }
-                        }
-                    }
-                }
+                let wi = s * step_words + j * plane_size + lane;
+                word_rows(
+                    &pw,
+                    j * bits,
+                    &rb,
+                    lut_s,
+                    x_s,
+                    wi * XV_PER_WORD,
+                    xs_stride,
+                    &mut acc,
+                    wpl * bits,
+                    bits,
+                    tb,
+                    rows,
+                    unrolled,
+                );
             }
         }
         store_rows(&acc, y, y_off, n, row0, tokens, lane, rows, tb);

@@ -198,9 +198,10 @@ pub struct GemmConfig {
     /// Plane words per lane and row that the GEMV kernel loads together (registers against
     /// loads in flight).
     pub gemv_words_per_lane: usize,
-    /// The GEMV kernel's inner loops fully unrolled (constant shifts; the GPU's choice) or
-    /// compact (CPU shader compilers such as lavapipe's take minutes on the unrolled bodies).
-    pub gemv_unrolled: bool,
+    /// The GEMM and GEMV kernels' inner loops fully unrolled (constant shifts; the GPU's
+    /// choice) or compact (CPU shader compilers such as lavapipe's take minutes on the unrolled
+    /// bodies).
+    pub unrolled: bool,
 }
 
 impl GemmConfig {
@@ -211,7 +212,7 @@ impl GemmConfig {
         // 2 measured fastest on the H200 (bench-kernels sweep of 1, 2, 4, 8 rows per warp).
         let rows_per_warp = if hw.max_shared_memory_size >= 96 * 1024 { 2 } else { 1 };
         // Planes narrower than 16 lanes: lavapipe (8), a CPU behind a shader compiler.
-        let gemv_unrolled = hw.plane_size_max >= 16;
+        let unrolled = hw.plane_size_max >= 16;
         Self {
             plane_size: hw.plane_size_max as usize,
             warps: 8,
@@ -220,7 +221,7 @@ impl GemmConfig {
             gemv: true,
             gemv_min_items: GEMV_MIN_ITEMS,
             gemv_words_per_lane: 2,
-            gemv_unrolled,
+            unrolled,
         }
     }
 }
@@ -257,7 +258,12 @@ pub(crate) fn launch_gemv<R: Runtime>(
     let ps = cfg.plane_size;
     let step = ps * cfg.gemv_words_per_lane;
     let x_words = cols.div_ceil(32).div_ceil(step) * step;
-    let shared = 4 * (tb * x_words * 33 + cfg.warps * GEMV_ROWS * lut_slots + n_items + 1 + cfg.warps);
+    let shared = 4
+        * (tb * x_words * 4 * gemm::XV_PER_WORD
+            + cfg.warps * GEMV_ROWS * lut_slots
+            + n_items
+            + 1
+            + cfg.warps);
     let hw = &client.properties().hardware;
     if shared > hw.max_shared_memory_size {
         return false;
@@ -290,7 +296,7 @@ pub(crate) fn launch_gemv<R: Runtime>(
             x_words,
             act.code(),
             lut_slots,
-            cfg.gemv_unrolled,
+            cfg.unrolled,
         )
     };
     true
@@ -374,7 +380,9 @@ pub fn ap_gemm<R: Runtime>(
     let max_rows = items.iter().map(|i| i.rows).max().unwrap_or(0) as usize;
     let most_tokens = items.iter().map(|i| i.tokens).max().unwrap_or(1) as usize;
     let max_cols = items.iter().map(|i| i.cols).max().unwrap_or(0) as usize;
-    let lut_slots = 1usize << items.iter().map(|i| i.bits).max().unwrap_or(8);
+    // Room for the widest LUT, in two classes (16 or 256 slots) so few kernel variants are
+    // compiled: launches of ≤ 4-bit blocks keep their shared memory small.
+    let lut_slots = if items.iter().all(|i| i.bits <= 4) { 16 } else { gemm::LUT_SLOTS };
     let bufs = [planes, luts, desc, x, y];
     if launch_gemv(client, cfg, bufs, items.len(), max_cols, most_tokens, act, lut_slots) {
         return Ok(());
@@ -389,7 +397,21 @@ pub fn ap_gemm<R: Runtime>(
     unsafe {
         if cfg.specialized {
             gemm::ap_gemm_kernel::launch_unchecked::<R>(
-                client, count, cube_dim, p, l, d, xa, ya, max_tokens, ps, w, r, a, lut_slots,
+                client,
+                count,
+                cube_dim,
+                p,
+                l,
+                d,
+                xa,
+                ya,
+                max_tokens,
+                ps,
+                w,
+                r,
+                a,
+                lut_slots,
+                cfg.unrolled,
             )
         } else {
             gemm::ap_gemm_kernel_v1::launch_unchecked::<R>(

@@ -557,6 +557,7 @@ pub fn ap_gemm_routed<R: Runtime>(
             act.code(),
             // Bit-widths live in device descriptors: room for the widest LUT.
             gemm::LUT_SLOTS,
+            cfg.unrolled,
         )
     };
     Ok(())

@@ -131,8 +131,8 @@ fn gemv_unrolled_matches_reference() {
     let base = GemmConfig { gemv_min_items: 1, ..GemmConfig::for_client(&client) };
     // The GPU's build, and a compact one with two warps and one plane word per lane.
     for cfg in [
-        GemmConfig { gemv_unrolled: true, ..base },
-        GemmConfig { gemv_unrolled: false, warps: 2, gemv_words_per_lane: 1, ..base },
+        GemmConfig { unrolled: true, ..base },
+        GemmConfig { unrolled: false, warps: 2, gemv_words_per_lane: 1, ..base },
     ] {
         let yd = DeviceArray::from_slice(&client, &vec![f32::NAN; y_len]);
         ap_gemm(&client, cfg, &planes, &luts, &items, &desc, &xd, &yd, Activation::None).unwrap();
