@@ -592,6 +592,37 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
         Ok(out)
     }
 
+    /// Prefills whole prompts: their tokens go through the decode kernels `MAX_TOKENS` at a
+    /// time (one step per chunk, each token attending causally to the positions up to its
+    /// own), so a prompt of `n` tokens costs `⌈n / MAX_TOKENS⌉` steps instead of `n`. Returns
+    /// each prompt's next-token logits (after its last token), in order.
+    pub fn prefill(&mut self, prompts: &[(SeqId, &[u32])]) -> Result<Vec<Vec<f32>>, DecodeError> {
+        self.launches = 0;
+        // (sequence, token, index of the prompt it ends)
+        let flat: Vec<(SeqId, u32, Option<usize>)> = prompts
+            .iter()
+            .enumerate()
+            .flat_map(|(i, &(s, p))| {
+                p.iter().enumerate().map(move |(j, &tok)| (s, tok, (j + 1 == p.len()).then_some(i)))
+            })
+            .collect();
+        let mut out = vec![Vec::new(); prompts.len()];
+        for chunk in flat.chunks(MAX_TOKENS) {
+            let batch: Vec<(SeqId, u32)> = chunk.iter().map(|f| (f.0, f.1)).collect();
+            self.enqueue(&batch, 0)?;
+            // Only chunks that end a prompt are read back (and waited for).
+            if chunk.iter().any(|f| f.2.is_some()) {
+                let all = read_f32(&self.client, &self.s.logits)?;
+                for (row, f) in chunk.iter().enumerate() {
+                    if let Some(i) = f.2 {
+                        out[i] = all[row * self.cfg.vocab..][..self.cfg.vocab].to_vec();
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
     /// [`Self::step`] with greedy sampling on the device: only the new token ids come back.
     pub fn step_greedy(&mut self, batch: &[(SeqId, u32)]) -> Result<Vec<u32>, DecodeError> {
         self.enqueue_greedy(batch)?;
@@ -636,8 +667,17 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
             )));
         }
         let seqs: Vec<SeqId> = batch.iter().map(|b| b.0).collect();
-        // Reserve every sequence's slot first so a full cache refuses the whole step.
-        let needed: usize = seqs.iter().map(|&s| self.tables.blocks_needed(s, 1)).sum::<Result<_, _>>()?;
+        // A sequence may come several times (consecutive tokens of its prompt). Reserve every
+        // sequence's slots first so a full cache refuses the whole step.
+        let mut counts: Vec<(SeqId, usize)> = Vec::new();
+        for &s in &seqs {
+            match counts.iter_mut().find(|c| c.0 == s) {
+                Some(c) => c.1 += 1,
+                None => counts.push((s, 1)),
+            }
+        }
+        let needed: usize =
+            counts.iter().map(|&(s, n)| self.tables.blocks_needed(s, n)).sum::<Result<_, _>>()?;
         if needed > self.tables.free_blocks() {
             return Err(pw_kv::KvError::OutOfBlocks {
                 seq: seqs[0],
@@ -655,7 +695,7 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
         let c = &self.client;
         let cfg = &self.cfg;
         let s = &self.s;
-        let step = self.kv.upload_step(c, &self.tables, &seqs, &slots)?;
+        let step = self.kv.upload_tokens(c, &self.tables, &seqs, &slots, &positions)?;
         let ids: Vec<u32> = batch.iter().map(|b| b.1).collect();
         let ids = DeviceArray::from_slice(c, &ids);
         let pos = DeviceArray::from_slice(c, &positions);

@@ -1,7 +1,7 @@
 //! The fast decode path against the Burn-ops models (`pw-models`, the reference) of all three
 //! families (the transformers fixtures and the shipped tiny models), with the same
 //! any-precision experts in both: continuous batches of sequences of different lengths that
-//! join and leave at different steps, prompts fed token by token, every step's logits compared
+//! join and leave at different steps, prompts fed token by token or prefilled in chunks, every step's logits compared
 //! with a full recomputation of each sequence.
 
 use std::path::{Path, PathBuf};
@@ -95,9 +95,10 @@ impl WeightSource<B> for Dequantized<'_> {
 /// A sequence of the test: id, prompt, the step it joins at, the step it leaves at.
 type Plan = (u64, Vec<u32>, usize, usize);
 
-/// Runs `steps` continuous-batching steps of `plan` on the decoder and checks every sequence's
-/// logits against a full recomputation with the Burn model.
-fn check(dir: &Path, kv_f16: bool, tol: f32, plan: &[Plan], steps: usize, max_seq: usize) {
+/// The fixture's reference model (Burn ops, dequantized experts), the quantized experts it was
+/// built from (mixed committed bits: 8, 6, 4 and 3 across experts, as the planner leaves them)
+/// and the lavapipe client.
+fn setup(dir: &Path) -> (AnyModel<B>, ExpertBlocks, cubecl::client::ComputeClient<WgpuRuntime>) {
     if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
         // SAFETY: set once before any thread reads the environment.
         unsafe { std::env::set_var("XDG_RUNTIME_DIR", std::env::temp_dir()) };
@@ -106,7 +107,6 @@ fn check(dir: &Path, kv_f16: bool, tol: f32, plan: &[Plan], steps: usize, max_se
     let ckpt = Checkpoint::open(dir).unwrap();
     // The decoder's own view of the shapes, used to quantize the experts.
     let cfg = DecodeConfig::from_model(&config).unwrap();
-    // Mixed committed bits, as the planner leaves them: 8, 6, 4 and 3 bits across experts.
     let mut experts = ExpertBlocks::quantize_hf(&ckpt, &cfg, 8).unwrap();
     for (l, layer) in experts.bits.iter_mut().enumerate() {
         for (e, b) in layer.iter_mut().enumerate() {
@@ -117,8 +117,24 @@ fn check(dir: &Path, kv_f16: bool, tol: f32, plan: &[Plan], steps: usize, max_se
     let device = Default::default();
     let src = Dequantized { inner: HfSource::new(&ckpt, &device), experts: &experts, inter: cfg.inter };
     let reference = AnyModel::<B>::from_source(&config, &src).unwrap();
+    (reference, experts, cubecl::Runtime::client(&WgpuDevice::DefaultDevice))
+}
 
-    let client = cubecl::Runtime::client(&WgpuDevice::DefaultDevice);
+/// The reference's next-token logits after `ids`, and the decoder's error against them
+/// relative to their largest magnitude.
+fn error_against_reference(reference: &AnyModel<B>, ids: &[u32], logits: &[f32]) -> (Vec<f32>, f32) {
+    let device = Default::default();
+    let want =
+        last_logits(reference.forward(ids_tensor::<B>(ids, &device), &mut reference.new_cache(), None));
+    let scale = want.iter().fold(1f32, |m, x| m.max(x.abs()));
+    let err = logits.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max) / scale;
+    (want, err)
+}
+
+/// Runs `steps` continuous-batching steps of `plan` on the decoder and checks every sequence's
+/// logits against a full recomputation with the Burn model.
+fn check(dir: &Path, kv_f16: bool, tol: f32, plan: &[Plan], steps: usize, max_seq: usize) {
+    let (reference, experts, client) = setup(dir);
     let blocks = 4 * max_seq.div_ceil(4) + 4;
     let mut fast = if kv_f16 {
         let load = || Decoder::load(&client, dir, &experts, blocks, 4, max_seq).unwrap();
@@ -156,13 +172,7 @@ fn check(dir: &Path, kv_f16: bool, tol: f32, plan: &[Plan], steps: usize, max_se
                 next.push(*tok);
             }
             let all: Vec<u32> = if fed.len() < p.len() { next.clone() } else { fed.clone() };
-            let want = last_logits(reference.forward(
-                ids_tensor::<B>(&all, &device),
-                &mut reference.new_cache(),
-                None,
-            ));
-            let scale = want.iter().fold(1f32, |m, x| m.max(x.abs()));
-            let err = logits.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max) / scale;
+            let (want, err) = error_against_reference(&reference, &all, logits);
             assert!(
                 err <= tol,
                 "{}: step {step} seq {id} (len {}): logits error {err:e} > {tol:e}",
@@ -291,4 +301,49 @@ fn gemma4_fixture_past_the_window_f16_cache() {
 #[test]
 fn gemma4_multimodal_layout_f32_cache() {
     check_short(&fixture("gemma4_mm"), false, F32_KV_TOL);
+}
+
+/// Whole prompts prefilled through the decode kernels in chunks of `MAX_TOKENS` tokens (several
+/// tokens of one sequence per chunk, prompts crossing chunk boundaries and, on Gemma, its
+/// sliding window of 8), then two decode steps: every next-token logit against the reference.
+fn check_prefill(dir: &Path, tol: f32) {
+    let (reference, experts, client) = setup(dir);
+    let mut dec = Decoder::<WgpuRuntime, f32>::load(&client, dir, &experts, 40, 4, 48).unwrap();
+    let prompts: Vec<(u64, Vec<u32>)> = vec![
+        (1, (0..20).map(|i| (i * 7 + 1) % 50).collect()),
+        (2, vec![1, 90, 91, 92, 93]),
+        (3, (0..19).map(|i| (i * 3 + 2) % 60).collect()),
+    ];
+    for (id, _) in &prompts {
+        dec.add_sequence(*id).unwrap();
+    }
+    let refs: Vec<(u64, &[u32])> = prompts.iter().map(|(id, p)| (*id, p.as_slice())).collect();
+    let mut logits = dec.prefill(&refs).unwrap();
+    let mut fed: Vec<Vec<u32>> = prompts.iter().map(|p| p.1.clone()).collect();
+    for step in 0..3 {
+        let mut batch = vec![];
+        for ((id, l), all) in prompts.iter().map(|p| p.0).zip(&logits).zip(fed.iter_mut()) {
+            let (want, err) = error_against_reference(&reference, all, l);
+            assert!(
+                err <= tol,
+                "{}: step {step} seq {id} (len {}): error {err:e} > {tol:e}",
+                dir.display(),
+                all.len()
+            );
+            assert_eq!(argmax(l), argmax(&want), "step {step} seq {id}: greedy choice differs");
+            all.push(argmax(l));
+            batch.push((id, argmax(l)));
+        }
+        logits = dec.step(&batch).unwrap();
+    }
+}
+
+#[test]
+fn mixtral_shipped_chunked_prefill() {
+    check_prefill(&asset("tiny-mixtral"), F32_KV_TOL);
+}
+
+#[test]
+fn gemma4_fixture_chunked_prefill_past_the_window() {
+    check_prefill(&fixture("gemma4"), F32_KV_TOL);
 }

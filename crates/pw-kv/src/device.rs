@@ -75,6 +75,24 @@ impl<R: Runtime> DevicePools<R> {
         seqs: &[SeqId],
         new_slots: &[u32],
     ) -> Result<StepArrays, KvError> {
+        let positions = seqs
+            .iter()
+            .map(|&s| tables.len(s).map(|l| l.saturating_sub(1) as u32))
+            .collect::<Result<Vec<_>, _>>()?;
+        self.upload_tokens(client, tables, seqs, new_slots, &positions)
+    }
+
+    /// [`Self::upload_step`] for tokens at given positions: a sequence may appear several
+    /// times (a chunk of its prompt), and token `i` attends to the positions `..= positions[i]`
+    /// only, so the chunk stays causal although all its K/V rows are written first.
+    pub fn upload_tokens(
+        &self,
+        client: &ComputeClient<R>,
+        tables: &BlockTables,
+        seqs: &[SeqId],
+        new_slots: &[u32],
+        positions: &[u32],
+    ) -> Result<StepArrays, KvError> {
         if tables.capacity() > self.capacity {
             return Err(KvError::Device(format!(
                 "block tables address {} blocks, the pools hold {}",
@@ -82,7 +100,24 @@ impl<R: Runtime> DevicePools<R> {
                 self.capacity
             )));
         }
-        let (table, lens) = tables.step_tables(seqs)?;
+        if positions.len() != seqs.len() || new_slots.len() != seqs.len() {
+            return Err(KvError::Device(format!(
+                "{} sequences, {} slots and {} positions in one step",
+                seqs.len(),
+                new_slots.len(),
+                positions.len()
+            )));
+        }
+        let (table, held) = tables.step_tables(seqs)?;
+        let mut lens = Vec::with_capacity(seqs.len());
+        for ((&s, &p), &h) in seqs.iter().zip(positions).zip(&held) {
+            if p >= h {
+                return Err(KvError::Device(format!(
+                    "sequence {s}: position {p} is not cached (it holds {h} tokens)"
+                )));
+            }
+            lens.push(p + 1);
+        }
         Ok(StepArrays {
             seqs: seqs.len(),
             slots: DeviceArray::from_slice(client, new_slots),

@@ -318,19 +318,17 @@ where
             self.dec.add_sequence(s.seq).map_err(|e| StepError(e.to_string()))?;
             self.live.insert(s.seq);
         }
-        let longest = batch.iter().map(|s| s.prompt.len()).max().unwrap_or(0);
-        let mut first = vec![0u32; batch.len()];
-        for p in 0..longest {
-            let idx: Vec<usize> = (0..batch.len()).filter(|&i| batch[i].prompt.len() > p).collect();
-            let step: Vec<(SeqId, u32)> = idx.iter().map(|&i| (batch[i].seq, batch[i].prompt[p])).collect();
-            let logits = self.step(&step)?;
-            for (&i, l) in idx.iter().zip(&logits) {
-                if p + 1 == batch[i].prompt.len() {
-                    first[i] = sample(batch[i].sampler, batch[i].seq, l)?;
-                }
-            }
+        // Lease the blocks of the whole prompts, then prefill them in chunks (a prompt of n
+        // tokens costs ⌈n / 16⌉ decode launches, not n).
+        let t = self.dec.kv_tables();
+        let mut needed = t.used_blocks();
+        for s in batch.iter() {
+            needed += t.blocks_needed(s.seq, s.prompt.len()).map_err(|e| StepError(e.to_string()))?;
         }
-        Ok(first)
+        self.mem.reserve(&mut self.dec, needed as u64)?;
+        let prompts: Vec<(SeqId, &[u32])> = batch.iter().map(|s| (s.seq, s.prompt)).collect();
+        let logits = self.dec.prefill(&prompts).map_err(|e| StepError(e.to_string()))?;
+        batch.iter_mut().zip(&logits).map(|(s, l)| sample(s.sampler, s.seq, l)).collect()
     }
 
     fn decode(&mut self, batch: &mut [DecodeSlot<'_>]) -> Result<Vec<u32>, StepError> {
