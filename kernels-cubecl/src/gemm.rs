@@ -124,14 +124,17 @@ pub(crate) fn staged_vec(
 
 /// Adds one lane's plane word (32 columns) of `rows` rows at `bits` bits to
 /// `acc[r · tb + t]`. `pw[pw0 + r · row_stride + p]` is plane `p`'s word of row `r`; `rb[r]` is
-/// row `r`'s LUT base in `lut_s`, a multiple of a power of two ≥ `2^bits`, so an OR places an
-/// index in its row (no add); `x_s[xv0 + t · xs_stride ..][..8]` is the word's staged `x`
-/// (see [`staged_vec`]).
+/// row `r`'s LUT base in `lut_s` (a multiple of a power of two ≥ `2^bits`, below 16384);
+/// `x_s[xv0 + t · xs_stride ..][..8]` is the word's staged `x` (see [`staged_vec`]).
 ///
 /// Per shift `q` (4 per word), eight indices come out of the planes at once: nibbles at ≤ 4
 /// bits (`(w >> q) & 0x11111111`, bit `p` of the nibble from plane `p`), or two words of bytes
 /// above (shifts `q` and `q + 4`). Either way index `j` belongs to column `q + 4j`, whose `x`
-/// is element `j` of the two staged vectors of `q`.
+/// is element `j` of the two staged vectors of `q`. Each index then becomes a byte offset into
+/// its row's LUT in a 16-bit field, two per word (one shift and one mask-or for two indices,
+/// the row base or'ed in), and a field is taken with one mask or one shift: two instructions
+/// per lookup before the LDS, where a shift, a mask, an add of the row base and an address
+/// computation were four (SASS of the H200 build).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn word_rows(
@@ -150,7 +153,14 @@ pub(crate) fn word_rows(
     #[comptime] unrolled: bool,
 ) {
     let nib = comptime![bits <= 4];
-    let mut iw = Array::<u32>::new(2usize * rows);
+    // Row r's LUT base as a byte offset in both 16-bit halves.
+    let mut rp = Array::<u32>::new(rows);
+    #[unroll]
+    for r in 0..rows {
+        rp[r] = (rb[r] << 2u32) | (rb[r] << 18u32);
+    }
+    // Four words of two fields per row: field j (low half for j < 4, high half above).
+    let mut f = Array::<u32>::new(4usize * rows);
     // Few tokens: both of a shift's `x` vectors in registers; many: one at a time.
     let halves = comptime![if tb <= 4 { 1usize } else { 2usize }];
     let per_half = comptime![8usize / halves];
@@ -169,7 +179,12 @@ pub(crate) fn word_rows(
                     let sh = (bits - 1usize - p) as u32;
                     v |= ((pw[pw0 + r * row_stride + p] >> (q as u32)) & 0x1111_1111u32) << sh;
                 }
-                iw[2usize * r] = v;
+                // Nibble j (column q + 4j) → field j % 4, half j / 4.
+                let m = 0x003C_003Cu32;
+                f[4usize * r] = ((v << 2u32) & m) | rp[r];
+                f[4usize * r + 1usize] = ((v >> 2u32) & m) | rp[r];
+                f[4usize * r + 2usize] = ((v >> 6u32) & m) | rp[r];
+                f[4usize * r + 3usize] = ((v >> 10u32) & m) | rp[r];
             } else {
                 #[unroll]
                 for h in 0..2usize {
@@ -180,7 +195,10 @@ pub(crate) fn word_rows(
                         v |= ((pw[pw0 + r * row_stride + p] >> ((q + 4usize * h) as u32)) & 0x0101_0101u32)
                             << sh;
                     }
-                    iw[2usize * r + h] = v;
+                    // Byte kk of word h (column q + 4(h + 2kk)) → field 2h + kk % 2, half kk / 2.
+                    let m = 0x03FC_03FCu32;
+                    f[4usize * r + 2usize * h] = ((v << 2u32) & m) | rp[r];
+                    f[4usize * r + 2usize * h + 1usize] = ((v >> 6u32) & m) | rp[r];
                 }
             }
         }
@@ -197,14 +215,13 @@ pub(crate) fn word_rows(
             #[unroll(unrolled)]
             for jl in 0..per_half {
                 let j = hv * per_half + jl;
+                let slot =
+                    if comptime![nib] { j % 4usize } else { 2usize * (j % 2usize) + (j / 2usize) % 2usize };
                 #[unroll]
                 for r in 0..rows {
-                    let idx = if comptime![nib] {
-                        (iw[2usize * r] >> ((4usize * j) as u32)) & 0xFu32
-                    } else {
-                        (iw[2usize * r + j % 2usize] >> ((8usize * (j / 2usize)) as u32)) & 0xFFu32
-                    };
-                    let w = lut_s[(idx | rb[r]) as usize];
+                    let word = f[4usize * r + slot];
+                    let field = if j < 4usize { word & 0xFFFFu32 } else { word >> 16u32 };
+                    let w = lut_s[(field >> 2u32) as usize];
                     #[unroll(unrolled)]
                     for t in 0..tb {
                         acc[r * tb + t] += w * xv[t * xw + jl / 4usize][jl % 4usize];

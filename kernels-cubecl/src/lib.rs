@@ -55,6 +55,9 @@ pub enum KernelError {
     /// The runtime reported an error (deferred launch errors surface at sync).
     #[error("runtime error: {0}")]
     Runtime(String),
+    /// A [`GemmConfig`] the kernels cannot run.
+    #[error("GEMM configuration: {0}")]
+    Config(String),
 }
 
 /// One block × token group of a grouped launch.
@@ -205,6 +208,19 @@ pub struct GemmConfig {
 }
 
 impl GemmConfig {
+    /// Checks the shared-memory LUT offsets fit the kernels' 16-bit byte-offset fields
+    /// (`gemm::word_rows`): at most 64 rows of 256-slot LUTs per cube.
+    pub fn check(&self) -> Result<(), KernelError> {
+        let rows = (self.warps * self.rows_per_warp).max(self.warps * GEMV_ROWS);
+        if rows * gemm::LUT_SLOTS * 4 > 1 << 16 || self.plane_size == 0 || self.warps == 0 {
+            return Err(KernelError::Config(format!(
+                "{} warps × {} rows per warp (at most 64 rows per cube, non-zero plane size and warps)",
+                self.warps, self.rows_per_warp
+            )));
+        }
+        Ok(())
+    }
+
     /// The configuration for `client`'s device.
     pub fn for_client<R: Runtime>(client: &ComputeClient<R>) -> Self {
         let hw = &client.properties().hardware;
@@ -370,6 +386,7 @@ pub fn ap_gemm<R: Runtime>(
     if items.is_empty() {
         return Ok(());
     }
+    cfg.check()?;
     check_items(items, planes.len, luts.len, x.len, y.len, act)?;
     if desc.len != items.len() * gemm::DESC_WORDS {
         return Err(KernelError::BadItem {

@@ -527,6 +527,7 @@ pub fn ap_gemm_routed<R: Runtime>(
     act: crate::Activation,
 ) -> Result<(), KernelError> {
     let items = experts * ROUTE_CHUNKS;
+    cfg.check()?;
     need("routed gemm descriptors", desc, items * gemm::DESC_WORDS)?;
     if tokens == 0 {
         return Ok(());
