@@ -153,11 +153,14 @@ pub(crate) fn word_rows(
     #[comptime] unrolled: bool,
 ) {
     let nib = comptime![bits <= 4];
-    // Row r's LUT base as a byte offset in both 16-bit halves.
+    // Row r's LUT base as a byte offset in both 16-bit halves. The mask (a no-op: bases are
+    // below 16384) tells the compiler a half's two low bits stay clear, so taking the high
+    // field is one shift with no re-mask before the LDS.
     let mut rp = Array::<u32>::new(rows);
     #[unroll]
     for r in 0..rows {
-        rp[r] = (rb[r] << 2u32) | (rb[r] << 18u32);
+        let b = rb[r] & 0x3FFFu32;
+        rp[r] = (b << 2u32) | (b << 18u32);
     }
     // Four words of two fields per row: field j (low half for j < 4, high half above).
     let mut f = Array::<u32>::new(4usize * rows);
