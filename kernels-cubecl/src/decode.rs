@@ -168,20 +168,7 @@ pub fn dense_gemm_kernel<N: Size>(
         }
         #[unroll]
         for q in 0..4usize {
-            let v = v0 + q * plane_size;
-            #[unroll]
-            for t in 0..max_tokens {
-                if t < tokens {
-                    let xv = x[t * kv + v];
-                    #[unroll]
-                    for r in 0..rows {
-                        #[unroll]
-                        for i in 0..vec {
-                            acc[r * max_tokens + t] += f32::cast_from(wv[r * 4usize + q][i]) * xv[i];
-                        }
-                    }
-                }
-            }
+            dense_fma(x, &wv, q, 4usize, v0 + q * plane_size, kv, tokens, &mut acc, max_tokens, rows, vec);
         }
     }
     for v in range_stepped(full * comptime![4 * plane_size] + lane, kv, plane_size) {
@@ -190,19 +177,7 @@ pub fn dense_gemm_kernel<N: Size>(
         for r in 0..rows {
             wv[r] = w[wrow[r] + v];
         }
-        #[unroll]
-        for t in 0..max_tokens {
-            if t < tokens {
-                let xv = x[t * kv + v];
-                #[unroll]
-                for r in 0..rows {
-                    #[unroll]
-                    for i in 0..vec {
-                        acc[r * max_tokens + t] += f32::cast_from(wv[r][i]) * xv[i];
-                    }
-                }
-            }
-        }
+        dense_fma(x, &wv, 0usize, 1usize, v, kv, tokens, &mut acc, max_tokens, rows, vec);
     }
     #[unroll]
     for r in 0..rows {
@@ -218,6 +193,38 @@ pub fn dense_gemm_kernel<N: Size>(
                     y[t * n + row] += s;
                 } else {
                     y[t * n + row] = s;
+                }
+            }
+        }
+    }
+}
+
+/// `acc[r · max_tokens + t] += W vector · x vector` for the weight vectors `wv[r · per_row + q]`
+/// of each row and `x`'s vector `v` of each real token.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn dense_fma<N: Size>(
+    x: &Array<Vector<f32, N>>,
+    wv: &Array<Vector<f16, N>>,
+    q: usize,
+    #[comptime] per_row: usize,
+    v: usize,
+    kv: usize,
+    tokens: usize,
+    acc: &mut Array<f32>,
+    #[comptime] max_tokens: usize,
+    #[comptime] rows: usize,
+    #[comptime] vec: usize,
+) {
+    #[unroll]
+    for t in 0..max_tokens {
+        if t < tokens {
+            let xv = x[t * kv + v];
+            #[unroll]
+            for r in 0..rows {
+                #[unroll]
+                for i in 0..vec {
+                    acc[r * max_tokens + t] += f32::cast_from(wv[r * per_row + q][i]) * xv[i];
                 }
             }
         }

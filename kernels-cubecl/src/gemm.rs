@@ -122,6 +122,38 @@ pub(crate) fn staged_vec(
     v
 }
 
+/// Stages `words` plane words' worth of `x` (columns from `col0`, all `tb` token rows, zero past
+/// `k` and for padding tokens) into `x_s` (`words · XV_PER_WORD` vectors per token), shared by
+/// the cube's `cube_units` units.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn stage_words(
+    x: &Array<f32>,
+    x_s: &mut SharedMemory<X4>,
+    x_off: usize,
+    x_stride: usize,
+    k: usize,
+    col0: usize,
+    words: usize,
+    tokens: usize,
+    unit: usize,
+    #[comptime] tb: usize,
+    cube_units: usize,
+    #[comptime] act: u32,
+) {
+    let xs_stride = words * XV_PER_WORD;
+    for i in range_stepped(unit, tb * words * 8usize, cube_units) {
+        let t = i / (words * 8usize);
+        let wl = (i / 8usize) % words;
+        let sv = i % 8usize;
+        let mut v = X4::empty().fill(0.0f32);
+        if t < tokens {
+            v = staged_vec(x, x_off + t * x_stride, k, col0 + 32usize * wl, sv, act);
+        }
+        x_s[t * xs_stride + wl * XV_PER_WORD + sv] = v;
+    }
+}
+
 /// Adds one lane's plane word (32 columns) of `rows` rows at `bits` bits to
 /// `acc[r · tb + t]`. `pw[pw0 + r · row_stride + p]` is plane `p`'s word of row `r`; `rb[r]` is
 /// row `r`'s LUT base in `lut_s` (a multiple of a power of two ≥ `2^bits`, below 16384);
@@ -513,16 +545,7 @@ fn gemm_item(
         // The previous chunk must be consumed (and the LUTs staged) first.
         sync_cube();
         let c0 = ch * 32usize * plane_size;
-        for i in range_stepped(unit, tb * plane_size * 8usize, cube_units) {
-            let t = i / (plane_size * 8usize);
-            let wl = (i / 8usize) % plane_size;
-            let sv = i % 8usize;
-            let mut v = X4::empty().fill(0.0f32);
-            if t < tokens {
-                v = staged_vec(x, x_off + t * x_stride, k, c0 + 32usize * wl, sv, act);
-            }
-            x_s[t * xs_stride + wl * XV_PER_WORD + sv] = v;
-        }
+        stage_words(x, x_s, x_off, x_stride, k, c0, plane_size, tokens, unit, tb, cube_units, act);
         sync_cube();
 
         let wi = ch * plane_size + lane;

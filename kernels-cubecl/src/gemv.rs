@@ -16,7 +16,7 @@
 use cubecl::prelude::*;
 use half::f16;
 
-use crate::gemm::{DESC_WORDS, X4, XV_PER_WORD, staged_vec, store_rows, word_rows};
+use crate::gemm::{DESC_WORDS, X4, XV_PER_WORD, stage_words, store_rows, word_rows};
 
 /// The kernel. Grid: any number of cubes (a few per SM); cube: `warps · plane_size` units.
 /// `n_items` descriptors of [`DESC_WORDS`] words (see [`crate::gemm::ap_gemm_kernel`]); items
@@ -134,16 +134,7 @@ pub fn ap_gemv_kernel(
 
         // The previous item's x is consumed; stage this one's, zero past its columns.
         sync_cube();
-        for i in range_stepped(unit, tb * x_words * 8usize, cube_units) {
-            let t = i / (x_words * 8usize);
-            let wl = (i / 8usize) % x_words;
-            let sv = i % 8usize;
-            let mut v = X4::empty().fill(0.0f32);
-            if t < tokens {
-                v = staged_vec(x, x_off + t * x_stride, k, 32usize * wl, sv, act);
-            }
-            x_s[t * xs_stride + wl * XV_PER_WORD + sv] = v;
-        }
+        stage_words(x, &mut x_s, x_off, x_stride, k, 0usize, x_words, tokens, unit, tb, cube_units, act);
         sync_cube();
 
         let words = k.div_ceil(32usize);
