@@ -231,35 +231,6 @@ fn dense_fma<N: Size>(
     }
 }
 
-/// Rotate-half rotary embedding in place on the first `heads` heads of each row of `qk`
-/// (`[tokens, stride]`), rotating the first `rot_dim` dimensions of each `head_dim`:
-/// angle `pos[t] · inv_freq[i]`. Grid `(tokens)`.
-#[cube(launch_unchecked)]
-pub fn rope_kernel(
-    qk: &mut Array<f32>,
-    pos: &Array<u32>,
-    inv_freq: &Array<f32>,
-    #[comptime] stride: usize,
-    #[comptime] heads: usize,
-    #[comptime] head_dim: usize,
-    #[comptime] rot_dim: usize,
-) {
-    let t = CUBE_POS_X as usize;
-    let half_rot = comptime![rot_dim / 2];
-    let p = f32::cast_from(pos[t]);
-    for u in range_stepped(UNIT_POS as usize, heads * half_rot, CUBE_DIM as usize) {
-        let hd = u / half_rot;
-        let i = u % half_rot;
-        let a = p * inv_freq[i];
-        let (s, c) = (a.sin(), a.cos());
-        let b = t * stride + hd * head_dim + i;
-        let x1 = qk[b];
-        let x2 = qk[b + half_rot];
-        qk[b] = x1 * c - x2 * s;
-        qk[b + half_rot] = x2 * c + x1 * s;
-    }
-}
-
 /// Routing and grouping in one cube of `experts` units (at least `max_tokens`):
 /// 1. unit `t < meta[0]`: softmax over `logits[t]`, top-`k` (ties: lower expert first),
 ///    optional renormalisation → `weights[t, j]`;

@@ -235,46 +235,11 @@ pub struct Rope {
     pub rot_dim: usize,
 }
 
-/// Rotate-half RoPE in place at positions `pos`.
+/// CPU reference of rotate-half RoPE at positions `pos` (what
+/// [`crate::rope_append`] applies to the query and key heads); rotates `qk` in place.
 ///
 /// # Shapes
 /// - `qk`: `[tokens, stride]`; `pos`: `[tokens]`; `inv_freq`: `[rot_dim / 2]`
-pub fn rope<R: Runtime>(
-    client: &ComputeClient<R>,
-    r: Rope,
-    tokens: usize,
-    qk: &DeviceArray,
-    pos: &DeviceArray,
-    inv_freq: &DeviceArray,
-) -> Result<(), KernelError> {
-    if r.rot_dim > r.head_dim || !r.rot_dim.is_multiple_of(2) || r.heads * r.head_dim > r.stride {
-        return Err(bad(format!("rope: bad geometry {r:?}")));
-    }
-    need("rope qk", qk, tokens * r.stride)?;
-    need("rope pos", pos, tokens)?;
-    need("rope inv_freq", inv_freq, r.rot_dim / 2)?;
-    if tokens == 0 {
-        return Ok(());
-    }
-    // SAFETY: geometry and sizes checked above.
-    unsafe {
-        decode::rope_kernel::launch_unchecked::<R>(
-            client,
-            CubeCount::Static(tokens as u32, 1, 1),
-            cube_1d(r.heads * r.rot_dim / 2),
-            qk.arg(),
-            pos.arg(),
-            inv_freq.arg(),
-            r.stride,
-            r.heads,
-            r.head_dim,
-            r.rot_dim,
-        )
-    };
-    Ok(())
-}
-
-/// CPU reference of [`rope`]; rotates `qk` in place.
 pub fn rope_reference(r: Rope, qk: &mut [f32], pos: &[u32], inv_freq: &[f32]) {
     let half = r.rot_dim / 2;
     for (t, &p) in pos.iter().enumerate() {
