@@ -122,16 +122,15 @@ pub(crate) fn staged_vec(
     v
 }
 
-/// Stages `words` plane words' worth of `x` (columns from `col0`, all `tb` token rows, zero past
-/// `k` and for padding tokens) into `x_s` (`words · XV_PER_WORD` vectors per token), shared by
-/// the cube's `cube_units` units.
+/// Stages `words` plane words' worth of `x` (columns from `col0`, all `tb` token rows of `k`
+/// columns, or `2k` with an activation, from `x_off`; zero past `k` and for padding tokens)
+/// into `x_s` (`words · XV_PER_WORD` vectors per token), shared by the cube's `cube_units` units.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn stage_words(
     x: &Array<f32>,
     x_s: &mut SharedMemory<X4>,
     x_off: usize,
-    x_stride: usize,
     k: usize,
     col0: usize,
     words: usize,
@@ -141,6 +140,7 @@ pub(crate) fn stage_words(
     cube_units: usize,
     #[comptime] act: u32,
 ) {
+    let x_stride = if comptime![act == 0] { k } else { 2usize * k };
     let xs_stride = words * XV_PER_WORD;
     for i in range_stepped(unit, tb * words * 8usize, cube_units) {
         let t = i / (words * 8usize);
@@ -528,7 +528,6 @@ fn gemm_item(
     let warp = unit / plane_size;
     let wrow0 = row0 + warp * rows_per_warp;
     let xs_stride = plane_size * XV_PER_WORD;
-    let x_stride = if comptime![act == 0] { k } else { 2usize * k };
     let mut rb = Array::<u32>::new(rows_per_warp);
     #[unroll]
     for r in 0..rows_per_warp {
@@ -545,7 +544,7 @@ fn gemm_item(
         // The previous chunk must be consumed (and the LUTs staged) first.
         sync_cube();
         let c0 = ch * 32usize * plane_size;
-        stage_words(x, x_s, x_off, x_stride, k, c0, plane_size, tokens, unit, tb, cube_units, act);
+        stage_words(x, x_s, x_off, k, c0, plane_size, tokens, unit, tb, cube_units, act);
         sync_cube();
 
         let wi = ch * plane_size + lane;

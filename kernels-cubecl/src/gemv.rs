@@ -130,11 +130,10 @@ pub fn ap_gemv_kernel(
         let x_off = desc[d + 5] as usize;
         let y_off = desc[d + 6] as usize;
         let tokens = desc[d + 7] as usize;
-        let x_stride = if comptime![act == 0] { k } else { 2usize * k };
 
         // The previous item's x is consumed; stage this one's, zero past its columns.
         sync_cube();
-        stage_words(x, &mut x_s, x_off, x_stride, k, 0usize, x_words, tokens, unit, tb, cube_units, act);
+        stage_words(x, &mut x_s, x_off, k, 0usize, x_words, tokens, unit, tb, cube_units, act);
         sync_cube();
 
         let words = k.div_ceil(32usize);

@@ -199,16 +199,22 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
         Ok(())
     }
 
+    /// Reserves, under the memory budget, the KV blocks in use plus those that appending
+    /// its count of tokens to each listed sequence will take.
+    fn lease(&mut self, appends: impl Iterator<Item = (SeqId, usize)>) -> Result<(), StepError> {
+        let t = self.dec.kv_tables();
+        let mut needed = t.used_blocks();
+        for (s, tokens) in appends {
+            needed += t.blocks_needed(s, tokens).map_err(|e| StepError(e.to_string()))?;
+        }
+        self.mem.reserve(&mut self.dec, needed as u64)
+    }
+
     fn step(&mut self, batch: &[(SeqId, u32)]) -> Result<Vec<Vec<f32>>, StepError> {
         let mut out = Vec::with_capacity(batch.len());
         for chunk in batch.chunks(STEP_BATCH) {
             // Lease the blocks this launch will append before it runs.
-            let t = self.dec.kv_tables();
-            let mut needed = t.used_blocks();
-            for &(s, _) in chunk {
-                needed += t.blocks_needed(s, 1).map_err(|e| StepError(e.to_string()))?;
-            }
-            self.mem.reserve(&mut self.dec, needed as u64)?;
+            self.lease(chunk.iter().map(|&(s, _)| (s, 1)))?;
             out.extend(self.dec.step(chunk).map_err(|e| StepError(e.to_string()))?);
         }
         Ok(out)
@@ -320,12 +326,7 @@ where
         }
         // Lease the blocks of the whole prompts, then prefill them in chunks (a prompt of n
         // tokens costs ⌈n / 16⌉ decode launches, not n).
-        let t = self.dec.kv_tables();
-        let mut needed = t.used_blocks();
-        for s in batch.iter() {
-            needed += t.blocks_needed(s.seq, s.prompt.len()).map_err(|e| StepError(e.to_string()))?;
-        }
-        self.mem.reserve(&mut self.dec, needed as u64)?;
+        self.lease(batch.iter().map(|s| (s.seq, s.prompt.len())))?;
         let prompts: Vec<(SeqId, &[u32])> = batch.iter().map(|s| (s.seq, s.prompt)).collect();
         let logits = self.dec.prefill(&prompts).map_err(|e| StepError(e.to_string()))?;
         batch.iter_mut().zip(&logits).map(|(s, l)| sample(s.sampler, s.seq, l)).collect()
