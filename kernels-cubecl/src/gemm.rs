@@ -8,10 +8,9 @@
 //! Mapping: a cube holds `warps` planes (warps); warp `w` owns rows
 //! `row0 + w·R .. + R` (`R = rows_per_warp`), lane `l` owns word `l` of each
 //! chunk of `32 · plane_size` columns. The cube stages the chunk of `x` (all tokens) in shared memory
-//! with one pad word per 32 columns, so the lanes' reads hit distinct banks,
-//! and the rows' LUTs as f32. Four indices are rebuilt at once from the plane
-//! words (`(w >> q) & 0x01010101`), which divides the bit extraction cost by
-//! four; the decoded weight is reused for every token.
+//! with one pad vector per 32 columns, so the lanes' reads hit distinct banks,
+//! and the rows' LUTs as f32. Indices come out of the plane words by a bit-matrix transpose
+//! ([`word_rows`]), 32 at a time; the decoded weight is reused for every token.
 
 use cubecl::prelude::*;
 use half::f16;
@@ -95,10 +94,10 @@ pub(crate) type X4 = Vector<f32, Const<4>>;
 pub(crate) const XV_PER_WORD: usize = 9;
 
 /// Staged vector `s` (`0..8`) of the word starting at column `col0`: within a word, columns are
-/// stored in the order `pos(c) = 8 · (c mod 4) + c / 4`, the order in which [`word_rows`] takes
-/// its indices, so the 8 columns of one shift `q` are two consecutive vectors. Vector `s` holds
-/// columns `col0 + q + 16h + 4jj` (`q = s / 2`, `h = s mod 2`, `jj = 0..4`); columns at or past
-/// `k` are zero.
+/// stored in the order in which [`word_rows`] takes its indices, so the 8 columns of one
+/// transposed word `q` are two consecutive vectors. Vector `s` holds columns
+/// `col0 + q + 4h + 8jj` (`q = s / 2`, `h = s mod 2`, `jj = 0..4`); columns at or past `k` are
+/// zero.
 #[cube]
 pub(crate) fn staged_vec(
     x: &Array<f32>,
@@ -108,11 +107,11 @@ pub(crate) fn staged_vec(
     s: usize,
     #[comptime] act: u32,
 ) -> X4 {
-    let c = col0 + s / 2usize + 16usize * (s % 2usize);
+    let c = col0 + s / 2usize + 4usize * (s % 2usize);
     let mut v = X4::empty();
     #[unroll]
     for jj in 0..4usize {
-        let col = c + 4usize * jj;
+        let col = c + 8usize * jj;
         let mut e = 0.0f32;
         if col < k {
             e = staged_x(x, base, k, col, act);
@@ -122,9 +121,6 @@ pub(crate) fn staged_vec(
     v
 }
 
-/// Stages `words` plane words' worth of `x` (columns from `col0`, all `tb` token rows of `k`
-/// columns, or `2k` with an activation, from `x_off`; zero past `k` and for padding tokens)
-/// into `x_s` (`words · XV_PER_WORD` vectors per token), shared by the cube's `cube_units` units.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn stage_words(
@@ -154,19 +150,48 @@ pub(crate) fn stage_words(
     }
 }
 
+/// Exchanges the bits of `t[a]` at positions `i + s` with those of `t[b]` at `i`, for the
+/// positions `i` set in `m`: one step of a bit-matrix transpose (two instructions per word on
+/// the GPU: a shift and a three-input select).
+#[cube]
+fn delta_swap(
+    t: &mut Array<u32>,
+    #[comptime] a: usize,
+    #[comptime] b: usize,
+    #[comptime] s: u32,
+    #[comptime] m: u32,
+) {
+    let x = t[a];
+    let y = t[b];
+    let ms = comptime![m << s];
+    t[a] = (x & comptime![!(m << s)]) | ((y << s) & ms);
+    t[b] = (y & comptime![!m]) | ((x >> s) & m);
+}
+
+/// Transposes the four words `t[o..o + 4]` as 4 × 4 bit blocks: afterwards nibble `j` of
+/// `t[o + i]` holds bit `4j + i` of the four input words, input word `k` at bit `k`.
+#[cube]
+fn transpose4(t: &mut Array<u32>, #[comptime] o: usize) {
+    delta_swap(t, o, o + 2usize, 2u32, 0x3333_3333u32);
+    delta_swap(t, o + 1usize, o + 3usize, 2u32, 0x3333_3333u32);
+    delta_swap(t, o, o + 1usize, 1u32, 0x5555_5555u32);
+    delta_swap(t, o + 2usize, o + 3usize, 1u32, 0x5555_5555u32);
+}
+
 /// Adds one lane's plane word (32 columns) of `rows` rows at `bits` bits to
 /// `acc[r · tb + t]`. `pw[pw0 + r · row_stride + p]` is plane `p`'s word of row `r`; `rb[r]` is
-/// row `r`'s LUT base in `lut_s` (a multiple of a power of two ≥ `2^bits`, below 16384);
+/// row `r`'s LUT base in `lut_s` (a multiple of `2^bits` rounded up to 16, below 16384);
 /// `x_s[xv0 + t · xs_stride ..][..8]` is the word's staged `x` (see [`staged_vec`]).
 ///
-/// Per shift `q` (4 per word), eight indices come out of the planes at once: nibbles at ≤ 4
-/// bits (`(w >> q) & 0x11111111`, bit `p` of the nibble from plane `p`), or two words of bytes
-/// above (shifts `q` and `q + 4`). Either way index `j` belongs to column `q + 4j`, whose `x`
-/// is element `j` of the two staged vectors of `q`. Each index then becomes a byte offset into
-/// its row's LUT in a 16-bit field, two per word (one shift and one mask-or for two indices,
-/// the row base or'ed in), and a field is taken with one mask or one shift: two instructions
-/// per lookup before the LDS, where a shift, a mask, an add of the row base and an address
-/// computation were four (SASS of the H200 build).
+/// The row's plane words are transposed as bit matrices (plane `bits − 1 − k` into row `k`,
+/// missing planes zero), so every index comes out whole, MSB first as the format defines it:
+/// at ≤ 4 bits nibble `j` of transposed word `q` is column `q + 4j`'s index (16 instructions
+/// for 32 indices); above, two such nibble transposes (planes `bits − 1 .. bits − 4` and the
+/// rest) are merged into bytes, low nibbles from the first (`q + 8jj` and `q + 4 + 8jj` in two
+/// words). A lookup is then one shift and one mask-or of the row's byte base (bases are
+/// multiples of the LUT size, so the or is an add) before the LDS, where the previous
+/// formulation rebuilt indices plane by plane per shift (a shift and a mask-or per plane per
+/// eight indices) and spent about 2.5 instructions per address (SASS of the H200 build).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn word_rows(
@@ -185,56 +210,45 @@ pub(crate) fn word_rows(
     #[comptime] unrolled: bool,
 ) {
     let nib = comptime![bits <= 4];
-    // Row r's LUT base as a byte offset in both 16-bit halves. The mask (a no-op: bases are
-    // below 16384) tells the compiler a half's two low bits stay clear, so taking the high
-    // field is one shift with no re-mask before the LDS.
+    let slots = comptime![if bits <= 4 { 4usize } else { 8usize }];
+    // Index mask at byte granularity (×4: the LUT holds f32).
+    let am = comptime![if bits <= 4 { 0x3Cu32 } else { 0x3FCu32 }];
+    // Row r's LUT base as a byte offset; the mask (a no-op) bounds it for the compiler.
     let mut rp = Array::<u32>::new(rows);
+    let mut tw = Array::<u32>::new(rows * slots);
     #[unroll]
     for r in 0..rows {
-        let b = rb[r] & 0x3FFFu32;
-        rp[r] = (b << 2u32) | (b << 18u32);
+        rp[r] = (rb[r] & 0x3FFFu32) << 2u32;
+        #[unroll]
+        for kk in 0..slots {
+            let mut v = 0u32;
+            if comptime![kk < bits] {
+                v = pw[pw0 + r * row_stride + comptime![bits - 1 - kk]];
+            }
+            tw[r * slots + kk] = v;
+        }
+        transpose4(&mut tw, comptime![r * slots]);
+        if comptime![!nib] {
+            transpose4(&mut tw, comptime![r * slots + 4]);
+        }
     }
-    // Four words of two fields per row: field j (low half for j < 4, high half above).
-    let mut f = Array::<u32>::new(4usize * rows);
-    // Few tokens: both of a shift's `x` vectors in registers; many: one at a time.
+    // Byte-path index words of the current q: [r · 2 + h] (h = 0: columns q + 8jj, 1: q + 4 + 8jj).
+    let mut vb = Array::<u32>::new(rows * 2usize);
+    // Few tokens: both of a word's `x` vectors in registers; many: one at a time.
     let halves = comptime![if tb <= 4 { 1usize } else { 2usize }];
     let per_half = comptime![8usize / halves];
     let xw = comptime![2usize / halves];
     let mut xv = Array::<X4>::new(tb * xw);
-    // Unrolled on GPUs (constant shifts that merge into one shift and one mask per plane);
-    // compact for CPU shader compilers.
+    // Unrolled on GPUs (constant shifts); compact for CPU shader compilers.
     #[unroll(unrolled)]
     for q in 0..4usize {
-        #[unroll]
-        for r in 0..rows {
-            if comptime![nib] {
-                let mut v = 0u32;
-                #[unroll]
-                for p in 0..bits {
-                    let sh = (bits - 1usize - p) as u32;
-                    v |= ((pw[pw0 + r * row_stride + p] >> (q as u32)) & 0x1111_1111u32) << sh;
-                }
-                // Nibble j (column q + 4j) → field j % 4, half j / 4.
-                let m = 0x003C_003Cu32;
-                f[4usize * r] = ((v << 2u32) & m) | rp[r];
-                f[4usize * r + 1usize] = ((v >> 2u32) & m) | rp[r];
-                f[4usize * r + 2usize] = ((v >> 6u32) & m) | rp[r];
-                f[4usize * r + 3usize] = ((v >> 10u32) & m) | rp[r];
-            } else {
-                #[unroll]
-                for h in 0..2usize {
-                    let mut v = 0u32;
-                    #[unroll]
-                    for p in 0..bits {
-                        let sh = (bits - 1usize - p) as u32;
-                        v |= ((pw[pw0 + r * row_stride + p] >> ((q + 4usize * h) as u32)) & 0x0101_0101u32)
-                            << sh;
-                    }
-                    // Byte kk of word h (column q + 4(h + 2kk)) → field 2h + kk % 2, half kk / 2.
-                    let m = 0x03FC_03FCu32;
-                    f[4usize * r + 2usize * h] = ((v << 2u32) & m) | rp[r];
-                    f[4usize * r + 2usize * h + 1usize] = ((v >> 6u32) & m) | rp[r];
-                }
+        if comptime![!nib] {
+            #[unroll]
+            for r in 0..rows {
+                let a = tw[r * 8usize + q];
+                let b = tw[r * 8usize + 4usize + q];
+                vb[2usize * r] = (a & 0x0F0F_0F0Fu32) | ((b << 4u32) & 0xF0F0_F0F0u32);
+                vb[2usize * r + 1usize] = ((a >> 4u32) & 0x0F0F_0F0Fu32) | (b & 0xF0F0_F0F0u32);
             }
         }
         // Compact builds keep these loops too (lavapipe's compile time grows with the body).
@@ -249,17 +263,21 @@ pub(crate) fn word_rows(
             }
             #[unroll(unrolled)]
             for jl in 0..per_half {
-                let j = hv * per_half + jl;
-                let slot =
-                    if comptime![nib] { j % 4usize } else { 2usize * (j % 2usize) + (j / 2usize) % 2usize };
+                // Vector h, element jj of the word's staged x.
+                let h = if comptime![halves == 1] { jl / 4usize } else { hv };
+                let jj = jl % 4usize;
                 #[unroll]
                 for r in 0..rows {
-                    let word = f[4usize * r + slot];
-                    let field = if j < 4usize { word & 0xFFFFu32 } else { word >> 16u32 };
-                    let w = lut_s[(field >> 2u32) as usize];
+                    let addr = if comptime![nib] {
+                        let j = 2usize * jj + h;
+                        (((tw[r * 4usize + q] >> (4usize * j) as u32) << 2u32) & am) | rp[r]
+                    } else {
+                        (((vb[2usize * r + h] >> (8usize * jj) as u32) << 2u32) & am) | rp[r]
+                    };
+                    let w = lut_s[(addr >> 2u32) as usize];
                     #[unroll(unrolled)]
                     for t in 0..tb {
-                        acc[r * tb + t] += w * xv[t * xw + jl / 4usize][jl % 4usize];
+                        acc[r * tb + t] += w * xv[t * xw + jl / 4usize][jj];
                     }
                 }
             }
