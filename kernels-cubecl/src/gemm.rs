@@ -178,6 +178,70 @@ fn transpose4(t: &mut Array<u32>, #[comptime] o: usize) {
     delta_swap(t, o + 2usize, o + 3usize, 1u32, 0x5555_5555u32);
 }
 
+/// Where the expert kernels look up LUTs of at most 16 entries (≤ 4 bits; wider ones always
+/// come from shared memory): from shared memory, or from the warp's registers by shuffles.
+pub(crate) const LUT_SHARED: u32 = 0;
+/// Lane `l` holds entry `l mod 2^bits` of each row; the shuffle's source lane is the index
+/// word shifted, unmasked: the hardware takes it modulo 32 (CUDA's `__shfl_sync`), and the
+/// duplicated upper lanes make the stray bit above the index harmless.
+pub(crate) const LUT_LANES_WRAP: u32 = 1;
+/// As [`LUT_LANES_WRAP`] with the source lane masked (APIs where a lane past the plane is
+/// undefined), for planes of at least 16 lanes.
+pub(crate) const LUT_LANES_MASKED: u32 = 2;
+/// Planes of 8 lanes (lavapipe): lane `l` holds entries `l` and `l + 8` in two registers; two
+/// shuffles and a select.
+pub(crate) const LUT_LANES_PAIR: u32 = 3;
+
+/// Registers per row per lane of the lane-held LUTs for `shuffle`.
+pub(crate) fn lane_lut_regs(shuffle: u32) -> usize {
+    if shuffle == LUT_LANES_PAIR { 2 } else { 1 }
+}
+
+/// Entry `src`'s low bits of row `r`'s lane-held LUT (see the `LUT_LANES_*` modes).
+#[cube]
+fn lane_lut(lr: &Array<f32>, r: usize, src: u32, #[comptime] shuffle: u32) -> f32 {
+    if comptime![shuffle == LUT_LANES_WRAP] {
+        plane_shuffle(lr[r], src)
+    } else if comptime![shuffle == LUT_LANES_MASKED] {
+        plane_shuffle(lr[r], src & 15u32)
+    } else {
+        let lo = plane_shuffle(lr[2usize * r], src & 7u32);
+        let hi = plane_shuffle(lr[2usize * r + 1usize], src & 7u32);
+        select((src & 8u32) != 0u32, hi, lo)
+    }
+}
+
+/// Loads this lane's entries of the lane-held LUTs of `rows` rows from `row0` (`lut_len`
+/// entries per row from `lut_off`) into `lr` (see the `LUT_LANES_*` modes); rows at or past
+/// `n` get zeros.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn load_lane_luts(
+    luts: &Array<f16>,
+    lut_off: usize,
+    lut_len: usize,
+    row0: usize,
+    n: usize,
+    lane: usize,
+    lr: &mut Array<f32>,
+    #[comptime] rows: usize,
+    #[comptime] shuffle: u32,
+) {
+    let regs = comptime![lane_lut_regs(shuffle)];
+    #[unroll]
+    for r in 0..rows {
+        #[unroll]
+        for i in 0..regs {
+            let mut v = 0.0f32;
+            if row0 + r < n {
+                let e = (lane + 8usize * i) & (lut_len - 1usize);
+                v = f32::cast_from(luts[lut_off + (row0 + r) * lut_len + e]);
+            }
+            lr[r * regs + i] = v;
+        }
+    }
+}
+
 /// Adds one lane's plane word (32 columns) of `rows` rows at `bits` bits to
 /// `acc[r · tb + t]`. `pw[pw0 + r · row_stride + p]` is plane `p`'s word of row `r`; `rb[r]` is
 /// row `r`'s LUT base in `lut_s` (a multiple of `2^bits` rounded up to 16, below 16384);
@@ -198,6 +262,7 @@ pub(crate) fn word_rows(
     pw: &Array<u32>,
     pw0: usize,
     rb: &Array<u32>,
+    lr: &Array<f32>,
     lut_s: &SharedMemory<f32>,
     x_s: &SharedMemory<X4>,
     xv0: usize,
@@ -208,8 +273,10 @@ pub(crate) fn word_rows(
     #[comptime] tb: usize,
     #[comptime] rows: usize,
     #[comptime] unrolled: bool,
+    #[comptime] shuffle: u32,
 ) {
     let nib = comptime![bits <= 4];
+    let lanes = comptime![nib && shuffle != LUT_SHARED];
     let slots = comptime![if bits <= 4 { 4usize } else { 8usize }];
     // Index mask at byte granularity (×4: the LUT holds f32).
     let am = comptime![if bits <= 4 { 0x3Cu32 } else { 0x3FCu32 }];
@@ -268,13 +335,20 @@ pub(crate) fn word_rows(
                 let jj = jl % 4usize;
                 #[unroll]
                 for r in 0..rows {
-                    let addr = if comptime![nib] {
+                    let mut w = 0.0f32;
+                    if comptime![lanes] {
                         let j = 2usize * jj + h;
-                        (((tw[r * 4usize + q] >> (4usize * j) as u32) << 2u32) & am) | rp[r]
+                        let src = tw[r * 4usize + q] >> (4usize * j) as u32;
+                        w = lane_lut(lr, r, src, shuffle);
                     } else {
-                        (((vb[2usize * r + h] >> (8usize * jj) as u32) << 2u32) & am) | rp[r]
-                    };
-                    let w = lut_s[(addr >> 2u32) as usize];
+                        let addr = if comptime![nib] {
+                            let j = 2usize * jj + h;
+                            (((tw[r * 4usize + q] >> (4usize * j) as u32) << 2u32) & am) | rp[r]
+                        } else {
+                            (((vb[2usize * r + h] >> (8usize * jj) as u32) << 2u32) & am) | rp[r]
+                        };
+                        w = lut_s[(addr >> 2u32) as usize];
+                    }
                     #[unroll(unrolled)]
                     for t in 0..tb {
                         acc[r * tb + t] += w * xv[t * xw + jl / 4usize][jj];
@@ -430,6 +504,7 @@ pub fn ap_gemm_kernel(
     #[comptime] act: u32,
     #[comptime] lut_slots: usize,
     #[comptime] unrolled: bool,
+    #[comptime] shuffle: u32,
 ) {
     let rows_per_cube = warps * rows_per_warp;
     let d = CUBE_POS_Y as usize * 8usize;
@@ -467,6 +542,8 @@ pub fn ap_gemm_kernel(
     if comptime![small < max_tokens] && tokens <= small {
         gemm_item(
             planes,
+            luts,
+            lut_off,
             x,
             y,
             &lut_s,
@@ -486,10 +563,13 @@ pub fn ap_gemm_kernel(
             act,
             lut_slots,
             unrolled,
+            shuffle,
         );
     } else {
         gemm_item(
             planes,
+            luts,
+            lut_off,
             x,
             y,
             &lut_s,
@@ -509,6 +589,7 @@ pub fn ap_gemm_kernel(
             act,
             lut_slots,
             unrolled,
+            shuffle,
         );
     }
 }
@@ -519,6 +600,8 @@ pub fn ap_gemm_kernel(
 #[allow(clippy::too_many_arguments)]
 fn gemm_item(
     planes: &Array<u32>,
+    luts: &Array<f16>,
+    lut_off: usize,
     x: &Array<f32>,
     y: &mut Array<f32>,
     lut_s: &SharedMemory<f32>,
@@ -538,6 +621,7 @@ fn gemm_item(
     #[comptime] act: u32,
     #[comptime] lut_slots: usize,
     #[comptime] unrolled: bool,
+    #[comptime] shuffle: u32,
 ) {
     let words = k.div_ceil(32usize);
     let unit = UNIT_POS as usize;
@@ -550,6 +634,13 @@ fn gemm_item(
     #[unroll]
     for r in 0..rows_per_warp {
         rb[r] = ((warp * rows_per_warp + r) * lut_slots) as u32;
+    }
+
+    // Lane-held LUTs of the warp's rows (≤ 4-bit items, when the launch uses them).
+    let mut lr = Array::<f32>::new(rows_per_warp * comptime![lane_lut_regs(shuffle)]);
+    if comptime![shuffle != LUT_SHARED] && bits <= 4u32 {
+        let lut_len = 1usize << bits as usize;
+        load_lane_luts(luts, lut_off, lut_len, wrow0, n, lane, &mut lr, rows_per_warp, shuffle);
     }
 
     let mut acc = Array::<f32>::new(tb * rows_per_warp);
@@ -576,6 +667,7 @@ fn gemm_item(
                 wi,
                 wrow0,
                 &rb,
+                &lr,
                 lut_s,
                 x_s,
                 xs_stride,
@@ -585,6 +677,7 @@ fn gemm_item(
                 tb,
                 rows_per_warp,
                 unrolled,
+                shuffle,
             );
         } else if bits == 4u32 {
             chunk_rows(
@@ -595,6 +688,7 @@ fn gemm_item(
                 wi,
                 wrow0,
                 &rb,
+                &lr,
                 lut_s,
                 x_s,
                 xs_stride,
@@ -604,6 +698,7 @@ fn gemm_item(
                 tb,
                 rows_per_warp,
                 unrolled,
+                shuffle,
             );
         } else if bits == 5u32 {
             chunk_rows(
@@ -614,6 +709,7 @@ fn gemm_item(
                 wi,
                 wrow0,
                 &rb,
+                &lr,
                 lut_s,
                 x_s,
                 xs_stride,
@@ -623,6 +719,7 @@ fn gemm_item(
                 tb,
                 rows_per_warp,
                 unrolled,
+                shuffle,
             );
         } else if bits == 6u32 {
             chunk_rows(
@@ -633,6 +730,7 @@ fn gemm_item(
                 wi,
                 wrow0,
                 &rb,
+                &lr,
                 lut_s,
                 x_s,
                 xs_stride,
@@ -642,6 +740,7 @@ fn gemm_item(
                 tb,
                 rows_per_warp,
                 unrolled,
+                shuffle,
             );
         } else if bits == 7u32 {
             chunk_rows(
@@ -652,6 +751,7 @@ fn gemm_item(
                 wi,
                 wrow0,
                 &rb,
+                &lr,
                 lut_s,
                 x_s,
                 xs_stride,
@@ -661,6 +761,7 @@ fn gemm_item(
                 tb,
                 rows_per_warp,
                 unrolled,
+                shuffle,
             );
         } else {
             chunk_rows(
@@ -671,6 +772,7 @@ fn gemm_item(
                 wi,
                 wrow0,
                 &rb,
+                &lr,
                 lut_s,
                 x_s,
                 xs_stride,
@@ -680,6 +782,7 @@ fn gemm_item(
                 tb,
                 rows_per_warp,
                 unrolled,
+                shuffle,
             );
         }
     }
@@ -699,6 +802,7 @@ fn chunk_rows(
     wi: usize,
     wrow0: usize,
     rb: &Array<u32>,
+    lr: &Array<f32>,
     lut_s: &SharedMemory<f32>,
     x_s: &SharedMemory<X4>,
     xs_stride: usize,
@@ -708,6 +812,7 @@ fn chunk_rows(
     #[comptime] tb: usize,
     #[comptime] rows_per_warp: usize,
     #[comptime] unrolled: bool,
+    #[comptime] shuffle: u32,
 ) {
     let mut pw = Array::<u32>::new(rows_per_warp * bits);
     #[unroll]
@@ -727,6 +832,7 @@ fn chunk_rows(
         &pw,
         0usize,
         rb,
+        lr,
         lut_s,
         x_s,
         lane * XV_PER_WORD,
@@ -737,5 +843,6 @@ fn chunk_rows(
         tb,
         rows_per_warp,
         unrolled,
+        shuffle,
     );
 }

@@ -16,7 +16,10 @@
 use cubecl::prelude::*;
 use half::f16;
 
-use crate::gemm::{DESC_WORDS, X4, XV_PER_WORD, stage_words, store_rows, word_rows};
+use crate::gemm::{
+    DESC_WORDS, LUT_SHARED, X4, XV_PER_WORD, lane_lut_regs, load_lane_luts, stage_words, store_rows,
+    word_rows,
+};
 
 /// The kernel. Grid: any number of cubes (a few per SM); cube: `warps · plane_size` units.
 /// `n_items` descriptors of [`DESC_WORDS`] words (see [`crate::gemm::ap_gemm_kernel`]); items
@@ -41,6 +44,7 @@ pub fn ap_gemv_kernel(
     #[comptime] act: u32,
     #[comptime] lut_slots: usize,
     #[comptime] unrolled: bool,
+    #[comptime] shuffle: u32,
 ) {
     let unit = UNIT_POS as usize;
     let lane = unit % plane_size;
@@ -165,6 +169,7 @@ pub fn ap_gemv_kernel(
                 xs_stride,
                 lut_slots,
                 unrolled,
+                shuffle,
             );
         } else if bits == 4u32 {
             gemv_units(
@@ -193,6 +198,7 @@ pub fn ap_gemv_kernel(
                 xs_stride,
                 lut_slots,
                 unrolled,
+                shuffle,
             );
         } else if bits == 5u32 {
             gemv_units(
@@ -221,6 +227,7 @@ pub fn ap_gemv_kernel(
                 xs_stride,
                 lut_slots,
                 unrolled,
+                shuffle,
             );
         } else if bits == 6u32 {
             gemv_units(
@@ -249,6 +256,7 @@ pub fn ap_gemv_kernel(
                 xs_stride,
                 lut_slots,
                 unrolled,
+                shuffle,
             );
         } else if bits == 7u32 {
             gemv_units(
@@ -277,6 +285,7 @@ pub fn ap_gemv_kernel(
                 xs_stride,
                 lut_slots,
                 unrolled,
+                shuffle,
             );
         } else {
             gemv_units(
@@ -305,6 +314,7 @@ pub fn ap_gemv_kernel(
                 xs_stride,
                 lut_slots,
                 unrolled,
+                shuffle,
             );
         }
         cur = seg_end;
@@ -340,6 +350,7 @@ fn gemv_units(
     xs_stride: usize,
     #[comptime] lut_slots: usize,
     #[comptime] unrolled: bool,
+    #[comptime] shuffle: u32,
 ) {
     let lut_len = comptime![1usize << bits];
     let step_words = comptime![plane_size * wpl];
@@ -351,6 +362,7 @@ fn gemv_units(
     for r in 0..rows {
         rb[r] = (lbase + r * lut_slots) as u32;
     }
+    let mut lr = Array::<f32>::new(rows * comptime![lane_lut_regs(shuffle)]);
     for u in range_stepped(u0, seg_end, warps) {
         let row0 = (u - first) * rows;
         // This warp's LUT region is free once every lane left the previous unit.
@@ -363,6 +375,9 @@ fn gemv_units(
             }
         }
         sync_plane();
+        if comptime![shuffle != LUT_SHARED && bits <= 4] {
+            load_lane_luts(luts, lut_off, lut_len, row0, n, lane, &mut lr, rows, shuffle);
+        }
         #[unroll]
         for a in 0..rows * tb {
             acc[a] = 0.0;
@@ -393,6 +408,7 @@ fn gemv_units(
                     &pw,
                     j * bits,
                     &rb,
+                    &lr,
                     lut_s,
                     x_s,
                     wi * XV_PER_WORD,
@@ -403,6 +419,7 @@ fn gemv_units(
                     tb,
                     rows,
                     unrolled,
+                    shuffle,
                 );
             }
         }

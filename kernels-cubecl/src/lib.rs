@@ -205,6 +205,13 @@ pub struct GemmConfig {
     /// choice) or compact (CPU shader compilers such as lavapipe's take minutes on the unrolled
     /// bodies).
     pub unrolled: bool,
+    /// How the kernels look up LUTs of ≤ 4-bit blocks: `true` (the default where planes have
+    /// at least 8 lanes) from registers spread over the warp's lanes by shuffles, the index
+    /// itself being the source lane, which saves the address arithmetic of a shared-memory
+    /// lookup; `false` from shared memory like wider LUTs.
+    pub lut_in_lanes: bool,
+    /// The runtime's shuffles take the source lane modulo 32 (CUDA), so no mask is needed.
+    pub shuffle_wraps: bool,
 }
 
 impl GemmConfig {
@@ -229,8 +236,9 @@ impl GemmConfig {
         let rows_per_warp = if hw.max_shared_memory_size >= 96 * 1024 { 2 } else { 1 };
         // Planes narrower than 16 lanes: lavapipe (8), a CPU behind a shader compiler.
         let unrolled = hw.plane_size_max >= 16;
+        let plane_size = hw.plane_size_max as usize;
         Self {
-            plane_size: hw.plane_size_max as usize,
+            plane_size,
             warps: 8,
             rows_per_warp,
             specialized: true,
@@ -238,6 +246,19 @@ impl GemmConfig {
             gemv_min_items: GEMV_MIN_ITEMS,
             gemv_words_per_lane: 2,
             unrolled,
+            lut_in_lanes: plane_size == 8 || plane_size >= 16,
+            shuffle_wraps: R::name(client) == "cuda" && plane_size == 32,
+        }
+    }
+
+    /// The kernels' comptime LUT mode (`gemm::LUT_*`).
+    pub(crate) fn lut_mode(&self) -> u32 {
+        match (self.lut_in_lanes, self.plane_size) {
+            (false, _) => gemm::LUT_SHARED,
+            (true, 8) => gemm::LUT_LANES_PAIR,
+            (true, 32) if self.shuffle_wraps => gemm::LUT_LANES_WRAP,
+            (true, p) if p >= 16 => gemm::LUT_LANES_MASKED,
+            _ => gemm::LUT_SHARED,
         }
     }
 }
@@ -313,6 +334,7 @@ pub(crate) fn launch_gemv<R: Runtime>(
             act.code(),
             lut_slots,
             cfg.unrolled,
+            cfg.lut_mode(),
         )
     };
     true
@@ -429,6 +451,7 @@ pub fn ap_gemm<R: Runtime>(
                 a,
                 lut_slots,
                 cfg.unrolled,
+                cfg.lut_mode(),
             )
         } else {
             gemm::ap_gemm_kernel_v1::launch_unchecked::<R>(

@@ -524,6 +524,7 @@ pub fn ap_gemm_routed<R: Runtime>(
             // Bit-widths live in device descriptors: room for the widest LUT.
             gemm::LUT_SLOTS,
             cfg.unrolled,
+            cfg.lut_mode(),
         )
     };
     Ok(())
