@@ -49,6 +49,10 @@ pub struct BenchDecodeArgs {
     /// device memory before the next).
     #[arg(long)]
     pub append: bool,
+    /// Override the fewest routed items for which the expert GEMMs use the persistent GEMV
+    /// kernel (`kernels_cubecl::GEMV_MIN_ITEMS`).
+    #[arg(long)]
+    pub gemv_min_items: Option<usize>,
 }
 
 fn inv_freq(theta: f64, head_dim: usize, rotating_pairs: usize) -> Vec<f32> {
@@ -218,6 +222,9 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
         let first = &bits_list.first().context("--bits is empty")?.1;
         let mut dec =
             Decoder::<R, half::f16>::synthetic(&client, cfg.clone(), first, kv_blocks, block, max_seq)?;
+        if let Some(m) = a.gemv_min_items {
+            dec.gemm_config_mut().gemv_min_items = m;
+        }
         sync(&client)?;
         let accountant = Accountant::new(u64::MAX / 2);
         let _weights =
@@ -277,6 +284,7 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
                         "bytes_per_step": bytes.total(), "dense_bytes": bytes.dense,
                         "expert_bytes_touched": bytes.experts, "kv_bytes": bytes.kv,
                         "stream_gbps": gbps, "chunks": b.div_ceil(kernels_cubecl::MAX_TOKENS),
+                        "gemv_min_items": dec.gemm_config_mut().gemv_min_items,
                     });
                     eprintln!("{rec}");
                     records.push(rec);

@@ -357,6 +357,7 @@ fn gemv_units(
     let steps = words.div_ceil(step_words);
     let mut acc = Array::<f32>::new(rows * tb);
     let mut pw = Array::<u32>::new(rows * wpl * bits);
+    let mut pn = Array::<u32>::new(rows * wpl * bits);
     let mut rb = Array::<u32>::new(rows);
     #[unroll]
     for r in 0..rows {
@@ -365,42 +366,29 @@ fn gemv_units(
     let mut lr = Array::<f32>::new(rows * comptime![lane_lut_regs(shuffle)]);
     for u in range_stepped(u0, seg_end, warps) {
         let row0 = (u - first) * rows;
-        // This warp's LUT region is free once every lane left the previous unit.
-        sync_plane();
-        for i in range_stepped(lane, rows * lut_len, plane_size) {
-            let r = i / lut_len;
-            let e = i % lut_len;
-            if row0 + r < n {
-                lut_s[lbase + r * lut_slots + e] = f32::cast_from(luts[lut_off + (row0 + r) * lut_len + e]);
-            }
-        }
-        sync_plane();
         if comptime![shuffle != LUT_SHARED && bits <= 4] {
             load_lane_luts(luts, lut_off, lut_len, row0, n, lane, &mut lr, rows, shuffle);
+        } else {
+            // This warp's LUT region is free once every lane left the previous unit.
+            sync_plane();
+            for i in range_stepped(lane, rows * lut_len, plane_size) {
+                let r = i / lut_len;
+                let e = i % lut_len;
+                if row0 + r < n {
+                    lut_s[lbase + r * lut_slots + e] =
+                        f32::cast_from(luts[lut_off + (row0 + r) * lut_len + e]);
+                }
+            }
+            sync_plane();
         }
         #[unroll]
         for a in 0..rows * tb {
             acc[a] = 0.0;
         }
+        // Software pipelined: step s + 1's plane words are in flight during step s's arithmetic.
+        load_step(planes, &mut pw, plane_off, n, words, row0, 0usize, lane, plane_size, rows, wpl, bits);
         for s in 0..steps {
-            // Every plane word of the step first, so they are all in flight together.
-            #[unroll]
-            for r in 0..rows {
-                let row = row0 + r;
-                #[unroll]
-                for j in 0..wpl {
-                    let wi = s * step_words + j * plane_size + lane;
-                    let live = row < n && wi < words;
-                    #[unroll]
-                    for p in 0..bits {
-                        let mut v = 0u32;
-                        if live {
-                            v = planes[plane_off + (p * n + row) * words + wi];
-                        }
-                        pw[(r * wpl + j) * bits + p] = v;
-                    }
-                }
-            }
+            load_step(planes, &mut pn, plane_off, n, words, row0, s + 1, lane, plane_size, rows, wpl, bits);
             #[unroll(unrolled)]
             for j in 0..wpl {
                 let wi = s * step_words + j * plane_size + lane;
@@ -422,7 +410,49 @@ fn gemv_units(
                     shuffle,
                 );
             }
+            #[unroll]
+            for i in 0..rows * wpl * bits {
+                pw[i] = pn[i];
+            }
         }
         store_rows(&acc, y, y_off, n, row0, tokens, lane, rows, tb);
+    }
+}
+
+/// Loads step `s`'s plane words of rows `row0 ..< row0 + rows` (`wpl` words per lane and row,
+/// all unrolled so they are in flight together) into `pw`; words past the item are zero.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn load_step(
+    planes: &Array<u32>,
+    pw: &mut Array<u32>,
+    plane_off: usize,
+    n: usize,
+    words: usize,
+    row0: usize,
+    s: usize,
+    lane: usize,
+    #[comptime] plane_size: usize,
+    #[comptime] rows: usize,
+    #[comptime] wpl: usize,
+    #[comptime] bits: usize,
+) {
+    let step_words = comptime![plane_size * wpl];
+    #[unroll]
+    for r in 0..rows {
+        let row = row0 + r;
+        #[unroll]
+        for j in 0..wpl {
+            let wi = s * step_words + j * plane_size + lane;
+            let live = row < n && wi < words;
+            #[unroll]
+            for p in 0..bits {
+                let mut v = 0u32;
+                if live {
+                    v = planes[plane_off + (p * n + row) * words + wi];
+                }
+                pw[(r * wpl + j) * bits + p] = v;
+            }
+        }
     }
 }

@@ -556,6 +556,11 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
         self.experts.commit_now(bits)
     }
 
+    /// The expert kernels' launch shape (for benchmarks comparing kernel choices).
+    pub fn gemm_config_mut(&mut self) -> &mut GemmConfig {
+        &mut self.gemm
+    }
+
     /// Kernel launches of the last step (all chunks).
     pub fn last_launches(&self) -> usize {
         self.launches
