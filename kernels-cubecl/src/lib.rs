@@ -266,12 +266,14 @@ impl GemmConfig {
 /// Most tokens per item the persistent GEMV kernel takes (its `x` for all columns stays in
 /// shared memory).
 pub const GEMV_MAX_TOKENS: usize = 2;
-/// Fewest items for which the persistent GEMV kernel is chosen. Measured on the H200
-/// (`bench-decode`, git `09f2cf5`): with Mixtral's 16 routed items (8 experts × 2 chunks) the
-/// tiled kernel is faster (Mixtral batch 1, 4 bits: 11.3 ms tiled vs 13.0 ms per step), with
-/// Qwen1.5-MoE's 120 mostly empty items the GEMV is (5.65 → 5.35 ms): the tiled grid
-/// launches cubes for every item, the GEMV only works on the active ones.
-pub const GEMV_MIN_ITEMS: usize = 32;
+/// Fewest items for which the persistent GEMV kernel is chosen. The tiled grid launches cubes
+/// for every item, the GEMV only works on the active ones. Measured on the H200: at git
+/// `09f2cf5` the tiled kernel was faster for Mixtral's 16 routed items (8 experts × 2 chunks;
+/// batch 1, 4 bits: 11.3 vs 13.0 ms per step) and the GEMV for Qwen1.5-MoE's 120 (5.65 → 5.35
+/// ms); with lane-held LUTs (git `bbe5b65`) the GEMV is ahead for Mixtral too (Mixtral layer of
+/// 8 experts × 8 tokens at 4 bits: 651.5 vs 771.5 µs; batch-1 decode 8.67 vs 8.79 ms), but not
+/// for one block (24.0 vs 23.4 µs), which keeps the tiled kernel.
+pub const GEMV_MIN_ITEMS: usize = 16;
 /// Rows of one warp unit of the GEMV kernel.
 const GEMV_ROWS: usize = 2;
 
