@@ -116,6 +116,13 @@ pub fn rms_norm_kernel(
 /// f32 at a time, a warp's loads of a column were 32 bytes apart, eight L1 wavefronts per
 /// instruction, which held the H200 at ~1.6 TB/s (ncu, Mixtral's QKV). With several tokens
 /// each plane takes two rows so each `x` vector serves both.
+///
+/// With `norm`, `x` goes through an RMSNorm first (`norm_p = [eps, offset]`, weight `g`):
+/// `y = (W · (x ⊙ (g + offset))) / sqrt(mean(x²) + eps)`. The norm is a per-token scale, so
+/// each lane multiplies its converted weights by `g + offset` (once per vector, whatever the
+/// token count) and sums the squares of the `x` values it reads; a plane reads every column
+/// of each token, so one more `plane_sum` per token gives `Σ x²` and the scale is applied
+/// after the row's reduction: no separate norm launch, no extra pass over memory.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub fn dense_gemm_kernel<N: Size>(
@@ -123,6 +130,8 @@ pub fn dense_gemm_kernel<N: Size>(
     w: &Array<Vector<f16, N>>,
     bias: &Array<f32>,
     meta: &Array<u32>,
+    norm_w: &Array<Vector<f32, N>>,
+    norm_p: &Array<f32>,
     y: &mut Array<f32>,
     #[comptime] n: usize,
     #[comptime] k: usize,
@@ -133,6 +142,7 @@ pub fn dense_gemm_kernel<N: Size>(
     #[comptime] rows: usize,
     #[comptime] has_bias: bool,
     #[comptime] accumulate: bool,
+    #[comptime] norm: bool,
 ) {
     let lane = UNIT_POS as usize % plane_size;
     let row0 = (CUBE_POS_X as usize * warps + UNIT_POS as usize / plane_size) * rows;
@@ -144,6 +154,16 @@ pub fn dense_gemm_kernel<N: Size>(
     #[unroll]
     for t in 0..max_tokens * rows {
         acc[t] = 0.0;
+    }
+    // Per token: this lane's share of Σ x² (only with `norm`).
+    let mut ss = Array::<f32>::new(max_tokens);
+    #[unroll]
+    for t in 0..max_tokens {
+        ss[t] = 0.0;
+    }
+    let mut off = 0.0f32;
+    if comptime![norm] {
+        off = norm_p[1];
     }
     let kv = comptime![k / vec];
     // Rows past `n` (the last plane of a ragged tile) read row `n - 1` and store nothing, so
@@ -168,7 +188,23 @@ pub fn dense_gemm_kernel<N: Size>(
         }
         #[unroll]
         for q in 0..4usize {
-            dense_fma(x, &wv, q, 4usize, v0 + q * plane_size, kv, tokens, &mut acc, max_tokens, rows, vec);
+            dense_fma(
+                x,
+                &wv,
+                norm_w,
+                off,
+                q,
+                4usize,
+                v0 + q * plane_size,
+                kv,
+                tokens,
+                &mut acc,
+                &mut ss,
+                max_tokens,
+                rows,
+                vec,
+                norm,
+            );
         }
     }
     for v in range_stepped(full * comptime![4 * plane_size] + lane, kv, plane_size) {
@@ -177,7 +213,20 @@ pub fn dense_gemm_kernel<N: Size>(
         for r in 0..rows {
             wv[r] = w[wrow[r] + v];
         }
-        dense_fma(x, &wv, 0usize, 1usize, v, kv, tokens, &mut acc, max_tokens, rows, vec);
+        dense_fma(
+            x, &wv, norm_w, off, 0usize, 1usize, v, kv, tokens, &mut acc, &mut ss, max_tokens, rows, vec,
+            norm,
+        );
+    }
+    let mut eps = 0.0f32;
+    if comptime![norm] {
+        eps = norm_p[0];
+    }
+    #[unroll]
+    for t in 0..max_tokens {
+        if comptime![norm] {
+            ss[t] = 1.0 / (plane_sum(ss[t]) / f32::cast_from(k) + eps).sqrt();
+        }
     }
     #[unroll]
     for r in 0..rows {
@@ -185,6 +234,9 @@ pub fn dense_gemm_kernel<N: Size>(
         #[unroll]
         for t in 0..max_tokens {
             let mut s = plane_sum(acc[r * max_tokens + t]);
+            if comptime![norm] {
+                s *= ss[t];
+            }
             if comptime![has_bias] {
                 s += bias[min(row, n - 1)];
             }
@@ -200,31 +252,62 @@ pub fn dense_gemm_kernel<N: Size>(
 }
 
 /// `acc[r · max_tokens + t] += W vector · x vector` for the weight vectors `wv[r · per_row + q]`
-/// of each row and `x`'s vector `v` of each real token.
+/// of each row and `x`'s vector `v` of each real token. With `norm` the weights are first
+/// scaled by the norm weight `g[v] + off` and `ss[t]` gains the squares of `x`'s vector.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn dense_fma<N: Size>(
     x: &Array<Vector<f32, N>>,
     wv: &Array<Vector<f16, N>>,
+    g: &Array<Vector<f32, N>>,
+    off: f32,
     q: usize,
     #[comptime] per_row: usize,
     v: usize,
     kv: usize,
     tokens: usize,
     acc: &mut Array<f32>,
+    ss: &mut Array<f32>,
     #[comptime] max_tokens: usize,
     #[comptime] rows: usize,
     #[comptime] vec: usize,
+    #[comptime] norm: bool,
 ) {
+    // The row's weights in f32 once, whatever the token count.
+    let mut wf = Array::<f32>::new(rows * vec);
+    if comptime![norm] {
+        let gv = g[v];
+        #[unroll]
+        for r in 0..rows {
+            #[unroll]
+            for i in 0..vec {
+                wf[r * vec + i] = f32::cast_from(wv[r * per_row + q][i]) * (gv[i] + off);
+            }
+        }
+    } else {
+        #[unroll]
+        for r in 0..rows {
+            #[unroll]
+            for i in 0..vec {
+                wf[r * vec + i] = f32::cast_from(wv[r * per_row + q][i]);
+            }
+        }
+    }
     #[unroll]
     for t in 0..max_tokens {
         if t < tokens {
             let xv = x[t * kv + v];
+            if comptime![norm] {
+                #[unroll]
+                for i in 0..vec {
+                    ss[t] += xv[i] * xv[i];
+                }
+            }
             #[unroll]
             for r in 0..rows {
                 #[unroll]
                 for i in 0..vec {
-                    acc[r * max_tokens + t] += f32::cast_from(wv[r * per_row + q][i]) * xv[i];
+                    acc[r * max_tokens + t] += wf[r * vec + i] * xv[i];
                 }
             }
         }
@@ -356,23 +439,53 @@ pub fn moe_route_kernel(
     }
 }
 
-/// `out[row] = x[gather[row]]` for `row < meta[0] · k`. Grid `(max rows)`.
+/// `out[row] = x[gather[row]]` for `row < meta[0] · k`, with `norm` through an RMSNorm
+/// (`norm_p = [eps, offset]`, weight `norm_w`, as [`rms_norm_kernel`]): the routed experts
+/// read the normed rows and the norm needs no launch of its own. Grid `(max rows)`; cube:
+/// `units` units, unit `u` owning columns `u + i · units` (all loads in flight together), one
+/// row reduction per gathered row (each token's row is normed `k` times, a few µs of ALU
+/// against a launch).
 #[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
 pub fn gather_rows_kernel(
     x: &Array<f32>,
     gather: &Array<u32>,
     meta: &Array<u32>,
+    norm_w: &Array<f32>,
+    norm_p: &Array<f32>,
     out: &mut Array<f32>,
     #[comptime] k: usize,
     #[comptime] width: usize,
+    #[comptime] units: usize,
+    #[comptime] plane_size: usize,
+    #[comptime] norm: bool,
 ) {
     let row = CUBE_POS_X as usize;
     if row >= meta[0] as usize * k {
         terminate!();
     }
-    let src = gather[row] as usize * width;
-    for c in range_stepped(UNIT_POS as usize, width, CUBE_DIM as usize) {
-        out[row * width + c] = x[src + c];
+    let per = comptime![width.div_ceil(units)];
+    let u = UNIT_POS as usize;
+    let mut xv = Array::<f32>::new(per);
+    let ss = load_row(x, gather[row] as usize * width, &mut xv, width, units);
+    if comptime![norm] {
+        let inv = 1.0 / (cube_sum(ss, units, plane_size) / f32::cast_from(width) + norm_p[0]).sqrt();
+        let off = norm_p[1];
+        #[unroll]
+        for i in 0..per {
+            let c = u + i * units;
+            if c < width {
+                out[row * width + c] = xv[i] * inv * (norm_w[c] + off);
+            }
+        }
+    } else {
+        #[unroll]
+        for i in 0..per {
+            let c = u + i * units;
+            if c < width {
+                out[row * width + c] = xv[i];
+            }
+        }
     }
 }
 

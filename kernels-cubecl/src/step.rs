@@ -144,6 +144,17 @@ pub struct DenseGemm {
     pub accumulate: bool,
 }
 
+/// An RMSNorm folded into the input of the kernel that consumes its output:
+/// `x / sqrt(mean(x²) + params[0]) · (w + params[1])` per row of `x`, as [`rms_norm`]
+/// computes it (`params = [eps, offset]`, offset 1 for `1 + w` norms).
+#[derive(Debug, Clone, Copy)]
+pub struct RowNorm<'a> {
+    /// f32 `[width]` norm weight.
+    pub w: &'a DeviceArray,
+    /// f32 `[eps, offset]`.
+    pub params: &'a DeviceArray,
+}
+
 /// `y (+)= x · Wᵀ (+ bias)` with `W` f16 `[n, k]` row-major; `meta[0]` = tokens (≤ 16).
 ///
 /// # Shapes
@@ -159,6 +170,27 @@ pub fn dense_gemm<R: Runtime>(
     bias: &DeviceArray,
     y: &DeviceArray,
 ) -> Result<(), KernelError> {
+    dense_gemm_normed(client, g, tokens, meta, x, None, w, bias, y)
+}
+
+/// [`dense_gemm`] of `norm(x)` when `norm` is given: `y (+)= rms_norm(x) · Wᵀ (+ bias)` in one
+/// launch (the norm is a per-token scale applied after each row's reduction, see
+/// [`decode::dense_gemm_kernel`]), so a norm feeding a projection costs no launch.
+///
+/// # Shapes
+/// - `x`: `[tokens, k]`; `norm.w`: `[k]`; `w`: `[n, k]`; `y`: `[tokens, n]`
+#[allow(clippy::too_many_arguments)]
+pub fn dense_gemm_normed<R: Runtime>(
+    client: &ComputeClient<R>,
+    g: DenseGemm,
+    tokens: usize,
+    meta: &DeviceArray,
+    x: &DeviceArray,
+    norm: Option<RowNorm<'_>>,
+    w: &DeviceArray,
+    bias: &DeviceArray,
+    y: &DeviceArray,
+) -> Result<(), KernelError> {
     if tokens > MAX_TOKENS {
         return Err(bad(format!("dense_gemm: {tokens} tokens, at most {MAX_TOKENS}")));
     }
@@ -167,6 +199,10 @@ pub fn dense_gemm<R: Runtime>(
     need("dense_gemm y", y, tokens * g.n)?;
     if g.bias {
         need("dense_gemm bias", bias, g.n)?;
+    }
+    if let Some(nm) = norm {
+        need("dense_gemm norm weight", nm.w, g.k)?;
+        need("dense_gemm norm params", nm.params, 2)?;
     }
     if tokens == 0 {
         return Ok(());
@@ -180,9 +216,14 @@ pub fn dense_gemm<R: Runtime>(
     // Two rows per plane share each `x` vector once there are several tokens; at one or two
     // tokens one row per plane keeps twice the cubes (and loads) in flight.
     let rows = if tb > 2 { 2 } else { 1 };
+    // Without a norm the kernel reads neither norm buffer: `x` and `meta` stand in for them.
+    let (nw, np) = match norm {
+        Some(nm) => (nm.w, nm.params),
+        None => (x, meta),
+    };
     // SAFETY: sizes checked above; the kernel reads `meta[0] ≤ tokens` rows; `w` holds `n · k`
-    // halves, i.e. `n · k / vec` vectors, and `x` at least `tokens · k / vec` (whole buffers,
-    // so their starts are aligned for any vector width).
+    // halves, i.e. `n · k / vec` vectors, and `x` at least `tokens · k / vec`, the norm weight
+    // (when read) `k / vec` (whole buffers, so their starts are aligned for any vector width).
     unsafe {
         decode::dense_gemm_kernel::launch_unchecked::<R>(
             client,
@@ -193,6 +234,8 @@ pub fn dense_gemm<R: Runtime>(
             ArrayArg::from_raw_parts(w.handle.clone(), g.n * g.k / vec),
             bias.arg(),
             meta.arg(),
+            ArrayArg::from_raw_parts(nw.handle.clone(), (nw.len / vec).max(1)),
+            np.arg(),
             y.arg(),
             g.n,
             g.k,
@@ -203,6 +246,7 @@ pub fn dense_gemm<R: Runtime>(
             rows,
             g.bias,
             g.accumulate,
+            norm.is_some(),
         )
     };
     Ok(())
@@ -220,6 +264,22 @@ pub fn dense_gemm_reference(g: DenseGemm, x: &[f32], w: &[f16], bias: &[f32], y:
             *o = if g.accumulate { *o + s } else { s };
         }
     }
+}
+
+/// CPU reference of [`dense_gemm_normed`]: [`rms_norm_reference`] of `x` with `norm_w`,
+/// `[eps, offset]`, then [`dense_gemm_reference`]; updates `y` in place.
+#[allow(clippy::too_many_arguments)]
+pub fn dense_gemm_normed_reference(
+    g: DenseGemm,
+    x: &[f32],
+    norm_w: &[f32],
+    eps: f32,
+    offset: f32,
+    w: &[f16],
+    bias: &[f32],
+    y: &mut [f32],
+) {
+    dense_gemm_reference(g, &rms_norm_reference(x, norm_w, eps, offset), w, bias, y);
 }
 
 /// Where the heads to rotate sit.
@@ -413,27 +473,85 @@ pub fn gather_rows<R: Runtime>(
     gather: &DeviceArray,
     out: &DeviceArray,
 ) -> Result<(), KernelError> {
+    gather_rows_normed(client, tokens, k, width, meta, x, None, gather, out)
+}
+
+/// [`gather_rows`] of `norm(x)` when `norm` is given: `out[row] = rms_norm(x[gather[row]])`,
+/// so the routed experts' input norm costs no launch of its own.
+///
+/// # Shapes
+/// - `x`: `[tokens, width]`; `norm.w`: `[width]`; `out`: `[tokens · k, width]`
+#[allow(clippy::too_many_arguments)]
+pub fn gather_rows_normed<R: Runtime>(
+    client: &ComputeClient<R>,
+    tokens: usize,
+    k: usize,
+    width: usize,
+    meta: &DeviceArray,
+    x: &DeviceArray,
+    norm: Option<RowNorm<'_>>,
+    gather: &DeviceArray,
+    out: &DeviceArray,
+) -> Result<(), KernelError> {
     need("gather x", x, tokens * width)?;
     need("gather out", out, tokens * k * width)?;
     need("gather index", gather, tokens * k)?;
+    if let Some(nm) = norm {
+        need("gather norm weight", nm.w, width)?;
+        need("gather norm params", nm.params, 2)?;
+    }
     if tokens == 0 {
         return Ok(());
     }
+    let (units, plane) = row_units(client, width, 16);
+    if width > 32 * units {
+        return Err(bad(format!("gather: width {width} exceeds 32 values per unit of {units} units")));
+    }
+    // Without a norm the kernel reads neither norm buffer: `x` and `meta` stand in for them.
+    let (nw, np) = match norm {
+        Some(nm) => (nm.w, nm.params),
+        None => (x, meta),
+    };
     // SAFETY: sizes checked above; indices come from `moe_route`, below `tokens`.
     unsafe {
         decode::gather_rows_kernel::launch_unchecked::<R>(
             client,
             CubeCount::Static((tokens * k) as u32, 1, 1),
-            cube_1d(width),
+            CubeDim::new_1d(units as u32),
             x.arg(),
             gather.arg(),
             meta.arg(),
+            nw.arg(),
+            np.arg(),
             out.arg(),
             k,
             width,
+            units,
+            plane,
+            norm.is_some(),
         )
     };
     Ok(())
+}
+
+/// CPU reference of [`gather_rows_normed`] (of [`gather_rows`] with `norm = None`): the rows
+/// `x[gather[row]]`, each through [`rms_norm_reference`] with `(w, eps, offset)` when given.
+pub fn gather_rows_reference(
+    x: &[f32],
+    width: usize,
+    gather: &[u32],
+    norm: Option<(&[f32], f32, f32)>,
+) -> Vec<f32> {
+    gather
+        .iter()
+        .flat_map(|&t| {
+            let row = &x[t as usize * width..][..width];
+            match norm {
+                Some((w, eps, off)) => rms_norm_reference(row, w, eps, off),
+                None => row.to_vec(),
+            }
+        })
+        .collect()
 }
 
 /// `h[t] += Σ_j weights[t, j] · y[pos[t, j]]`.

@@ -488,6 +488,81 @@ fn decode_step_kernels_match_reference() {
     }
 }
 
+/// An RMSNorm folded into its consumer: the norm's scale is applied after the row's reduction
+/// instead of before, and `Σ x²` is summed per lane then across the plane: f32 rounding in
+/// another order only.
+const NORMED_TOL: f32 = 2e-5;
+
+/// The dense GEMM and the row gather with a fused input RMSNorm (plain and `1 + w`) against
+/// [`rms_norm_reference`] followed by the plain references; widths with and without the
+/// GEMM's 4-vector rounds, 1, 3 and 16 tokens, bias and residual add.
+#[test]
+fn dense_gemm_and_gather_normed_match_reference() {
+    use half::f16;
+    use kernels_cubecl::step::*;
+    let client = client();
+    let mut rng = StdRng::seed_from_u64(101);
+    let up = |v: &[f32]| DeviceArray::from_slice(&client, v);
+    for (k, n) in [(96usize, 70usize), (1000, 37)] {
+        for tokens in [1usize, 3, 16] {
+            let meta = DeviceArray::from_slice(&client, &[tokens as u32]);
+            // Rows of different magnitudes, so the per-token scale matters.
+            let x: Vec<f32> =
+                (0..tokens * k).map(|i| rng.random_range(-1.0f32..1.0) * (1 + i / k) as f32).collect();
+            let g = rand_vec(&mut rng, k, 1.0);
+            for (off, bias, accumulate) in [(0.0f32, false, false), (1.0, true, true)] {
+                let d = DenseGemm { n, k, bias, accumulate };
+                let wt: Vec<f16> = rand_vec(&mut rng, n * k, 0.5).into_iter().map(f16::from_f32).collect();
+                let b = rand_vec(&mut rng, n, 1.0);
+                let y0 = rand_vec(&mut rng, tokens * n, 1.0);
+                let y = up(&y0);
+                let (gw, params) = (up(&g), up(&[1e-5, off]));
+                let norm = Some(RowNorm { w: &gw, params: &params });
+                dense_gemm_normed(
+                    &client,
+                    d,
+                    tokens,
+                    &meta,
+                    &up(&x),
+                    norm,
+                    &DeviceArray::from_slice(&client, &wt),
+                    &up(&b),
+                    &y,
+                )
+                .unwrap();
+                let mut want = y0.clone();
+                dense_gemm_normed_reference(d, &x, &g, 1e-5, off, &wt, &b, &mut want);
+                let what = format!("dense_gemm_normed k {k}, {tokens} tokens, offset {off}");
+                assert_close(&read_f32(&client, &y).unwrap(), &want, NORMED_TOL, &what);
+            }
+        }
+    }
+    // Gather with and without the norm: top-3 copies of 5 tokens in a shuffled order; a row
+    // narrower than the cube, and one wider (several values per unit, a partial last round).
+    for width in [72usize, 3001] {
+        let (tokens, k) = (5usize, 3usize);
+        let meta = DeviceArray::from_slice(&client, &[tokens as u32]);
+        let x = rand_vec(&mut rng, tokens * width, 2.0);
+        let g = rand_vec(&mut rng, width, 1.0);
+        let idx: Vec<u32> = (0..tokens * k).map(|r| ((r * 7) % tokens) as u32).collect();
+        let (xd, gd, id) = (up(&x), up(&g), DeviceArray::from_slice(&client, &idx));
+        for off in [None, Some(0.0f32), Some(1.0)] {
+            let out = DeviceArray::empty::<WgpuRuntime, f32>(&client, tokens * k * width);
+            let params = up(&[1e-6, off.unwrap_or(0.0)]);
+            let norm = off.map(|_| RowNorm { w: &gd, params: &params });
+            gather_rows_normed(&client, tokens, k, width, &meta, &xd, norm, &id, &out).unwrap();
+            let want = gather_rows_reference(&x, width, &idx, off.map(|o| (g.as_slice(), 1e-6, o)));
+            let tol = if off.is_some() { NORMED_TOL } else { 0.0 };
+            assert_close(
+                &read_f32(&client, &out).unwrap(),
+                &want,
+                tol,
+                &format!("gather width {width}, {off:?}"),
+            );
+        }
+    }
+}
+
 /// A routed MoE layer: two chained GEMMs (the second over SiLU(gate)·up of the first) and a
 /// weighted sum, each in f32 in another order than the CPU.
 const MOE_TOL: f32 = 1e-4;
