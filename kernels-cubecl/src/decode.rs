@@ -1,7 +1,8 @@
 //! The small fused kernels of a decode step (everything but attention and the grouped expert
-//! GEMM): embedding lookup, RMSNorm, dense f16 skinny GEMM with bias and residual add, rotary
-//! embedding, on-device routing that writes the grouped kernel's descriptor table, row gather
-//! and the weighted combine. Every launch reads its token count from `meta[0]`, so one compiled
+//! GEMM): embedding lookup, dense f16 skinny GEMM with bias, residual add and a fused input
+//! RMSNorm, on-device routing (with the planner's statistics) that writes the grouped kernel's
+//! descriptor table, row gather (with a fused RMSNorm) and the weighted combine. No RMSNorm
+//! is a launch of its own: each is folded into the kernels that read its output. Every launch reads its token count from `meta[0]`, so one compiled
 //! kernel serves every batch size up to its `max_tokens` bucket and the host never needs a
 //! round trip inside a layer.
 
@@ -73,38 +74,6 @@ pub fn load_row(
         ss += v * v;
     }
     ss
-}
-
-/// `out[t] = x[t] / rms(x[t]) · (w + offset)`; `params = [eps, offset]` (offset 1 for
-/// Gemma-style `1 + w` norms). Grid `(tokens)`; cube: `units` units, unit `u` owning columns
-/// `u + i · units` (`i < ⌈hidden / units⌉`, unrolled) so that all its loads are in flight
-/// together. Why: one plane looping over a 4096-wide row waits a DRAM latency per iteration
-/// (79 µs per call measured on the H200, against ~3 µs now).
-#[cube(launch_unchecked)]
-pub fn rms_norm_kernel(
-    x: &Array<f32>,
-    w: &Array<f32>,
-    params: &Array<f32>,
-    out: &mut Array<f32>,
-    #[comptime] hidden: usize,
-    #[comptime] units: usize,
-    #[comptime] plane_size: usize,
-) {
-    let per = comptime![hidden.div_ceil(units)];
-    let base = CUBE_POS_X as usize * hidden;
-    let u = UNIT_POS as usize;
-    let mut xv = Array::<f32>::new(per);
-    let ss = load_row(x, base, &mut xv, hidden, units);
-    let total = cube_sum(ss, units, plane_size);
-    let inv = (total / f32::cast_from(hidden) + params[0]).sqrt();
-    let off = params[1];
-    #[unroll]
-    for i in 0..per {
-        let c = u + i * units;
-        if c < hidden {
-            out[base + c] = xv[i] / inv * (w[c] + off);
-        }
-    }
 }
 
 /// `y[t, r] (+)= Σ_c x[t, c] · W[r, c] (+ bias[r])` for `t < meta[0]`, `W` f16 row-major
@@ -321,7 +290,10 @@ fn dense_fma<N: Size>(
 ///    expert's; writes `gather[row] = t`, `pos[t, j] = row` and the work items of expert `e`
 ///    (gate_up: `[2I, H]`, down: `[H, I]`, from `slots[e] = (gate_up plane_off, lut_off, bits,
 ///    down plane_off, lut_off, bits)`), `chunks` items of up to `chunk` tokens each, so the
-///    grouped GEMM runs with no host round trip.
+///    grouped GEMM runs with no host round trip;
+/// 3. with `stats`, unit `e` also adds its token count to `counts[base + e]` and the sum of
+///    its choices' weights (in choice order) to `mass[base + e]`: the planner's routing
+///    statistics at no launch of their own.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub fn moe_route_kernel(
@@ -333,6 +305,9 @@ pub fn moe_route_kernel(
     pos: &mut Array<u32>,
     desc_gate_up: &mut Array<u32>,
     desc_down: &mut Array<u32>,
+    counts: &mut Array<u32>,
+    mass: &mut Array<f32>,
+    base: u32,
     #[comptime] experts: usize,
     #[comptime] k: usize,
     #[comptime] max_tokens: usize,
@@ -341,10 +316,14 @@ pub fn moe_route_kernel(
     #[comptime] inter: usize,
     #[comptime] chunk: usize,
     #[comptime] chunks: usize,
+    #[comptime] stats: bool,
 ) {
     let u = UNIT_POS as usize;
     let tokens = meta[0] as usize;
     let mut sel = SharedMemory::<u32>::new(max_tokens * k);
+    // The final weights, for the statistics (shared: global writes of other units need not
+    // be visible after a cube barrier on every backend).
+    let mut wsh = SharedMemory::<f32>::new(max_tokens * k);
     if u < tokens {
         let base = u * experts;
         let mut m = logits[base];
@@ -362,6 +341,7 @@ pub fn moe_route_kernel(
             taken[i] = 0u32;
         }
         let mut sum = 0.0f32;
+        let mut pv = Array::<f32>::new(k);
         #[unroll]
         for j in 0..k {
             let mut best = 0usize;
@@ -377,14 +357,17 @@ pub fn moe_route_kernel(
             taken[best / 32usize] |= 1u32 << (best % 32usize) as u32;
             sel[u * k + j] = best as u32;
             let p = (bv - m).exp() / z;
-            weights[u * k + j] = p;
+            pv[j] = p;
             sum += p;
         }
-        if comptime![renormalize] {
-            #[unroll]
-            for j in 0..k {
-                weights[u * k + j] = weights[u * k + j] / sum;
+        #[unroll]
+        for j in 0..k {
+            let mut p = pv[j];
+            if comptime![renormalize] {
+                p = p / sum;
             }
+            weights[u * k + j] = p;
+            wsh[u * k + j] = p;
         }
     }
     sync_cube();
@@ -401,12 +384,18 @@ pub fn moe_route_kernel(
             }
         }
         let mut row = before;
+        let mut m = 0.0f32;
         for i in 0..tokens * k {
             if sel[i] as usize == u {
                 gather[row as usize] = (i / k) as u32;
                 pos[i] = row;
                 row += 1u32;
+                m += wsh[i];
             }
+        }
+        if comptime![stats] {
+            counts[base as usize + u] += count;
+            mass[base as usize + u] += m;
         }
         // Items of at most `chunk` tokens each, so the grouped GEMM's token bucket (and its
         // accumulators) stays small when a batch spreads over the experts.
@@ -440,11 +429,13 @@ pub fn moe_route_kernel(
 }
 
 /// `out[row] = x[gather[row]]` for `row < meta[0] · k`, with `norm` through an RMSNorm
-/// (`norm_p = [eps, offset]`, weight `norm_w`, as [`rms_norm_kernel`]): the routed experts
-/// read the normed rows and the norm needs no launch of its own. Grid `(max rows)`; cube:
-/// `units` units, unit `u` owning columns `u + i · units` (all loads in flight together), one
-/// row reduction per gathered row (each token's row is normed `k` times, a few µs of ALU
-/// against a launch).
+/// (`norm_p = [eps, offset]`, weight `norm_w`: `x / rms(x) · (w + offset)`, offset 1 for
+/// `1 + w` norms): the routed experts read the normed rows and the norm needs no launch of
+/// its own. Grid `(max rows)`; cube: `units` units, unit `u` owning columns `u + i · units`
+/// (`i < ⌈width / units⌉`, unrolled) so that all its loads are in flight together (one plane
+/// looping over a 4096-wide row waits a DRAM latency per iteration: a standalone RMSNorm
+/// written that way took 79 µs per call on the H200, against ~3 µs). One row reduction per
+/// gathered row: each token's row is normed `k` times, a few µs of ALU against a launch.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub fn gather_rows_kernel(

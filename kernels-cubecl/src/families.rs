@@ -99,7 +99,7 @@ pub fn head_norm_kernel(
 }
 
 /// `h[t] += x[t] / rms(x[t]) · w`; `params = [eps]`. Grid `(tokens)`; cube: `units` units,
-/// each owning columns `u + i · units` (unrolled; see [`crate::decode::rms_norm_kernel`]).
+/// each owning columns `u + i · units` (unrolled; see [`crate::decode::gather_rows_kernel`]).
 #[cube(launch_unchecked)]
 pub fn add_rms_norm_kernel(
     x: &Array<f32>,

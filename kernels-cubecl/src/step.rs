@@ -76,50 +76,9 @@ pub fn embed_reference(ids: &[u32], table: &[f16], hidden: usize, scale: f32) ->
         .collect()
 }
 
-/// RMSNorm of each row: `x / sqrt(mean(x²) + eps) · (w + offset)`, `params = [eps, offset]`.
-///
-/// # Shapes
-/// - `x`, `out`: `[tokens, hidden]`; `w`: `[hidden]`
-pub fn rms_norm<R: Runtime>(
-    client: &ComputeClient<R>,
-    tokens: usize,
-    hidden: usize,
-    x: &DeviceArray,
-    w: &DeviceArray,
-    params: &DeviceArray,
-    out: &DeviceArray,
-) -> Result<(), KernelError> {
-    need("rms_norm x", x, tokens * hidden)?;
-    need("rms_norm out", out, tokens * hidden)?;
-    need("rms_norm weight", w, hidden)?;
-    need("rms_norm params", params, 2)?;
-    if tokens == 0 {
-        return Ok(());
-    }
-    // Up to 16 values per unit: 256 units for a 4096-wide row.
-    let (units, plane) = row_units(client, hidden, 16);
-    if hidden > 32 * units {
-        return Err(bad(format!("rms_norm: width {hidden} exceeds 32 values per unit of {units} units")));
-    }
-    // SAFETY: sizes checked above.
-    unsafe {
-        decode::rms_norm_kernel::launch_unchecked::<R>(
-            client,
-            CubeCount::Static(tokens as u32, 1, 1),
-            CubeDim::new_1d(units as u32),
-            x.arg(),
-            w.arg(),
-            params.arg(),
-            out.arg(),
-            hidden,
-            units,
-            plane,
-        )
-    };
-    Ok(())
-}
-
-/// CPU reference of [`rms_norm`].
+/// RMSNorm of each row: `x / sqrt(mean(x²) + eps) · (w + offset)` (offset 1 for `1 + w`
+/// norms), on the CPU. The decode step has no norm launch of its own: the reference of the
+/// norms folded into [`dense_gemm_normed`] and [`gather_rows_normed`].
 pub fn rms_norm_reference(x: &[f32], w: &[f32], eps: f32, offset: f32) -> Vec<f32> {
     let hidden = w.len();
     x.chunks(hidden)
@@ -145,8 +104,8 @@ pub struct DenseGemm {
 }
 
 /// An RMSNorm folded into the input of the kernel that consumes its output:
-/// `x / sqrt(mean(x²) + params[0]) · (w + params[1])` per row of `x`, as [`rms_norm`]
-/// computes it (`params = [eps, offset]`, offset 1 for `1 + w` norms).
+/// `x / sqrt(mean(x²) + params[0]) · (w + params[1])` per row of `x`, as
+/// [`rms_norm_reference`] computes it (`params = [eps, offset]`, offset 1 for `1 + w` norms).
 #[derive(Debug, Clone, Copy)]
 pub struct RowNorm<'a> {
     /// f32 `[width]` norm weight.
@@ -354,6 +313,18 @@ pub const ROUTE_CHUNK: usize = 8;
 /// Work items per expert (`MAX_TOKENS / ROUTE_CHUNK`); empty ones exit at once.
 pub const ROUTE_CHUNKS: usize = MAX_TOKENS / ROUTE_CHUNK;
 
+/// Routing statistics [`moe_route_counted`] accumulates: per expert `e` of the layer,
+/// `counts[base + e] +=` its tokens and `mass[base + e] +=` their routing weights.
+#[derive(Debug, Clone, Copy)]
+pub struct RouteCounters<'a> {
+    /// u32 counters, at least `base + experts`.
+    pub counts: &'a DeviceArray,
+    /// f32 sums, at least `base + experts`.
+    pub mass: &'a DeviceArray,
+    /// The layer's first entry (`layer · experts`).
+    pub base: usize,
+}
+
 /// Output buffers of [`moe_route`].
 #[derive(Debug, Clone)]
 pub struct RouteBuffers {
@@ -367,6 +338,9 @@ pub struct RouteBuffers {
     pub desc_gate_up: DeviceArray,
     /// `[experts · ROUTE_CHUNKS · 8]` down work items.
     pub desc_down: DeviceArray,
+    /// One-element stand-ins for the statistics' buffers when none are kept (never written).
+    no_counts: DeviceArray,
+    no_mass: DeviceArray,
 }
 
 impl RouteBuffers {
@@ -382,6 +356,8 @@ impl RouteBuffers {
                 shape.experts * ROUTE_CHUNKS * gemm::DESC_WORDS,
             ),
             desc_down: DeviceArray::empty::<R, u32>(client, shape.experts * ROUTE_CHUNKS * gemm::DESC_WORDS),
+            no_counts: DeviceArray::empty::<R, u32>(client, 1),
+            no_mass: DeviceArray::empty::<R, f32>(client, 1),
         }
     }
 }
@@ -400,6 +376,27 @@ pub fn moe_route<R: Runtime>(
     slots: &DeviceArray,
     out: &RouteBuffers,
 ) -> Result<(), KernelError> {
+    moe_route_counted(client, shape, tokens, meta, logits, slots, out, None)
+}
+
+/// [`moe_route`] that also accumulates the layer's routing statistics into `stats` when given
+/// (the planner's per-expert token counts and routing mass, see [`route_stats_reference`]),
+/// in the same launch.
+///
+/// # Shapes
+/// - `logits`: `[tokens, experts]`; `slots`: `[experts · 6]`; `stats.counts`, `stats.mass`:
+///   `[≥ base + experts]`
+#[allow(clippy::too_many_arguments)]
+pub fn moe_route_counted<R: Runtime>(
+    client: &ComputeClient<R>,
+    shape: MoeShape,
+    tokens: usize,
+    meta: &DeviceArray,
+    logits: &DeviceArray,
+    slots: &DeviceArray,
+    out: &RouteBuffers,
+    stats: Option<RouteCounters<'_>>,
+) -> Result<(), KernelError> {
     if shape.experts > 128 || shape.k == 0 || shape.k > shape.experts {
         return Err(bad(format!("moe_route: unsupported {shape:?} (at most 128 experts, 1 ≤ k ≤ experts)")));
     }
@@ -408,10 +405,18 @@ pub fn moe_route<R: Runtime>(
     }
     need("moe_route logits", logits, tokens * shape.experts)?;
     need("moe_route slots", slots, shape.experts * 6)?;
+    if let Some(st) = stats {
+        need("moe_route counts", st.counts, st.base + shape.experts)?;
+        need("moe_route mass", st.mass, st.base + shape.experts)?;
+    }
     if tokens == 0 {
         return Ok(());
     }
     let units = shape.experts.max(MAX_TOKENS);
+    let (counts, mass, base) = match stats {
+        Some(st) => (st.counts, st.mass, st.base),
+        None => (&out.no_counts, &out.no_mass, 0),
+    };
     // SAFETY: sizes checked above; outputs were sized for MAX_TOKENS tokens by RouteBuffers.
     unsafe {
         decode::moe_route_kernel::launch_unchecked::<R>(
@@ -426,6 +431,9 @@ pub fn moe_route<R: Runtime>(
             out.pos.arg(),
             out.desc_gate_up.arg(),
             out.desc_down.arg(),
+            counts.arg(),
+            mass.arg(),
+            base as u32,
             shape.experts,
             shape.k,
             MAX_TOKENS,
@@ -434,6 +442,7 @@ pub fn moe_route<R: Runtime>(
             shape.inter,
             ROUTE_CHUNK,
             ROUTE_CHUNKS,
+            stats.is_some(),
         )
     };
     Ok(())
@@ -456,6 +465,26 @@ pub fn route_reference(shape: MoeShape, logits: &[f32]) -> (Vec<u32>, Vec<f32>) 
         }
     }
     (sel, wts)
+}
+
+/// CPU reference of the statistics of [`moe_route_counted`] for one layer:
+/// `counts[layer · E + e] +=` choices of `e`, `mass[layer · E + e] +=` their weights.
+///
+/// # Shapes
+/// - `choices`, `weights`: `[tokens, k]` (expert index and routing weight of each choice)
+/// - `counts`, `mass`: `[layers · experts]`
+pub fn route_stats_reference(
+    experts: usize,
+    layer: usize,
+    choices: &[usize],
+    weights: &[f32],
+    counts: &mut [u32],
+    mass: &mut [f32],
+) {
+    for (&e, &w) in choices.iter().zip(weights) {
+        counts[layer * experts + e] += 1;
+        mass[layer * experts + e] += w;
+    }
 }
 
 /// Gathers `x` rows into expert order: `out[row] = x[gather[row]]`.

@@ -10,7 +10,8 @@ use kernels_cubecl::families::{
     GemmaFfnOut, HeadNorm, add_rms_norm, argmax, gated_act, gemma_ffn_out, head_norm, softcap,
 };
 use kernels_cubecl::step::{
-    DenseGemm, RouteBuffers, ap_gemm_routed, dense_gemm, embed, gather_rows, moe_combine, moe_route, rms_norm,
+    DenseGemm, RouteBuffers, RowNorm, ap_gemm_routed, dense_gemm, dense_gemm_normed, embed,
+    gather_rows_normed, moe_combine, moe_route_counted,
 };
 use kernels_cubecl::{
     Activation, DeviceArray, GemmConfig, MAX_TOKENS, RowLayout, paged_decode_attention_strided, read_f32,
@@ -59,8 +60,6 @@ struct Layer {
 /// Per-step scratch buffers, sized for `MAX_TOKENS` tokens and the widest layer.
 struct Scratch {
     h: DeviceArray,
-    xn: DeviceArray,
-    xn2: DeviceArray,
     proj: DeviceArray,
     qkv: DeviceArray,
     attn: DeviceArray,
@@ -433,8 +432,6 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
         let scratch = |n: usize| DeviceArray::empty::<R, f32>(client, n);
         let s = Scratch {
             h: scratch(t * h),
-            xn: scratch(t * h),
-            xn2: scratch(t * h),
             proj: scratch(t * widest(&|l| cfg.proj_rows(l))),
             qkv: scratch(t * widest(&|l| cfg.qkv_width(l))),
             attn: scratch(t * cfg.heads * widest(&|l| cfg.attn[l].head_dim)),
@@ -709,24 +706,30 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
                 n += 1;
             }};
         }
-        // Dense MLP: gate|up GEMM → act(gate)·up (· sigmoid of the shared expert's gate row)
-        // → down GEMM, into `out` (added when `acc`).
-        let mlp = |x: &DeviceArray,
-                   l: usize,
-                   (gu, dn): &(DeviceArray, DeviceArray),
-                   out: &DeviceArray,
-                   acc: bool| {
+        // Every RMSNorm of the step is folded into the kernels that read its output (the
+        // dense GEMMs' input and the experts' row gather), so none costs a launch.
+        fn rn<'a>(w: &'a DeviceArray, params: &'a DeviceArray) -> Option<RowNorm<'a>> {
+            Some(RowNorm { w, params })
+        }
+        let np = &s.norm_params;
+        // Dense MLP, first half: gate|up GEMM of norm(x) into `s.mlp_gu`.
+        let mlp_up = |x: &DeviceArray, nw: &DeviceArray, l: usize, (gu, _): &(DeviceArray, DeviceArray)| {
+            let g = DenseGemm { n: cfg.mlp_rows(l), k: h, bias: false, accumulate: false };
+            dense_gemm_normed(c, g, t, &meta, x, rn(nw, np), gu, &s.none, &s.mlp_gu)?;
+            Ok::<usize, DecodeError>(1)
+        };
+        // Second half: act(gate)·up (· sigmoid of the shared expert's gate row) → down GEMM,
+        // into `out` (added when `acc`).
+        let mlp_down = |l: usize, (_, dn): &(DeviceArray, DeviceArray), out: &DeviceArray, acc: bool| {
             let (rows, inter) = (cfg.mlp_rows(l), cfg.mlp_inter(l));
-            let g = DenseGemm { n: rows, k: h, bias: false, accumulate: false };
-            dense_gemm(c, g, t, &meta, x, gu, &s.none, &s.mlp_gu)?;
             gated_act(c, t, inter, rows, cfg.act, rows > 2 * inter, &s.mlp_gu, &s.mlp_act)?;
             let d = DenseGemm { n: h, k: inter, bias: false, accumulate: acc };
             dense_gemm(c, d, t, &meta, &s.mlp_act, dn, &s.none, out)?;
-            Ok::<usize, DecodeError>(3)
+            Ok::<usize, DecodeError>(2)
         };
-        // The routed experts of `x` up to their outputs in `s.down` (gathered rows).
-        let experts = |x: &DeviceArray, ex: &LayerPool<'_>| {
-            gather_rows(c, t, cfg.top_k, h, &meta, x, &s.route.gather, &s.xg)?;
+        // The routed experts of norm(x) up to their outputs in `s.down` (gathered rows).
+        let experts = |x: &DeviceArray, nw: &DeviceArray, ex: &LayerPool<'_>| {
+            gather_rows_normed(c, t, cfg.top_k, h, &meta, x, rn(nw, np), &s.route.gather, &s.xg)?;
             ap_gemm_routed(
                 c,
                 self.gemm,
@@ -762,18 +765,19 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
         for (li, layer) in self.layers.iter().enumerate() {
             let a = &cfg.attn[li];
             let (hd, kvh, qkv_w) = (a.head_dim, a.kv_heads, cfg.qkv_width(li));
-            // Attention: norm → fused projection (+ biases) [→ head norms] → RoPE → append →
-            // paged attention → O projection into the residual (Gemma: through its norm).
-            launch!(rms_norm(c, t, h, &s.h, &layer.input_norm, &s.norm_params, &s.xn));
+            // Attention: norm folded into the fused projection (+ biases) [→ head norms] →
+            // RoPE + append → paged attention → O projection into the residual (Gemma: through
+            // its norm).
             let rows = cfg.proj_rows(li);
             let proj_out = if layer.head_norms.is_some() { &s.proj } else { &s.qkv };
             let g = DenseGemm { n: rows, k: h, bias: layer.bqkv.is_some(), accumulate: false };
-            launch!(dense_gemm(
+            launch!(dense_gemm_normed(
                 c,
                 g,
                 t,
                 &meta,
-                &s.xn,
+                &s.h,
+                rn(&layer.input_norm, np),
                 &layer.wqkv,
                 layer.bqkv.as_ref().unwrap_or(&s.none),
                 proj_out
@@ -827,15 +831,31 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
 
             match gemma {
                 None => {
-                    // Mixtral / Qwen2-MoE: norm → routed experts combined into the residual,
-                    // plus the MLP (Qwen's gated shared expert or dense layer) added to it.
-                    launch!(rms_norm(c, t, h, &s.h, &layer.post_attn_norm, &s.norm_params, &s.xn));
+                    // Mixtral / Qwen2-MoE: routed experts of norm(h) combined into the
+                    // residual, plus the MLP (Qwen's gated shared expert or dense layer) of the
+                    // same norm(h) added to it. Everything that reads h runs before the
+                    // combine writes it; the additions keep their order (experts, then MLP).
+                    let pn = &layer.post_attn_norm;
                     if let (Some(router), Some(ex)) = (&layer.router, self.experts.layer(li)) {
                         let g = DenseGemm { n: e, k: h, bias: false, accumulate: false };
-                        launch!(dense_gemm(c, g, t, &meta, &s.xn, router, &s.none, &s.router_logits));
-                        launch!(moe_route(c, shape, t, &meta, &s.router_logits, ex.slots, &s.route));
-                        n += self.stats.record(c, shape, li, t, &meta, &s.route)?;
-                        n += experts(&s.xn, &ex)?;
+                        launch!(dense_gemm_normed(
+                            c,
+                            g,
+                            t,
+                            &meta,
+                            &s.h,
+                            rn(pn, np),
+                            router,
+                            &s.none,
+                            &s.router_logits
+                        ));
+                        let counters = self.stats.counters(shape, li, t)?;
+                        let (lg, r) = (&s.router_logits, &s.route);
+                        launch!(moe_route_counted(c, shape, t, &meta, lg, ex.slots, r, counters));
+                        if let Some(w) = &layer.mlp {
+                            n += mlp_up(&s.h, pn, li, w)?;
+                        }
+                        n += experts(&s.h, pn, &ex)?;
                         launch!(moe_combine(
                             c,
                             t,
@@ -846,29 +866,41 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
                             &s.route.weights,
                             &s.h
                         ));
+                    } else if let Some(w) = &layer.mlp {
+                        n += mlp_up(&s.h, pn, li, w)?;
                     }
                     if let Some(w) = &layer.mlp {
-                        n += mlp(&s.xn, li, w, &s.h, true)?;
+                        n += mlp_down(li, w, &s.h, true)?;
                     }
                 }
                 Some(gl) => {
                     // Gemma-4: h += norm(o); dense GeGLU branch and experts on the same
-                    // residual, each through its norms; one epilogue sums, norms, adds, scales.
+                    // residual, each through its norms (folded into their GEMMs and gather);
+                    // one epilogue sums, norms, adds, scales.
                     launch!(add_rms_norm(c, t, h, &s.o, &layer.post_attn_norm, &s.eps, &s.h));
                     let (Some(router), Some(ex), Some(w)) =
                         (&layer.router, self.experts.layer(li), &layer.mlp)
                     else {
                         return Err(DecodeError::Unsupported("Gemma-4 layer without experts or MLP".into()));
                     };
-                    launch!(rms_norm(c, t, h, &s.h, &gl.pre_ff, &s.norm_params, &s.xn));
-                    n += mlp(&s.xn, li, w, &s.mlp_out, false)?;
-                    launch!(rms_norm(c, t, h, &s.h, &gl.router_norm, &s.norm_params, &s.xn2));
+                    n += mlp_up(&s.h, &gl.pre_ff, li, w)?;
+                    n += mlp_down(li, w, &s.mlp_out, false)?;
                     let g = DenseGemm { n: e, k: h, bias: false, accumulate: false };
-                    launch!(dense_gemm(c, g, t, &meta, &s.xn2, router, &s.none, &s.router_logits));
-                    launch!(moe_route(c, shape, t, &meta, &s.router_logits, ex.slots, &s.route));
-                    n += self.stats.record(c, shape, li, t, &meta, &s.route)?;
-                    launch!(rms_norm(c, t, h, &s.h, &gl.pre_ff2, &s.norm_params, &s.xn2));
-                    n += experts(&s.xn2, &ex)?;
+                    launch!(dense_gemm_normed(
+                        c,
+                        g,
+                        t,
+                        &meta,
+                        &s.h,
+                        rn(&gl.router_norm, np),
+                        router,
+                        &s.none,
+                        &s.router_logits
+                    ));
+                    let counters = self.stats.counters(shape, li, t)?;
+                    let (lg, r) = (&s.router_logits, &s.route);
+                    launch!(moe_route_counted(c, shape, t, &meta, lg, ex.slots, r, counters));
+                    n += experts(&s.h, &gl.pre_ff2, &ex)?;
                     let b = GemmaFfnOut {
                         logits: &s.router_logits,
                         per_expert_scale: &gl.per_expert_scale,
@@ -884,14 +916,14 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
                 }
             }
         }
-        launch!(rms_norm(c, t, h, &s.h, &self.final_norm, &s.norm_params, &s.xn));
         let head = DenseGemm { n: cfg.vocab, k: h, bias: false, accumulate: false };
-        launch!(dense_gemm(
+        launch!(dense_gemm_normed(
             c,
             head,
             t,
             &meta,
-            &s.xn,
+            &s.h,
+            rn(&self.final_norm, np),
             self.lm_head.as_ref().unwrap_or(&self.embed),
             &s.none,
             &s.logits
