@@ -92,6 +92,13 @@ pub fn load_row(
 /// token count) and sums the squares of the `x` values it reads; a plane reads every column
 /// of each token, so one more `plane_sum` per token gives `Σ x²` and the scale is applied
 /// after the row's reduction: no separate norm launch, no extra pass over memory.
+///
+/// With `act` (an [`crate::Activation`] code) `x` is a dense MLP's gate|up output, rows of
+/// `xs` vectors: the GEMM reads `act(gate) · up` while loading it (as the expert kernels stage
+/// their input), and with `gated` scales each token's result by the sigmoid of the row's
+/// column `2·k` (Qwen's shared-expert gate, a per-token scale applied after the reduction
+/// like the norm's), so the activation needs no launch of its own. Without `act`, `xs = k /
+/// vec`.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub fn dense_gemm_kernel<N: Size>(
@@ -112,6 +119,9 @@ pub fn dense_gemm_kernel<N: Size>(
     #[comptime] has_bias: bool,
     #[comptime] accumulate: bool,
     #[comptime] norm: bool,
+    #[comptime] act: u32,
+    #[comptime] xs: usize,
+    #[comptime] gated: bool,
 ) {
     let lane = UNIT_POS as usize % plane_size;
     let row0 = (CUBE_POS_X as usize * warps + UNIT_POS as usize / plane_size) * rows;
@@ -173,6 +183,8 @@ pub fn dense_gemm_kernel<N: Size>(
                 rows,
                 vec,
                 norm,
+                act,
+                xs,
             );
         }
     }
@@ -184,7 +196,7 @@ pub fn dense_gemm_kernel<N: Size>(
         }
         dense_fma(
             x, &wv, norm_w, off, 0usize, 1usize, v, kv, tokens, &mut acc, &mut ss, max_tokens, rows, vec,
-            norm,
+            norm, act, xs,
         );
     }
     let mut eps = 0.0f32;
@@ -205,6 +217,12 @@ pub fn dense_gemm_kernel<N: Size>(
             let mut s = plane_sum(acc[r * max_tokens + t]);
             if comptime![norm] {
                 s *= ss[t];
+            }
+            if comptime![gated] {
+                if t < tokens {
+                    // The shared expert's gate: column 2·k of the gate|up row, a vector start.
+                    s *= 1.0 / (1.0 + (-x[t * xs + 2 * kv][0]).exp());
+                }
             }
             if comptime![has_bias] {
                 s += bias[min(row, n - 1)];
@@ -241,6 +259,8 @@ fn dense_fma<N: Size>(
     #[comptime] rows: usize,
     #[comptime] vec: usize,
     #[comptime] norm: bool,
+    #[comptime] act: u32,
+    #[comptime] xs: usize,
 ) {
     // The row's weights in f32 once, whatever the token count.
     let mut wf = Array::<f32>::new(rows * vec);
@@ -265,18 +285,32 @@ fn dense_fma<N: Size>(
     #[unroll]
     for t in 0..max_tokens {
         if t < tokens {
-            let xv = x[t * kv + v];
+            let xv = x[t * xs + v];
+            let mut xf = Array::<f32>::new(vec);
+            if comptime![act == 0] {
+                #[unroll]
+                for i in 0..vec {
+                    xf[i] = xv[i];
+                }
+            } else {
+                // act(gate) · up, the up half `k` columns (`kv` vectors) further on.
+                let uv = x[t * xs + kv + v];
+                #[unroll]
+                for i in 0..vec {
+                    xf[i] = crate::families::act_fn(xv[i], act) * uv[i];
+                }
+            }
             if comptime![norm] {
                 #[unroll]
                 for i in 0..vec {
-                    ss[t] += xv[i] * xv[i];
+                    ss[t] += xf[i] * xf[i];
                 }
             }
             #[unroll]
             for r in 0..rows {
                 #[unroll]
                 for i in 0..vec {
-                    acc[r * max_tokens + t] += wf[r * vec + i] * xv[i];
+                    acc[r * max_tokens + t] += wf[r * vec + i] * xf[i];
                 }
             }
         }

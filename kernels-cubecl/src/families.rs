@@ -1,6 +1,5 @@
 //! The decode-step kernels that Qwen2-MoE and Gemma-4 need beyond the Mixtral set in
-//! [`crate::step`]: the gated activation of a dense MLP (Qwen's shared expert with its sigmoid
-//! gate folded in, Qwen's dense layers, Gemma's dense branch), per-head Q/K/V norms with
+//! [`crate::step`]: per-head Q/K/V norms with
 //! Gemma's K = V, a norm added into the residual (Gemma's sandwich norms), Gemma's whole
 //! feed-forward epilogue in one launch, logit soft-capping, on-device greedy sampling and the
 //! device-side random fills of synthetic models.
@@ -10,38 +9,17 @@
 use cubecl::prelude::*;
 
 use crate::decode::{cube_sum, load_row};
-use crate::step::{bad, cube_1d, need, row_units};
+use crate::step::{bad, need, row_units};
 use crate::{DeviceArray, KernelError, gemm};
 
+/// `act(g)` for an [`gemm::Activation`] code (1: SiLU, 2: tanh GELU).
 #[cube]
-fn act_fn(g: f32, #[comptime] act: u32) -> f32 {
+pub(crate) fn act_fn(g: f32, #[comptime] act: u32) -> f32 {
     if comptime![act == 1] {
         g / (1.0 + (-g).exp())
     } else {
         let inner = 0.797_884_6 * (g + 0.044715 * g * g * g);
         0.5 * g * (1.0 + inner.tanh())
-    }
-}
-
-/// `out[t, i] = act(x[t, i]) · x[t, inter + i]` (· `sigmoid(x[t, 2·inter])` when `gated`).
-/// Grid `(tokens)`.
-#[cube(launch_unchecked)]
-pub fn gated_act_kernel(
-    x: &Array<f32>,
-    out: &mut Array<f32>,
-    #[comptime] inter: usize,
-    #[comptime] stride: usize,
-    #[comptime] act: u32,
-    #[comptime] gated: bool,
-) {
-    let t = CUBE_POS_X as usize;
-    let base = t * stride;
-    let mut scale = 1.0f32;
-    if comptime![gated] {
-        scale = 1.0 / (1.0 + (-x[base + 2 * inter]).exp());
-    }
-    for i in range_stepped(UNIT_POS as usize, inter, CUBE_DIM as usize) {
-        out[t * inter + i] = act_fn(x[base + i], act) * x[base + inter + i] * scale;
     }
 }
 
@@ -342,47 +320,9 @@ pub fn fill_uniform_kernel<F: Float>(out: &mut Array<F>, params: &Array<f32>, se
     }
 }
 
-/// Host side of [`gated_act_kernel`].
-///
-/// # Shapes
-/// - `x`: `[tokens, stride]` with `stride ≥ 2·inter (+1 when gated)`; `out`: `[tokens, inter]`
-#[allow(clippy::too_many_arguments)]
-pub fn gated_act<R: Runtime>(
-    client: &ComputeClient<R>,
-    tokens: usize,
-    inter: usize,
-    stride: usize,
-    act: gemm::Activation,
-    gated: bool,
-    x: &DeviceArray,
-    out: &DeviceArray,
-) -> Result<(), KernelError> {
-    if act == gemm::Activation::None || stride < 2 * inter + gated as usize {
-        return Err(bad(format!("gated_act: {act:?} with stride {stride} for width {inter}")));
-    }
-    need("gated_act x", x, tokens * stride)?;
-    need("gated_act out", out, tokens * inter)?;
-    if tokens == 0 {
-        return Ok(());
-    }
-    // SAFETY: sizes checked above.
-    unsafe {
-        gated_act_kernel::launch_unchecked::<R>(
-            client,
-            CubeCount::Static(tokens as u32, 1, 1),
-            cube_1d(inter),
-            x.arg(),
-            out.arg(),
-            inter,
-            stride,
-            act.code(),
-            gated,
-        )
-    };
-    Ok(())
-}
-
-/// CPU reference of [`gated_act`].
+/// `out[t, i] = act(x[t, i]) · x[t, inter + i]` (· `sigmoid(x[t, 2·inter])` when `gated`) of
+/// rows of `stride`, on the CPU: the input [`crate::step::dense_gemm_act`] reads (the
+/// reference of its fused activation).
 pub fn gated_act_reference(
     x: &[f32],
     inter: usize,

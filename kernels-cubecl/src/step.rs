@@ -7,7 +7,7 @@
 use cubecl::prelude::*;
 use half::f16;
 
-use crate::{DeviceArray, KernelError, MAX_TOKENS, PoolSlot, decode, gemm, token_bucket};
+use crate::{Activation, DeviceArray, KernelError, MAX_TOKENS, PoolSlot, decode, gemm, token_bucket};
 
 pub(crate) fn bad(reason: String) -> KernelError {
     KernelError::BadItem { item: 0, reason }
@@ -150,16 +150,83 @@ pub fn dense_gemm_normed<R: Runtime>(
     bias: &DeviceArray,
     y: &DeviceArray,
 ) -> Result<(), KernelError> {
+    let input = match norm {
+        Some(nm) => GemmInput::Norm(nm),
+        None => GemmInput::Plain,
+    };
+    dense_gemm_launch(client, g, tokens, meta, x, input, w, bias, y)
+}
+
+/// How a dense MLP's down projection reads its gate|up rows (see [`dense_gemm_act`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GatedInput {
+    /// The activation of the gate half (not [`Activation::None`]).
+    pub act: Activation,
+    /// Elements per gate|up row: `2·k`, or more (a multiple of 8 when `gated`).
+    pub stride: usize,
+    /// Scale each token by the sigmoid of its row's column `2·k` (Qwen's shared-expert gate).
+    pub gated: bool,
+}
+
+/// [`dense_gemm`] over `act(gate) · up` (· `sigmoid(x[t, 2k])` when `gated`) of the gate|up
+/// rows `x`, the down projection of a dense MLP with its activation fused into the input
+/// loads (as [`crate::Activation`] does in the expert kernels): no activation launch.
+///
+/// # Shapes
+/// - `x`: `[tokens, a.stride]` (gate `[0, k)`, up `[k, 2k)`, gate column `2k`); `w`: `[n, k]`;
+///   `y`: `[tokens, n]`
+#[allow(clippy::too_many_arguments)]
+pub fn dense_gemm_act<R: Runtime>(
+    client: &ComputeClient<R>,
+    g: DenseGemm,
+    tokens: usize,
+    meta: &DeviceArray,
+    x: &DeviceArray,
+    a: GatedInput,
+    w: &DeviceArray,
+    bias: &DeviceArray,
+    y: &DeviceArray,
+) -> Result<(), KernelError> {
+    if a.act == Activation::None || a.stride < 2 * g.k + a.gated as usize {
+        return Err(bad(format!("dense_gemm_act: {a:?} for width {}", g.k)));
+    }
+    dense_gemm_launch(client, g, tokens, meta, x, GemmInput::Act(a), w, bias, y)
+}
+
+/// What the dense GEMM does to `x` while loading it.
+#[derive(Debug, Clone, Copy)]
+enum GemmInput<'a> {
+    Plain,
+    Norm(RowNorm<'a>),
+    Act(GatedInput),
+}
+
+#[allow(clippy::too_many_arguments)]
+fn dense_gemm_launch<R: Runtime>(
+    client: &ComputeClient<R>,
+    g: DenseGemm,
+    tokens: usize,
+    meta: &DeviceArray,
+    x: &DeviceArray,
+    input: GemmInput<'_>,
+    w: &DeviceArray,
+    bias: &DeviceArray,
+    y: &DeviceArray,
+) -> Result<(), KernelError> {
     if tokens > MAX_TOKENS {
         return Err(bad(format!("dense_gemm: {tokens} tokens, at most {MAX_TOKENS}")));
     }
-    need("dense_gemm x", x, tokens * g.k)?;
+    let x_stride = match input {
+        GemmInput::Act(a) => a.stride,
+        _ => g.k,
+    };
+    need("dense_gemm x", x, tokens * x_stride)?;
     need("dense_gemm w", w, g.n * g.k)?;
     need("dense_gemm y", y, tokens * g.n)?;
     if g.bias {
         need("dense_gemm bias", bias, g.n)?;
     }
-    if let Some(nm) = norm {
+    if let GemmInput::Norm(nm) = input {
         need("dense_gemm norm weight", nm.w, g.k)?;
         need("dense_gemm norm params", nm.params, 2)?;
     }
@@ -168,21 +235,30 @@ pub fn dense_gemm_normed<R: Runtime>(
     }
     let plane = client.properties().hardware.plane_size_max as usize;
     let warps = 8;
-    // The widest load the device likes that divides the row (16 bytes of halves on CUDA).
-    let vec =
-        client.io_optimized_vector_sizes(2).filter(|v| *v <= 8 && g.k.is_multiple_of(*v)).max().unwrap_or(1);
+    // The widest load the device likes that divides the row (16 bytes of halves on CUDA) and
+    // the row stride of `x`.
+    let vec = client
+        .io_optimized_vector_sizes(2)
+        .filter(|v| *v <= 8 && g.k.is_multiple_of(*v) && x_stride.is_multiple_of(*v))
+        .max()
+        .unwrap_or(1);
     let tb = token_bucket(tokens);
     // Two rows per plane share each `x` vector once there are several tokens; at one or two
     // tokens one row per plane keeps twice the cubes (and loads) in flight.
     let rows = if tb > 2 { 2 } else { 1 };
     // Without a norm the kernel reads neither norm buffer: `x` and `meta` stand in for them.
-    let (nw, np) = match norm {
-        Some(nm) => (nm.w, nm.params),
-        None => (x, meta),
+    let (nw, np) = match input {
+        GemmInput::Norm(nm) => (nm.w, nm.params),
+        _ => (x, meta),
     };
-    // SAFETY: sizes checked above; the kernel reads `meta[0] ≤ tokens` rows; `w` holds `n · k`
-    // halves, i.e. `n · k / vec` vectors, and `x` at least `tokens · k / vec`, the norm weight
-    // (when read) `k / vec` (whole buffers, so their starts are aligned for any vector width).
+    let (act, gated) = match input {
+        GemmInput::Act(a) => (a.act.code(), a.gated),
+        _ => (0, false),
+    };
+    // SAFETY: sizes checked above; the kernel reads `meta[0] ≤ tokens` rows of `x_stride`;
+    // `w` holds `n · k` halves, i.e. `n · k / vec` vectors, and `x` at least
+    // `tokens · x_stride / vec`, the norm weight (when read) `k / vec` (whole buffers, so their
+    // starts are aligned for any vector width).
     unsafe {
         decode::dense_gemm_kernel::launch_unchecked::<R>(
             client,
@@ -205,7 +281,10 @@ pub fn dense_gemm_normed<R: Runtime>(
             rows,
             g.bias,
             g.accumulate,
-            norm.is_some(),
+            matches!(input, GemmInput::Norm(_)),
+            act,
+            x_stride / vec,
+            gated,
         )
     };
     Ok(())
@@ -239,6 +318,20 @@ pub fn dense_gemm_normed_reference(
     y: &mut [f32],
 ) {
     dense_gemm_reference(g, &rms_norm_reference(x, norm_w, eps, offset), w, bias, y);
+}
+
+/// CPU reference of [`dense_gemm_act`]: [`crate::families::gated_act_reference`] of the
+/// gate|up rows, then [`dense_gemm_reference`]; updates `y` in place.
+pub fn dense_gemm_act_reference(
+    g: DenseGemm,
+    x: &[f32],
+    a: GatedInput,
+    w: &[f16],
+    bias: &[f32],
+    y: &mut [f32],
+) {
+    let xa = crate::families::gated_act_reference(x, g.k, a.stride, a.act, a.gated);
+    dense_gemm_reference(g, &xa, w, bias, y);
 }
 
 /// Where the heads to rotate sit.

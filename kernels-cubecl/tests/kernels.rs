@@ -713,36 +713,47 @@ fn dequantize_matches_reference() {
 /// (plane sums), plus GPU exp/tanh.
 const FAMILY_TOL: f32 = 2e-5;
 
+/// A dense MLP's down projection over `act(gate) · up` (· the sigmoid gate) of its gate|up
+/// rows, the activation fused into the GEMM's loads: against the gated activation's reference
+/// then the plain GEMM's; SiLU with and without the gate column (rows padded to a multiple of
+/// 8 as the decoder lays them out), GELU; widths with and without the 4-vector rounds.
 #[test]
-fn gated_act_matches_reference() {
-    use kernels_cubecl::families::*;
+fn dense_gemm_act_matches_reference() {
+    use half::f16;
+    use kernels_cubecl::step::*;
     let client = client();
     let mut rng = StdRng::seed_from_u64(11);
-    let inter = 40;
-    for (act, gated) in
-        [(Activation::SiluMul, false), (Activation::SiluMul, true), (Activation::GeluTanhMul, false)]
-    {
-        let stride = 2 * inter + gated as usize;
-        for tokens in [1usize, 5] {
-            let x = rand_vec(&mut rng, tokens * stride, 3.0);
-            let out = DeviceArray::empty::<WgpuRuntime, f32>(&client, tokens * inter);
-            gated_act(
-                &client,
-                tokens,
-                inter,
-                stride,
-                act,
-                gated,
-                &DeviceArray::from_slice(&client, &x),
-                &out,
-            )
-            .unwrap();
-            let want = gated_act_reference(&x, inter, stride, act, gated);
-            assert_close(&read_f32(&client, &out).unwrap(), &want, FAMILY_TOL, &format!("gated_act {act:?}"));
+    let up = |v: &[f32]| DeviceArray::from_slice(&client, v);
+    for inter in [40usize, 520] {
+        for (act, gated) in
+            [(Activation::SiluMul, false), (Activation::SiluMul, true), (Activation::GeluTanhMul, false)]
+        {
+            let stride = if gated { (2 * inter + 1).next_multiple_of(8) } else { 2 * inter };
+            let a = GatedInput { act, stride, gated };
+            for (tokens, bias, accumulate) in [(1usize, false, false), (5, true, true), (16, false, true)] {
+                let meta = DeviceArray::from_slice(&client, &[tokens as u32]);
+                let d = DenseGemm { n: 70, k: inter, bias, accumulate };
+                let x = rand_vec(&mut rng, tokens * stride, 3.0);
+                let wt: Vec<f16> =
+                    rand_vec(&mut rng, d.n * d.k, 0.5).into_iter().map(f16::from_f32).collect();
+                let b = rand_vec(&mut rng, d.n, 1.0);
+                let y0 = rand_vec(&mut rng, tokens * d.n, 1.0);
+                let y = up(&y0);
+                let wd = DeviceArray::from_slice(&client, &wt);
+                dense_gemm_act(&client, d, tokens, &meta, &up(&x), a, &wd, &up(&b), &y).unwrap();
+                let mut want = y0.clone();
+                dense_gemm_act_reference(d, &x, a, &wt, &b, &mut want);
+                let what = format!("dense_gemm_act {a:?}, k {inter}, {tokens} tokens");
+                assert_close(&read_f32(&client, &y).unwrap(), &want, FAMILY_TOL, &what);
+            }
         }
     }
-    let x = DeviceArray::empty::<WgpuRuntime, f32>(&client, 80);
-    assert!(gated_act(&client, 1, inter, 80, Activation::SiluMul, true, &x, &x).is_err(), "no gate column");
+    let (meta, x) = (DeviceArray::from_slice(&client, &[1u32]), up(&[0.0; 80]));
+    let d = DenseGemm { n: 1, k: 40, bias: false, accumulate: false };
+    let bad = GatedInput { act: Activation::SiluMul, stride: 80, gated: true };
+    assert!(dense_gemm_act(&client, d, 1, &meta, &x, bad, &x, &x, &x).is_err(), "no gate column");
+    let bad = GatedInput { act: Activation::None, stride: 80, gated: false };
+    assert!(dense_gemm_act(&client, d, 1, &meta, &x, bad, &x, &x, &x).is_err(), "no activation");
 }
 
 #[test]

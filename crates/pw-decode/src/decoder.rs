@@ -7,11 +7,11 @@ use std::path::Path;
 use cubecl::prelude::*;
 use half::f16;
 use kernels_cubecl::families::{
-    GemmaFfnOut, HeadNorm, add_rms_norm, argmax, gated_act, gemma_ffn_out, head_norm, softcap,
+    GemmaFfnOut, HeadNorm, add_rms_norm, argmax, gemma_ffn_out, head_norm, softcap,
 };
 use kernels_cubecl::step::{
-    DenseGemm, RouteBuffers, RowNorm, ap_gemm_routed, dense_gemm, dense_gemm_normed, embed,
-    gather_rows_normed, moe_combine, moe_route_counted,
+    DenseGemm, GatedInput, RouteBuffers, RowNorm, ap_gemm_routed, dense_gemm, dense_gemm_act,
+    dense_gemm_normed, embed, gather_rows_normed, moe_combine, moe_route_counted,
 };
 use kernels_cubecl::{
     Activation, DeviceArray, GemmConfig, MAX_TOKENS, RowLayout, paged_decode_attention_strided, read_f32,
@@ -69,7 +69,6 @@ struct Scratch {
     gate_up: DeviceArray,
     down: DeviceArray,
     mlp_gu: DeviceArray,
-    mlp_act: DeviceArray,
     mlp_out: DeviceArray,
     logits: DeviceArray,
     route: RouteBuffers,
@@ -110,7 +109,8 @@ pub type MixtralDecoder<R, KV> = Decoder<R, KV>;
 trait Weights<R: Runtime> {
     /// The device.
     fn client(&self) -> &ComputeClient<R>;
-    /// f16 matrix made of the row blocks `parts` (`(name, rows)`), `cols` wide.
+    /// f16 matrix made of the row blocks `parts` (`(name, rows)`, an empty name: padding
+    /// rows whose values are never read), `cols` wide.
     fn mat(&mut self, parts: &[(&str, usize)], cols: usize) -> Result<DeviceArray, DecodeError>;
     /// f32 vector on the host; `default` when the source lacks it (`None`: required).
     fn host(&mut self, name: &str, n: usize, default: Option<f32>) -> Result<Vec<f32>, DecodeError>;
@@ -135,6 +135,10 @@ impl<R: Runtime> Weights<R> for HfWeights<'_, R> {
     fn mat(&mut self, parts: &[(&str, usize)], cols: usize) -> Result<DeviceArray, DecodeError> {
         let mut all = Vec::new();
         for (name, rows) in parts {
+            if name.is_empty() {
+                all.extend(std::iter::repeat_n(f16::ZERO, rows * cols));
+                continue;
+            }
             all.extend(read(self.ckpt, name, &[*rows, cols])?.into_iter().map(f16::from_f32));
         }
         Ok(DeviceArray::from_slice(self.client, &all))
@@ -193,6 +197,14 @@ impl<R: Runtime> Weights<R> for SyntheticWeights<'_, R> {
         let n: usize = parts.iter().map(|p| p.1).sum();
         Ok(Some(DeviceArray::from_slice(self.client, &vec![0.01f32; n])))
     }
+}
+
+/// Elements per row of layer `l`'s dense MLP gate|up output: its rows, padded to a multiple
+/// of 8 when Qwen's shared-expert gate row makes them odd, so that the down GEMM that reads
+/// `act(gate)·up` from it (`dense_gemm_act`) can load whole vectors.
+fn mlp_stride(cfg: &DecodeConfig, l: usize) -> usize {
+    let rows = cfg.mlp_rows(l);
+    if rows > 2 * cfg.mlp_inter(l) { rows.next_multiple_of(8) } else { rows }
 }
 
 /// The prefix of the text model's tensors (`model.language_model` in multimodal Gemma-4).
@@ -344,6 +356,10 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
                 if mrows > 2 * minter {
                     gu.push((gate_row.as_str(), 1));
                 }
+                // Rows that pad the gate|up output to the stride its reader's vectors need.
+                if mlp_stride(&cfg, l) > mrows {
+                    gu.push(("", mlp_stride(&cfg, l) - mrows));
+                }
                 Some((src.mat(&gu, h)?, src.mat(&[(d.as_str(), h)], minter)?))
             } else {
                 None
@@ -440,8 +456,7 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
             xg: scratch(t * cfg.top_k * h),
             gate_up: scratch(t * cfg.top_k * 2 * cfg.inter),
             down: scratch(t * cfg.top_k * h),
-            mlp_gu: scratch(t * widest(&|l| cfg.mlp_rows(l))),
-            mlp_act: scratch(t * widest(&|l| cfg.mlp_inter(l))),
+            mlp_gu: scratch(t * widest(&|l| mlp_stride(&cfg, l))),
             mlp_out: scratch(t * h),
             logits: scratch(t * cfg.vocab),
             route: RouteBuffers::new(client, cfg.moe_shape()),
@@ -714,18 +729,19 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
         let np = &s.norm_params;
         // Dense MLP, first half: gate|up GEMM of norm(x) into `s.mlp_gu`.
         let mlp_up = |x: &DeviceArray, nw: &DeviceArray, l: usize, (gu, _): &(DeviceArray, DeviceArray)| {
-            let g = DenseGemm { n: cfg.mlp_rows(l), k: h, bias: false, accumulate: false };
+            let g = DenseGemm { n: mlp_stride(cfg, l), k: h, bias: false, accumulate: false };
             dense_gemm_normed(c, g, t, &meta, x, rn(nw, np), gu, &s.none, &s.mlp_gu)?;
             Ok::<usize, DecodeError>(1)
         };
-        // Second half: act(gate)·up (· sigmoid of the shared expert's gate row) → down GEMM,
-        // into `out` (added when `acc`).
+        // Second half: the down GEMM over act(gate)·up (· sigmoid of the shared expert's gate
+        // row), fused into its loads, into `out` (added when `acc`).
         let mlp_down = |l: usize, (_, dn): &(DeviceArray, DeviceArray), out: &DeviceArray, acc: bool| {
-            let (rows, inter) = (cfg.mlp_rows(l), cfg.mlp_inter(l));
-            gated_act(c, t, inter, rows, cfg.act, rows > 2 * inter, &s.mlp_gu, &s.mlp_act)?;
+            let inter = cfg.mlp_inter(l);
+            let a =
+                GatedInput { act: cfg.act, stride: mlp_stride(cfg, l), gated: cfg.mlp_rows(l) > 2 * inter };
             let d = DenseGemm { n: h, k: inter, bias: false, accumulate: acc };
-            dense_gemm(c, d, t, &meta, &s.mlp_act, dn, &s.none, out)?;
-            Ok::<usize, DecodeError>(2)
+            dense_gemm_act(c, d, t, &meta, &s.mlp_gu, a, dn, &s.none, out)?;
+            Ok::<usize, DecodeError>(1)
         };
         // The routed experts of norm(x) up to their outputs in `s.down` (gathered rows).
         let experts = |x: &DeviceArray, nw: &DeviceArray, ex: &LayerPool<'_>| {

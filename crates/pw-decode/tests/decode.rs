@@ -352,8 +352,9 @@ fn gemma4_fixture_chunked_prefill_past_the_window() {
 /// the experts' gather, so none is a launch): QKV GEMM, RoPE + append, attention, O GEMM,
 /// router GEMM, routing (+ statistics), gather, gate_up, down, combine.
 const MOE_LAYER_LAUNCHES: usize = 10;
-/// Qwen2-MoE's shared expert beside the routed ones: its gate|up GEMM, activation, down GEMM.
-const MLP_LAUNCHES: usize = 3;
+/// Qwen2-MoE's shared expert beside the routed ones: its gate|up GEMM and the down GEMM that
+/// reads act(gate)·up (· its sigmoid gate).
+const MLP_LAUNCHES: usize = 2;
 /// A dense layer: the attention's four launches and the MLP.
 const DENSE_LAYER_LAUNCHES: usize = 4 + MLP_LAUNCHES;
 /// Gemma-4: the MoE layer with its combine replaced by the FFN epilogue, plus head norms, the
