@@ -352,12 +352,68 @@ pub fn moe_route_kernel(
     #[comptime] chunks: usize,
     #[comptime] stats: bool,
 ) {
-    let u = UNIT_POS as usize;
     let tokens = meta[0] as usize;
+    route_cube(
+        logits,
+        slots,
+        tokens,
+        weights,
+        gather,
+        pos,
+        desc_gate_up,
+        desc_down,
+        counts,
+        mass,
+        base,
+        tokens * k,
+        true,
+        experts,
+        k,
+        max_tokens,
+        renormalize,
+        hidden,
+        inter,
+        chunk,
+        chunks,
+        stats,
+    );
+}
+
+/// The body of [`moe_route_kernel`] for the cube that runs it: writes the outputs when
+/// `write`, and returns the source token of gathered row `wanted` (any value when no row is
+/// wanted, e.g. `wanted = tokens · k`) to every unit.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn route_cube(
+    logits: &Array<f32>,
+    slots: &Array<u32>,
+    tokens: usize,
+    weights: &mut Array<f32>,
+    gather: &mut Array<u32>,
+    pos: &mut Array<u32>,
+    desc_gate_up: &mut Array<u32>,
+    desc_down: &mut Array<u32>,
+    counts: &mut Array<u32>,
+    mass: &mut Array<f32>,
+    base: u32,
+    wanted: usize,
+    write: bool,
+    #[comptime] experts: usize,
+    #[comptime] k: usize,
+    #[comptime] max_tokens: usize,
+    #[comptime] renormalize: bool,
+    #[comptime] hidden: usize,
+    #[comptime] inter: usize,
+    #[comptime] chunk: usize,
+    #[comptime] chunks: usize,
+    #[comptime] stats: bool,
+) -> usize {
+    let u = UNIT_POS as usize;
     let mut sel = SharedMemory::<u32>::new(max_tokens * k);
     // The final weights, for the statistics (shared: global writes of other units need not
     // be visible after a cube barrier on every backend).
     let mut wsh = SharedMemory::<f32>::new(max_tokens * k);
+    let mut src = SharedMemory::<u32>::new(1usize);
     if u < tokens {
         let base = u * experts;
         let mut m = logits[base];
@@ -400,7 +456,9 @@ pub fn moe_route_kernel(
             if comptime![renormalize] {
                 p = p / sum;
             }
-            weights[u * k + j] = p;
+            if write {
+                weights[u * k + j] = p;
+            }
             wsh[u * k + j] = p;
         }
     }
@@ -421,45 +479,145 @@ pub fn moe_route_kernel(
         let mut m = 0.0f32;
         for i in 0..tokens * k {
             if sel[i] as usize == u {
-                gather[row as usize] = (i / k) as u32;
-                pos[i] = row;
+                if row as usize == wanted {
+                    src[0] = (i / k) as u32;
+                }
+                if write {
+                    gather[row as usize] = (i / k) as u32;
+                    pos[i] = row;
+                }
                 row += 1u32;
                 m += wsh[i];
             }
         }
         if comptime![stats] {
-            counts[base as usize + u] += count;
-            mass[base as usize + u] += m;
+            if write {
+                counts[base as usize + u] += count;
+                mass[base as usize + u] += m;
+            }
         }
         // Items of at most `chunk` tokens each, so the grouped GEMM's token bucket (and its
         // accumulators) stays small when a batch spreads over the experts.
         let s = u * 6usize;
-        #[unroll]
-        for c in 0..chunks {
-            let d = (u * chunks + c) * 8usize;
-            let first = before + (c * chunk) as u32;
-            let mut n = 0u32;
-            if count > (c * chunk) as u32 {
-                n = min(count - (c * chunk) as u32, chunk as u32);
-            }
-            desc_gate_up[d] = slots[s];
-            desc_gate_up[d + 1] = slots[s + 1];
-            desc_gate_up[d + 2] = comptime![2 * inter] as u32;
-            desc_gate_up[d + 3] = hidden as u32;
-            desc_gate_up[d + 4] = slots[s + 2];
-            desc_gate_up[d + 5] = first * hidden as u32;
-            desc_gate_up[d + 6] = first * comptime![2 * inter] as u32;
-            desc_gate_up[d + 7] = n;
-            desc_down[d] = slots[s + 3];
-            desc_down[d + 1] = slots[s + 4];
-            desc_down[d + 2] = hidden as u32;
-            desc_down[d + 3] = inter as u32;
-            desc_down[d + 4] = slots[s + 5];
-            desc_down[d + 5] = first * comptime![2 * inter] as u32;
-            desc_down[d + 6] = first * hidden as u32;
-            desc_down[d + 7] = n;
+        if write {
+            write_items(slots, s, u, before, count, desc_gate_up, desc_down, hidden, inter, chunk, chunks);
         }
     }
+    sync_cube();
+    src[0] as usize
+}
+
+/// Expert `u`'s work items (see [`moe_route_kernel`]): its `count` rows from row `before`, in
+/// items of at most `chunk` tokens, with its slot words from `slots[s..s + 6]`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn write_items(
+    slots: &Array<u32>,
+    s: usize,
+    u: usize,
+    before: u32,
+    count: u32,
+    desc_gate_up: &mut Array<u32>,
+    desc_down: &mut Array<u32>,
+    #[comptime] hidden: usize,
+    #[comptime] inter: usize,
+    #[comptime] chunk: usize,
+    #[comptime] chunks: usize,
+) {
+    #[unroll]
+    for c in 0..chunks {
+        let d = (u * chunks + c) * 8usize;
+        let first = before + (c * chunk) as u32;
+        let mut n = 0u32;
+        if count > (c * chunk) as u32 {
+            n = min(count - (c * chunk) as u32, chunk as u32);
+        }
+        desc_gate_up[d] = slots[s];
+        desc_gate_up[d + 1] = slots[s + 1];
+        desc_gate_up[d + 2] = comptime![2 * inter] as u32;
+        desc_gate_up[d + 3] = hidden as u32;
+        desc_gate_up[d + 4] = slots[s + 2];
+        desc_gate_up[d + 5] = first * hidden as u32;
+        desc_gate_up[d + 6] = first * comptime![2 * inter] as u32;
+        desc_gate_up[d + 7] = n;
+        desc_down[d] = slots[s + 3];
+        desc_down[d + 1] = slots[s + 4];
+        desc_down[d + 2] = hidden as u32;
+        desc_down[d + 3] = inter as u32;
+        desc_down[d + 4] = slots[s + 5];
+        desc_down[d + 5] = first * comptime![2 * inter] as u32;
+        desc_down[d + 6] = first * hidden as u32;
+        desc_down[d + 7] = n;
+    }
+}
+
+/// [`moe_route_kernel`] and the row gather of [`gather_rows_kernel`] (with its optional norm)
+/// in one launch: cube `row` (grid `(max rows)`) recomputes the step's routing in shared
+/// memory — the same selection in the same order, a few µs of ALU that every cube runs in
+/// parallel, against a launch — to learn which token its gathered row holds; cube 0 alone
+/// writes the routing outputs (weights, positions, work items, statistics). Cube: at least
+/// `max(experts, max_tokens)` units and the gather's `units`.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn route_gather_kernel(
+    logits: &Array<f32>,
+    slots: &Array<u32>,
+    meta: &Array<u32>,
+    x: &Array<f32>,
+    norm_w: &Array<f32>,
+    norm_p: &Array<f32>,
+    xg: &mut Array<f32>,
+    weights: &mut Array<f32>,
+    gather: &mut Array<u32>,
+    pos: &mut Array<u32>,
+    desc_gate_up: &mut Array<u32>,
+    desc_down: &mut Array<u32>,
+    counts: &mut Array<u32>,
+    mass: &mut Array<f32>,
+    base: u32,
+    #[comptime] experts: usize,
+    #[comptime] k: usize,
+    #[comptime] max_tokens: usize,
+    #[comptime] renormalize: bool,
+    #[comptime] hidden: usize,
+    #[comptime] inter: usize,
+    #[comptime] chunk: usize,
+    #[comptime] chunks: usize,
+    #[comptime] stats: bool,
+    #[comptime] units: usize,
+    #[comptime] plane_size: usize,
+    #[comptime] norm: bool,
+) {
+    let row = CUBE_POS_X as usize;
+    let tokens = meta[0] as usize;
+    if row >= tokens * k {
+        terminate!();
+    }
+    let t = route_cube(
+        logits,
+        slots,
+        tokens,
+        weights,
+        gather,
+        pos,
+        desc_gate_up,
+        desc_down,
+        counts,
+        mass,
+        base,
+        row,
+        row == 0,
+        experts,
+        k,
+        max_tokens,
+        renormalize,
+        hidden,
+        inter,
+        chunk,
+        chunks,
+        stats,
+    );
+    gather_row(x, t, row, norm_w, norm_p, xg, hidden, units, plane_size, norm);
 }
 
 /// `out[row] = x[gather[row]]` for `row < meta[0] · k`, with `norm` through an RMSNorm
@@ -489,10 +647,28 @@ pub fn gather_rows_kernel(
     if row >= meta[0] as usize * k {
         terminate!();
     }
+    gather_row(x, gather[row] as usize, row, norm_w, norm_p, out, width, units, plane_size, norm);
+}
+
+/// `out[row] = x[src]` (through the RMSNorm with `norm`) by the cube's `units` units.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn gather_row(
+    x: &Array<f32>,
+    src: usize,
+    row: usize,
+    norm_w: &Array<f32>,
+    norm_p: &Array<f32>,
+    out: &mut Array<f32>,
+    #[comptime] width: usize,
+    #[comptime] units: usize,
+    #[comptime] plane_size: usize,
+    #[comptime] norm: bool,
+) {
     let per = comptime![width.div_ceil(units)];
     let u = UNIT_POS as usize;
     let mut xv = Array::<f32>::new(per);
-    let ss = load_row(x, gather[row] as usize * width, &mut xv, width, units);
+    let ss = load_row(x, src * width, &mut xv, width, units);
     if comptime![norm] {
         let inv = 1.0 / (cube_sum(ss, units, plane_size) / f32::cast_from(width) + norm_p[0]).sqrt();
         let off = norm_p[1];

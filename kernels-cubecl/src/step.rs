@@ -541,6 +541,101 @@ pub fn moe_route_counted<R: Runtime>(
     Ok(())
 }
 
+/// [`moe_route_counted`] and [`gather_rows_normed`] of `x` by its routing in one launch (see
+/// [`decode::route_gather_kernel`]): the routed experts' input is ready one launch after the
+/// router logits. `out.gather` is written too.
+///
+/// # Shapes
+/// - `logits`: `[tokens, experts]`; `slots`: `[experts · 6]`; `x`: `[tokens, hidden]`;
+///   `xg`: `[tokens · k, hidden]`
+#[allow(clippy::too_many_arguments)]
+pub fn moe_route_gather<R: Runtime>(
+    client: &ComputeClient<R>,
+    shape: MoeShape,
+    tokens: usize,
+    meta: &DeviceArray,
+    logits: &DeviceArray,
+    slots: &DeviceArray,
+    out: &RouteBuffers,
+    stats: Option<RouteCounters<'_>>,
+    x: &DeviceArray,
+    norm: Option<RowNorm<'_>>,
+    xg: &DeviceArray,
+) -> Result<(), KernelError> {
+    if shape.experts > 128 || shape.k == 0 || shape.k > shape.experts {
+        return Err(bad(format!("moe_route: unsupported {shape:?} (at most 128 experts, 1 ≤ k ≤ experts)")));
+    }
+    if tokens > MAX_TOKENS {
+        return Err(bad(format!("moe_route: {tokens} tokens, at most {MAX_TOKENS}")));
+    }
+    let width = shape.hidden;
+    need("moe_route logits", logits, tokens * shape.experts)?;
+    need("moe_route slots", slots, shape.experts * 6)?;
+    need("gather x", x, tokens * width)?;
+    need("gather out", xg, tokens * shape.k * width)?;
+    if let Some(st) = stats {
+        need("moe_route counts", st.counts, st.base + shape.experts)?;
+        need("moe_route mass", st.mass, st.base + shape.experts)?;
+    }
+    if let Some(nm) = norm {
+        need("gather norm weight", nm.w, width)?;
+        need("gather norm params", nm.params, 2)?;
+    }
+    if tokens == 0 {
+        return Ok(());
+    }
+    // The routing needs a unit per expert and per token, the gather up to 16 values per unit.
+    let (units, plane) = row_units(client, width.max(16 * shape.experts.max(MAX_TOKENS)), 16);
+    if width > 32 * units || units < shape.experts.max(MAX_TOKENS) {
+        return Err(bad(format!("moe_route_gather: width {width} or {shape:?} too wide for {units} units")));
+    }
+    let (counts, mass, base) = match stats {
+        Some(st) => (st.counts, st.mass, st.base),
+        None => (&out.no_counts, &out.no_mass, 0),
+    };
+    let (nw, np) = match norm {
+        Some(nm) => (nm.w, nm.params),
+        None => (x, meta),
+    };
+    // SAFETY: sizes checked above; outputs were sized for MAX_TOKENS tokens by RouteBuffers;
+    // the gathered rows' tokens come from the routing, below `tokens`.
+    unsafe {
+        decode::route_gather_kernel::launch_unchecked::<R>(
+            client,
+            CubeCount::Static((tokens * shape.k) as u32, 1, 1),
+            CubeDim::new_1d(units as u32),
+            logits.arg(),
+            slots.arg(),
+            meta.arg(),
+            x.arg(),
+            nw.arg(),
+            np.arg(),
+            xg.arg(),
+            out.weights.arg(),
+            out.gather.arg(),
+            out.pos.arg(),
+            out.desc_gate_up.arg(),
+            out.desc_down.arg(),
+            counts.arg(),
+            mass.arg(),
+            base as u32,
+            shape.experts,
+            shape.k,
+            MAX_TOKENS,
+            shape.renormalize,
+            shape.hidden,
+            shape.inter,
+            ROUTE_CHUNK,
+            ROUTE_CHUNKS,
+            stats.is_some(),
+            units,
+            plane,
+            norm.is_some(),
+        )
+    };
+    Ok(())
+}
+
 /// CPU routing: per token the top-k experts (descending probability, lower index first on
 /// ties) and their weights.
 pub fn route_reference(shape: MoeShape, logits: &[f32]) -> (Vec<u32>, Vec<f32>) {

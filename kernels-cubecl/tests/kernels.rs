@@ -570,6 +570,96 @@ fn routed_moe_matches_reference() {
     }
 }
 
+/// Routing and the experts' row gather in one launch (`moe_route_gather`, every cube
+/// recomputing the routing) against `moe_route` + `gather_rows_reference`: the same routing
+/// outputs bit for bit (weights, positions, gather order, work items, statistics), and the
+/// gathered rows exact without a norm, within NORMED_TOL with one.
+#[test]
+fn moe_route_gather_matches_reference() {
+    use kernels_cubecl::step::*;
+    let client = client();
+    let mut rng = StdRng::seed_from_u64(17);
+    let up = |v: &[f32]| DeviceArray::from_slice(&client, v);
+    for shape in [
+        MoeShape { experts: 6, k: 2, renormalize: true, hidden: 64, inter: 48 },
+        MoeShape { experts: 40, k: 4, renormalize: false, hidden: 300, inter: 16 },
+    ] {
+        let h = shape.hidden;
+        let slot = |rows, cols| PoolSlot { plane_off: 7, lut_off: 3, rows, cols, bits: 4 };
+        let slots =
+            vec![(slot(2 * shape.inter as u32, h as u32), slot(h as u32, shape.inter as u32)); shape.experts];
+        let slot_words = DeviceArray::from_slice(&client, &expert_slot_words(shape, &slots).unwrap());
+        let (want_bufs, bufs) = (RouteBuffers::new(&client, shape), RouteBuffers::new(&client, shape));
+        for tokens in [1usize, 5, 16] {
+            let meta = DeviceArray::from_slice(&client, &[tokens as u32]);
+            let x = rand_vec(&mut rng, tokens * h, 2.0);
+            // Few distinct values, so ties between experts occur.
+            let logits: Vec<f32> =
+                (0..tokens * shape.experts).map(|_| rng.random_range(0..6) as f32 * 0.5).collect();
+            let (xd, ld) = (up(&x), up(&logits));
+            let g = rand_vec(&mut rng, h, 1.0);
+            let (gd, params) = (up(&g), up(&[1e-5, 1.0]));
+            let zeros = || DeviceArray::from_slice(&client, &vec![0u32; 3 * shape.experts]);
+            let zf = || up(&vec![0.0; 3 * shape.experts]);
+            let (wc, wm, gc, gm) = (zeros(), zf(), zeros(), zf());
+            let base = 2 * shape.experts;
+            let want_stats = Some(RouteCounters { counts: &wc, mass: &wm, base });
+            moe_route_counted(&client, shape, tokens, &meta, &ld, &slot_words, &want_bufs, want_stats)
+                .unwrap();
+            let idx = read_u32(&client, &want_bufs.gather).unwrap()[..tokens * shape.k].to_vec();
+            for norm in [None, Some(RowNorm { w: &gd, params: &params })] {
+                let xg = DeviceArray::empty::<WgpuRuntime, f32>(&client, tokens * shape.k * h);
+                let stats = norm.is_none().then_some(RouteCounters { counts: &gc, mass: &gm, base });
+                moe_route_gather(
+                    &client,
+                    shape,
+                    tokens,
+                    &meta,
+                    &ld,
+                    &slot_words,
+                    &bufs,
+                    stats,
+                    &xd,
+                    norm,
+                    &xg,
+                )
+                .unwrap();
+                let n = tokens * shape.k;
+                for (what, a, b) in
+                    [("gather", &want_bufs.gather, &bufs.gather), ("pos", &want_bufs.pos, &bufs.pos)]
+                {
+                    assert_eq!(
+                        read_u32(&client, a).unwrap()[..n],
+                        read_u32(&client, b).unwrap()[..n],
+                        "{what}"
+                    );
+                }
+                let d = shape.experts * ROUTE_CHUNKS * kernels_cubecl::gemm::DESC_WORDS;
+                for (a, b) in
+                    [(&want_bufs.desc_gate_up, &bufs.desc_gate_up), (&want_bufs.desc_down, &bufs.desc_down)]
+                {
+                    assert_eq!(
+                        read_u32(&client, a).unwrap()[..d],
+                        read_u32(&client, b).unwrap()[..d],
+                        "work items"
+                    );
+                }
+                assert_eq!(
+                    read_f32(&client, &want_bufs.weights).unwrap()[..n],
+                    read_f32(&client, &bufs.weights).unwrap()[..n],
+                    "weights"
+                );
+                let want = gather_rows_reference(&x, h, &idx, norm.map(|_| (g.as_slice(), 1e-5, 1.0)));
+                let tol = if norm.is_some() { NORMED_TOL } else { 0.0 };
+                let what = format!("{shape:?}, {tokens} tokens, norm {}", norm.is_some());
+                assert_close(&read_f32(&client, &xg).unwrap(), &want, tol, &what);
+            }
+            assert_eq!(read_u32(&client, &wc).unwrap(), read_u32(&client, &gc).unwrap(), "statistics counts");
+            assert_eq!(read_f32(&client, &wm).unwrap(), read_f32(&client, &gm).unwrap(), "statistics mass");
+        }
+    }
+}
+
 fn check_routed_moe(
     client: &ComputeClient<WgpuRuntime>,
     rng: &mut StdRng,

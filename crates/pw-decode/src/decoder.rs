@@ -11,7 +11,7 @@ use kernels_cubecl::families::{
 };
 use kernels_cubecl::step::{
     DenseGemm, GatedInput, RouteBuffers, RowNorm, ap_gemm_routed, dense_gemm, dense_gemm_act,
-    dense_gemm_normed, embed, gather_rows_normed, moe_combine, moe_route_counted,
+    dense_gemm_normed, embed, moe_combine, moe_route_gather,
 };
 use kernels_cubecl::{
     Activation, DeviceArray, GemmConfig, MAX_TOKENS, RowLayout, paged_decode_attention_strided, read_f32,
@@ -743,9 +743,8 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
             dense_gemm_act(c, d, t, &meta, &s.mlp_gu, a, dn, &s.none, out)?;
             Ok::<usize, DecodeError>(1)
         };
-        // The routed experts of norm(x) up to their outputs in `s.down` (gathered rows).
-        let experts = |x: &DeviceArray, nw: &DeviceArray, ex: &LayerPool<'_>| {
-            gather_rows_normed(c, t, cfg.top_k, h, &meta, x, rn(nw, np), &s.route.gather, &s.xg)?;
+        // The routed experts of the gathered rows `s.xg` up to their outputs in `s.down`.
+        let experts = |ex: &LayerPool<'_>| {
             ap_gemm_routed(
                 c,
                 self.gemm,
@@ -774,7 +773,7 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
                 &s.down,
                 cfg.act,
             )?;
-            Ok::<usize, DecodeError>(3)
+            Ok::<usize, DecodeError>(2)
         };
 
         launch!(embed(c, t, h, &ids, &self.embed, &s.embed_scale, &s.h));
@@ -865,13 +864,26 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
                             &s.none,
                             &s.router_logits
                         ));
+                        // Routing (+ statistics) and the gather of norm(h) in one launch.
                         let counters = self.stats.counters(shape, li, t)?;
                         let (lg, r) = (&s.router_logits, &s.route);
-                        launch!(moe_route_counted(c, shape, t, &meta, lg, ex.slots, r, counters));
+                        launch!(moe_route_gather(
+                            c,
+                            shape,
+                            t,
+                            &meta,
+                            lg,
+                            ex.slots,
+                            r,
+                            counters,
+                            &s.h,
+                            rn(pn, np),
+                            &s.xg
+                        ));
                         if let Some(w) = &layer.mlp {
                             n += mlp_up(&s.h, pn, li, w)?;
                         }
-                        n += experts(&s.h, pn, &ex)?;
+                        n += experts(&ex)?;
                         launch!(moe_combine(
                             c,
                             t,
@@ -915,8 +927,11 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
                     ));
                     let counters = self.stats.counters(shape, li, t)?;
                     let (lg, r) = (&s.router_logits, &s.route);
-                    launch!(moe_route_counted(c, shape, t, &meta, lg, ex.slots, r, counters));
-                    n += experts(&s.h, &gl.pre_ff2, &ex)?;
+                    let pre_ff2 = rn(&gl.pre_ff2, np);
+                    launch!(moe_route_gather(
+                        c, shape, t, &meta, lg, ex.slots, r, counters, &s.h, pre_ff2, &s.xg
+                    ));
+                    n += experts(&ex)?;
                     let b = GemmaFfnOut {
                         logits: &s.router_logits,
                         per_expert_scale: &gl.per_expert_scale,

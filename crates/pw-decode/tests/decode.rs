@@ -350,8 +350,8 @@ fn gemma4_fixture_chunked_prefill_past_the_window() {
 
 /// Launches of one layer of the fast path, by kind (the RMSNorms are folded into the GEMMs and
 /// the experts' gather, so none is a launch): QKV GEMM, RoPE + append, attention, O GEMM,
-/// router GEMM, routing (+ statistics), gather, gate_up, down, combine.
-const MOE_LAYER_LAUNCHES: usize = 10;
+/// router GEMM, routing (+ statistics) with the gather, gate_up, down, combine.
+const MOE_LAYER_LAUNCHES: usize = 9;
 /// Qwen2-MoE's shared expert beside the routed ones: its gate|up GEMM and the down GEMM that
 /// reads act(gate)·up (· its sigmoid gate).
 const MLP_LAUNCHES: usize = 2;
