@@ -100,7 +100,8 @@ pub fn load_row(
 /// like the norm's), so the activation needs no launch of its own. Without `act`, `xs = k /
 /// vec`.
 #[cube(launch_unchecked)]
-#[allow(clippy::too_many_arguments)]
+// A comptime switch around a runtime test stays two `if`s: CubeCL expands them differently.
+#[allow(clippy::too_many_arguments, clippy::collapsible_if)]
 pub fn dense_gemm_kernel<N: Size>(
     x: &Array<Vector<f32, N>>,
     w: &Array<Vector<f16, N>>,
@@ -383,7 +384,8 @@ pub fn moe_route_kernel(
 /// `write`, and returns the source token of gathered row `wanted` (any value when no row is
 /// wanted, e.g. `wanted = tokens · k`) to every unit.
 #[cube]
-#[allow(clippy::too_many_arguments)]
+// A comptime switch around a runtime test stays two `if`s: CubeCL expands them differently.
+#[allow(clippy::too_many_arguments, clippy::collapsible_if)]
 fn route_cube(
     logits: &Array<f32>,
     slots: &Array<u32>,
@@ -454,7 +456,7 @@ fn route_cube(
         for j in 0..k {
             let mut p = pv[j];
             if comptime![renormalize] {
-                p = p / sum;
+                p /= sum;
             }
             if write {
                 weights[u * k + j] = p;
