@@ -369,6 +369,8 @@ pub fn moe_route_kernel(
         tokens * k,
         true,
         experts,
+        0usize,
+        experts,
         k,
         max_tokens,
         renormalize,
@@ -380,8 +382,8 @@ pub fn moe_route_kernel(
     );
 }
 
-/// The body of [`moe_route_kernel`] for the cube that runs it: writes the outputs when
-/// `write`, and returns the source token of gathered row `wanted` (any value when no row is
+/// The body of [`moe_route_kernel`] for the cube that runs it, token `t`'s logits at
+/// `logits[t · lstride + loff]`: writes the outputs when `write`, and returns the source token of gathered row `wanted` (any value when no row is
 /// wanted, e.g. `wanted = tokens · k`) to every unit.
 #[cube]
 // A comptime switch around a runtime test stays two `if`s: CubeCL expands them differently.
@@ -400,6 +402,8 @@ fn route_cube(
     base: u32,
     wanted: usize,
     write: bool,
+    #[comptime] lstride: usize,
+    #[comptime] loff: usize,
     #[comptime] experts: usize,
     #[comptime] k: usize,
     #[comptime] max_tokens: usize,
@@ -417,7 +421,7 @@ fn route_cube(
     let mut wsh = SharedMemory::<f32>::new(max_tokens * k);
     let mut src = SharedMemory::<u32>::new(1usize);
     if u < tokens {
-        let base = u * experts;
+        let base = u * lstride + loff;
         let mut m = logits[base];
         for e in 1..experts {
             m = max(m, logits[base + e]);
@@ -557,8 +561,9 @@ fn write_items(
 /// in one launch: cube `row` (grid `(max rows)`) recomputes the step's routing in shared
 /// memory — the same selection in the same order, a few µs of ALU that every cube runs in
 /// parallel, against a launch — to learn which token its gathered row holds; cube 0 alone
-/// writes the routing outputs (weights, positions, work items, statistics). Cube: at least
-/// `max(experts, max_tokens)` units and the gather's `units`.
+/// writes the routing outputs (weights, positions, work items, statistics). Token `t`'s logits
+/// are `logits[t · lstride + loff ..][..experts]` (a GEMM may have computed them beside other
+/// outputs). Cube: at least `max(experts, max_tokens)` units and the gather's `units`.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub fn route_gather_kernel(
@@ -589,6 +594,8 @@ pub fn route_gather_kernel(
     #[comptime] units: usize,
     #[comptime] plane_size: usize,
     #[comptime] norm: bool,
+    #[comptime] lstride: usize,
+    #[comptime] loff: usize,
 ) {
     let row = CUBE_POS_X as usize;
     let tokens = meta[0] as usize;
@@ -609,6 +616,8 @@ pub fn route_gather_kernel(
         base,
         row,
         row == 0,
+        lstride,
+        loff,
         experts,
         k,
         max_tokens,

@@ -541,12 +541,21 @@ pub fn moe_route_counted<R: Runtime>(
     Ok(())
 }
 
+/// Where each token's router logits sit: `logits[t · stride + offset ..][..experts]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LogitsLayout {
+    /// Elements per token row (`experts` for a buffer of logits only).
+    pub stride: usize,
+    /// The first logit in the row (after the other outputs of the GEMM that computed them).
+    pub offset: usize,
+}
+
 /// [`moe_route_counted`] and [`gather_rows_normed`] of `x` by its routing in one launch (see
 /// [`decode::route_gather_kernel`]): the routed experts' input is ready one launch after the
 /// router logits. `out.gather` is written too.
 ///
 /// # Shapes
-/// - `logits`: `[tokens, experts]`; `slots`: `[experts · 6]`; `x`: `[tokens, hidden]`;
+/// - `logits`: `[tokens, layout.stride]`; `slots`: `[experts · 6]`; `x`: `[tokens, hidden]`;
 ///   `xg`: `[tokens · k, hidden]`
 #[allow(clippy::too_many_arguments)]
 pub fn moe_route_gather<R: Runtime>(
@@ -554,7 +563,7 @@ pub fn moe_route_gather<R: Runtime>(
     shape: MoeShape,
     tokens: usize,
     meta: &DeviceArray,
-    logits: &DeviceArray,
+    (logits, layout): (&DeviceArray, LogitsLayout),
     slots: &DeviceArray,
     out: &RouteBuffers,
     stats: Option<RouteCounters<'_>>,
@@ -569,7 +578,14 @@ pub fn moe_route_gather<R: Runtime>(
         return Err(bad(format!("moe_route: {tokens} tokens, at most {MAX_TOKENS}")));
     }
     let width = shape.hidden;
-    need("moe_route logits", logits, tokens * shape.experts)?;
+    if layout.stride < layout.offset + shape.experts {
+        return Err(bad(format!("moe_route_gather: {layout:?} for {} experts", shape.experts)));
+    }
+    need(
+        "moe_route logits",
+        logits,
+        tokens.saturating_sub(1) * layout.stride + layout.offset + shape.experts,
+    )?;
     need("moe_route slots", slots, shape.experts * 6)?;
     need("gather x", x, tokens * width)?;
     need("gather out", xg, tokens * shape.k * width)?;
@@ -631,6 +647,8 @@ pub fn moe_route_gather<R: Runtime>(
             units,
             plane,
             norm.is_some(),
+            layout.stride,
+            layout.offset,
         )
     };
     Ok(())

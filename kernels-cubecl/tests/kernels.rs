@@ -571,7 +571,8 @@ fn routed_moe_matches_reference() {
 }
 
 /// Routing and the experts' row gather in one launch (`moe_route_gather`, every cube
-/// recomputing the routing) against `moe_route` + `gather_rows_reference`: the same routing
+/// recomputing the routing, its logits inside wider rows) against `moe_route` +
+/// `gather_rows_reference`: the same routing
 /// outputs bit for bit (weights, positions, gather order, work items, statistics), and the
 /// gathered rows exact without a norm, within NORMED_TOL with one.
 #[test]
@@ -610,12 +611,21 @@ fn moe_route_gather_matches_reference() {
             for norm in [None, Some(RowNorm { w: &gd, params: &params })] {
                 let xg = DeviceArray::empty::<WgpuRuntime, f32>(&client, tokens * shape.k * h);
                 let stats = norm.is_none().then_some(RouteCounters { counts: &gc, mass: &gm, base });
+                // The logits inside wider rows (beside other outputs of their GEMM).
+                let layout = LogitsLayout { stride: shape.experts + 11, offset: 5 };
+                let wide: Vec<f32> = (0..tokens * layout.stride)
+                    .map(|i| {
+                        let (t, c) = (i / layout.stride, i % layout.stride);
+                        let e = c.wrapping_sub(layout.offset);
+                        if e < shape.experts { logits[t * shape.experts + e] } else { 100.0 }
+                    })
+                    .collect();
                 moe_route_gather(
                     &client,
                     shape,
                     tokens,
                     &meta,
-                    &ld,
+                    (&up(&wide), layout),
                     &slot_words,
                     &bufs,
                     stats,

@@ -10,7 +10,7 @@ use kernels_cubecl::families::{
     GemmaFfnOut, HeadNorm, add_rms_norm, argmax, gemma_ffn_out, head_norm, softcap,
 };
 use kernels_cubecl::step::{
-    DenseGemm, GatedInput, RouteBuffers, RowNorm, ap_gemm_routed, dense_gemm, dense_gemm_act,
+    DenseGemm, GatedInput, LogitsLayout, RouteBuffers, RowNorm, ap_gemm_routed, dense_gemm, dense_gemm_act,
     dense_gemm_normed, embed, moe_combine, moe_route_gather,
 };
 use kernels_cubecl::{
@@ -175,8 +175,11 @@ impl<R: Runtime> Weights<R> for SyntheticWeights<'_, R> {
     }
     fn mat(&mut self, parts: &[(&str, usize)], cols: usize) -> Result<DeviceArray, DecodeError> {
         let rows: usize = parts.iter().map(|p| p.1).sum();
-        let gain =
-            if parts[0].0.contains("router") || parts[0].0.contains("gate.weight") { 4.0 } else { 1.0 };
+        let gain = if parts.iter().any(|p| p.0.contains("router") || p.0.contains("gate.weight")) {
+            4.0
+        } else {
+            1.0
+        };
         let a = DeviceArray::empty::<R, f16>(self.client, rows * cols);
         self.seed += 1;
         kernels_cubecl::families::fill_uniform::<R, f16>(
@@ -205,6 +208,19 @@ impl<R: Runtime> Weights<R> for SyntheticWeights<'_, R> {
 fn mlp_stride(cfg: &DecodeConfig, l: usize) -> usize {
     let rows = cfg.mlp_rows(l);
     if rows > 2 * cfg.mlp_inter(l) { rows.next_multiple_of(8) } else { rows }
+}
+
+/// Whether layer `l`'s router rows sit in its dense MLP's gate|up matrix (after its rows and
+/// padding): Qwen's shared expert reads the same norm(h) as the router, so one GEMM computes
+/// both (Gemma's router has a norm of its own).
+fn router_in_mlp(cfg: &DecodeConfig, l: usize) -> bool {
+    cfg.family != Family::Gemma4 && cfg.sparse[l] && cfg.mlp_rows(l) > 0
+}
+
+/// Elements per row of layer `l`'s gate|up GEMM output: [`mlp_stride`], then, with
+/// [`router_in_mlp`], the router logits padded to a multiple of 8.
+fn gu_width(cfg: &DecodeConfig, l: usize) -> usize {
+    mlp_stride(cfg, l) + if router_in_mlp(cfg, l) { cfg.experts.next_multiple_of(8) } else { 0 }
 }
 
 /// The prefix of the text model's tensors (`model.language_model` in multimodal Gemma-4).
@@ -360,11 +376,17 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
                 if mlp_stride(&cfg, l) > mrows {
                     gu.push(("", mlp_stride(&cfg, l) - mrows));
                 }
+                // The router reads the same norm(h): its rows follow, one GEMM for both.
+                let router_name = format!("{p}.mlp.gate.weight");
+                if router_in_mlp(&cfg, l) {
+                    gu.push((router_name.as_str(), e));
+                    gu.push(("", gu_width(&cfg, l) - mlp_stride(&cfg, l) - e));
+                }
                 Some((src.mat(&gu, h)?, src.mat(&[(d.as_str(), h)], minter)?))
             } else {
                 None
             };
-            let router = if !cfg.sparse[l] {
+            let router = if !cfg.sparse[l] || router_in_mlp(&cfg, l) {
                 None
             } else {
                 Some(match cfg.family {
@@ -456,7 +478,7 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
             xg: scratch(t * cfg.top_k * h),
             gate_up: scratch(t * cfg.top_k * 2 * cfg.inter),
             down: scratch(t * cfg.top_k * h),
-            mlp_gu: scratch(t * widest(&|l| mlp_stride(&cfg, l))),
+            mlp_gu: scratch(t * widest(&|l| gu_width(&cfg, l))),
             mlp_out: scratch(t * h),
             logits: scratch(t * cfg.vocab),
             route: RouteBuffers::new(client, cfg.moe_shape()),
@@ -727,9 +749,10 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
             Some(RowNorm { w, params })
         }
         let np = &s.norm_params;
-        // Dense MLP, first half: gate|up GEMM of norm(x) into `s.mlp_gu`.
+        // Dense MLP, first half: gate|up GEMM of norm(x) into `s.mlp_gu` (with Qwen's router
+        // logits after them, see `router_in_mlp`).
         let mlp_up = |x: &DeviceArray, nw: &DeviceArray, l: usize, (gu, _): &(DeviceArray, DeviceArray)| {
-            let g = DenseGemm { n: mlp_stride(cfg, l), k: h, bias: false, accumulate: false };
+            let g = DenseGemm { n: gu_width(cfg, l), k: h, bias: false, accumulate: false };
             dense_gemm_normed(c, g, t, &meta, x, rn(nw, np), gu, &s.none, &s.mlp_gu)?;
             Ok::<usize, DecodeError>(1)
         };
@@ -737,8 +760,7 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
         // row), fused into its loads, into `out` (added when `acc`).
         let mlp_down = |l: usize, (_, dn): &(DeviceArray, DeviceArray), out: &DeviceArray, acc: bool| {
             let inter = cfg.mlp_inter(l);
-            let a =
-                GatedInput { act: cfg.act, stride: mlp_stride(cfg, l), gated: cfg.mlp_rows(l) > 2 * inter };
+            let a = GatedInput { act: cfg.act, stride: gu_width(cfg, l), gated: cfg.mlp_rows(l) > 2 * inter };
             let d = DenseGemm { n: h, k: inter, bias: false, accumulate: acc };
             dense_gemm_act(c, d, t, &meta, &s.mlp_gu, a, dn, &s.none, out)?;
             Ok::<usize, DecodeError>(1)
@@ -851,36 +873,51 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
                     // same norm(h) added to it. Everything that reads h runs before the
                     // combine writes it; the additions keep their order (experts, then MLP).
                     let pn = &layer.post_attn_norm;
-                    if let (Some(router), Some(ex)) = (&layer.router, self.experts.layer(li)) {
-                        let g = DenseGemm { n: e, k: h, bias: false, accumulate: false };
-                        launch!(dense_gemm_normed(
-                            c,
-                            g,
-                            t,
-                            &meta,
-                            &s.h,
-                            rn(pn, np),
-                            router,
-                            &s.none,
-                            &s.router_logits
-                        ));
+                    if let Some(ex) = self.experts.layer(li) {
+                        // Router logits: their own GEMM, or beside the shared expert's gate|up
+                        // rows in its GEMM.
+                        let logits = match (&layer.router, &layer.mlp) {
+                            (Some(router), _) => {
+                                let g = DenseGemm { n: e, k: h, bias: false, accumulate: false };
+                                launch!(dense_gemm_normed(
+                                    c,
+                                    g,
+                                    t,
+                                    &meta,
+                                    &s.h,
+                                    rn(pn, np),
+                                    router,
+                                    &s.none,
+                                    &s.router_logits
+                                ));
+                                (&s.router_logits, LogitsLayout { stride: e, offset: 0 })
+                            }
+                            (None, Some(w)) => {
+                                n += mlp_up(&s.h, pn, li, w)?;
+                                let at =
+                                    LogitsLayout { stride: gu_width(cfg, li), offset: mlp_stride(cfg, li) };
+                                (&s.mlp_gu, at)
+                            }
+                            (None, None) => {
+                                return Err(DecodeError::Unsupported(format!("layer {li}: no router")));
+                            }
+                        };
                         // Routing (+ statistics) and the gather of norm(h) in one launch.
                         let counters = self.stats.counters(shape, li, t)?;
-                        let (lg, r) = (&s.router_logits, &s.route);
                         launch!(moe_route_gather(
                             c,
                             shape,
                             t,
                             &meta,
-                            lg,
+                            logits,
                             ex.slots,
-                            r,
+                            &s.route,
                             counters,
                             &s.h,
                             rn(pn, np),
                             &s.xg
                         ));
-                        if let Some(w) = &layer.mlp {
+                        if let (Some(_), Some(w)) = (&layer.router, &layer.mlp) {
                             n += mlp_up(&s.h, pn, li, w)?;
                         }
                         n += experts(&ex)?;
@@ -926,7 +963,7 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
                         &s.router_logits
                     ));
                     let counters = self.stats.counters(shape, li, t)?;
-                    let (lg, r) = (&s.router_logits, &s.route);
+                    let (lg, r) = ((&s.router_logits, LogitsLayout { stride: e, offset: 0 }), &s.route);
                     let pre_ff2 = rn(&gl.pre_ff2, np);
                     launch!(moe_route_gather(
                         c, shape, t, &meta, lg, ex.slots, r, counters, &s.h, pre_ff2, &s.xg
