@@ -856,6 +856,75 @@ fn dense_gemm_act_matches_reference() {
     assert!(dense_gemm_act(&client, d, 1, &meta, &x, bad, &x, &x, &x).is_err(), "no activation");
 }
 
+/// Gemma-4's head norms, RoPE and K/V append in one launch against `head_norm_reference`, then
+/// `rope_reference`, then `kv_append_reference`: with and without K = V, full and partial
+/// rotary, spare columns in the projection row and in the query row.
+#[test]
+fn head_norm_rope_append_matches_reference() {
+    use kernels_cubecl::families::*;
+    let client = client();
+    let mut rng = StdRng::seed_from_u64(22);
+    let up = |v: &[f32]| DeviceArray::from_slice(&client, v);
+    let (heads, kv_heads, head_dim) = (4, 2, 16);
+    for (k_eq_v, rot_dim) in [(false, 16usize), (true, 10)] {
+        let src_heads = if k_eq_v { heads + kv_heads } else { heads + 2 * kv_heads };
+        let g = HeadNorm {
+            heads,
+            kv_heads,
+            head_dim,
+            src_stride: src_heads * head_dim + 3,
+            qk_norm: true,
+            v_norm: true,
+            k_eq_v,
+        };
+        let shape = PagedAttnShape {
+            n_heads: heads,
+            n_kv_heads: kv_heads,
+            head_dim,
+            block_size: 4,
+            max_blocks: 4,
+            window: 0,
+        };
+        let (tokens, pool_slots, w) = (3, 12, shape.slot_width());
+        let src = rand_vec(&mut rng, tokens * g.src_stride, 2.0);
+        let wn = rand_vec(&mut rng, 2 * head_dim, 1.5);
+        let pos = [0u32, 7, 130];
+        let slots = [5u32, 0, 9];
+        let inv_freq: Vec<f32> =
+            (0..rot_dim / 2).map(|i| 10000f32.powf(-((2 * i) as f32) / rot_dim as f32)).collect();
+        let (wq, wk, wv) = head_norm_rope_append_reference(g, &src, &wn, 1e-6, &pos, &inv_freq, rot_dim);
+        let (mut kp, mut vp) = (vec![0f32; pool_slots * w], vec![0f32; pool_slots * w]);
+        kv_append_reference(shape, &wk, &wv, &slots, &mut kp, &mut vp);
+        let q_stride = g.out_stride();
+        let qd = up(&vec![0.0; tokens * q_stride]);
+        let (kd, vd) = (up(&vec![0.0; pool_slots * w]), up(&vec![0.0; pool_slots * w]));
+        let (pd, sd) = (DeviceArray::from_slice(&client, &pos), DeviceArray::from_slice(&client, &slots));
+        head_norm_rope_append::<_, f32>(
+            &client,
+            g,
+            tokens,
+            rot_dim,
+            &up(&src),
+            &up(&wn),
+            &up(&[1e-6]),
+            &pd,
+            &up(&inv_freq),
+            &sd,
+            (&qd, q_stride),
+            &kd,
+            &vd,
+        )
+        .unwrap();
+        let got = read_f32(&client, &qd).unwrap();
+        let q: Vec<f32> =
+            (0..tokens).flat_map(|t| got[t * q_stride..][..heads * head_dim].to_vec()).collect();
+        let what = format!("K = V {k_eq_v}, rot_dim {rot_dim}");
+        assert_close(&q, &wq, FAMILY_TOL, &format!("queries, {what}"));
+        assert_close(&read_f32(&client, &kd).unwrap(), &kp, FAMILY_TOL, &format!("K pool, {what}"));
+        assert_close(&read_f32(&client, &vd).unwrap(), &vp, FAMILY_TOL, &format!("V pool, {what}"));
+    }
+}
+
 #[test]
 fn head_norm_matches_reference() {
     use kernels_cubecl::families::*;

@@ -7,7 +7,7 @@ use std::path::Path;
 use cubecl::prelude::*;
 use half::f16;
 use kernels_cubecl::families::{
-    GemmaFfnOut, HeadNorm, add_rms_norm, argmax, gemma_ffn_out, head_norm, softcap,
+    GemmaFfnOut, HeadNorm, add_rms_norm, argmax, gemma_ffn_out, head_norm_rope_append, softcap,
 };
 use kernels_cubecl::step::{
     DenseGemm, GatedInput, LogitsLayout, RouteBuffers, RowNorm, ap_gemm_routed, dense_gemm, dense_gemm_act,
@@ -819,7 +819,10 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
                 layer.bqkv.as_ref().unwrap_or(&s.none),
                 proj_out
             ));
+            let attn_shape = self.kv.geometry().attn_shape(li);
+            let (kp, vp) = self.kv.layer(li);
             if let Some(w) = &layer.head_norms {
+                // Gemma-4: Q/K/V head norms, RoPE and the append in one launch.
                 let g = HeadNorm {
                     heads: nh,
                     kv_heads: kvh,
@@ -829,24 +832,37 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
                     v_norm: true,
                     k_eq_v: a.k_eq_v,
                 };
-                launch!(head_norm(c, g, t, &s.proj, w, &s.eps, &s.qkv));
+                launch!(head_norm_rope_append::<R, KV>(
+                    c,
+                    g,
+                    t,
+                    hd,
+                    &s.proj,
+                    w,
+                    &s.eps,
+                    &pos,
+                    &layer.inv_freq,
+                    &step.slots,
+                    (&s.qkv, qkv_w),
+                    kp,
+                    vp
+                ));
+            } else {
+                let layout = RowLayout { stride: qkv_w, k_off: nh * hd, v_off: (nh + kvh) * hd };
+                launch!(rope_append::<R, KV>(
+                    c,
+                    attn_shape,
+                    t,
+                    layout,
+                    hd,
+                    &s.qkv,
+                    &pos,
+                    &layer.inv_freq,
+                    &step.slots,
+                    kp,
+                    vp
+                ));
             }
-            let attn_shape = self.kv.geometry().attn_shape(li);
-            let (kp, vp) = self.kv.layer(li);
-            let layout = RowLayout { stride: qkv_w, k_off: nh * hd, v_off: (nh + kvh) * hd };
-            launch!(rope_append::<R, KV>(
-                c,
-                attn_shape,
-                t,
-                layout,
-                hd,
-                &s.qkv,
-                &pos,
-                &layer.inv_freq,
-                &step.slots,
-                kp,
-                vp
-            ));
             launch!(paged_decode_attention_strided::<R, KV>(
                 c,
                 attn_shape,

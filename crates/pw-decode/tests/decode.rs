@@ -357,9 +357,9 @@ const MOE_LAYER_LAUNCHES: usize = 9;
 const MLP_LAUNCHES: usize = 2;
 /// A dense layer: the attention's four launches and the MLP.
 const DENSE_LAYER_LAUNCHES: usize = 4 + MLP_LAUNCHES;
-/// Gemma-4: the MoE layer with its combine replaced by the FFN epilogue, plus head norms, the
-/// attention output's add-norm and the dense GeGLU branch.
-const GEMMA_LAYER_LAUNCHES: usize = MOE_LAYER_LAUNCHES + 2 + MLP_LAUNCHES;
+/// Gemma-4: the MoE layer with its combine replaced by the FFN epilogue (its head norms ride in
+/// the RoPE + append launch), plus the attention output's add-norm and the dense GeGLU branch.
+const GEMMA_LAYER_LAUNCHES: usize = MOE_LAYER_LAUNCHES + 1 + MLP_LAUNCHES;
 
 /// `Decoder::last_launches` of one step of a single sequence, with and without the routing
 /// statistics armed, and of a greedy step: the embedding, every layer's launches by kind, the
