@@ -16,8 +16,8 @@
 //! Qwen2-MoE (10 per sparse layer, 6 per dense one) adds the q/k/v biases to the projection,
 //! and its gated shared expert (or a dense layer's MLP) as gate|up GEMM (the router's rows in
 //! the same GEMM: both read the same norm) → down GEMM reading act(gate)·up × sigmoid gate into
-//! the residual. Gemma-4 (13) adds per-head Q/K/V norms (K = V
-//! on full layers) after the projection, its sandwich norm on the attention output, a dense
+//! the residual. Gemma-4 (12) adds per-head Q/K/V norms (K = V
+//! on full layers) in the RoPE + append launch, its sandwich norm on the attention output, a dense
 //! GeGLU branch beside the experts, and one epilogue kernel (routing weights × per-expert
 //! scale, combine, three norms, residual, layer scalar).
 //!
