@@ -802,9 +802,9 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
         for (li, layer) in self.layers.iter().enumerate() {
             let a = &cfg.attn[li];
             let (hd, kvh, qkv_w) = (a.head_dim, a.kv_heads, cfg.qkv_width(li));
-            // Attention: norm folded into the fused projection (+ biases) [→ head norms] →
-            // RoPE + append → paged attention → O projection into the residual (Gemma: through
-            // its norm).
+            // Attention: norm folded into the fused projection (+ biases) → ([head norms +]
+            // RoPE + append in one launch) → paged attention → O projection into the residual
+            // (Gemma: through its norm).
             let rows = cfg.proj_rows(li);
             let proj_out = if layer.head_norms.is_some() { &s.proj } else { &s.qkv };
             let g = DenseGemm { n: rows, k: h, bias: layer.bqkv.is_some(), accumulate: false };
