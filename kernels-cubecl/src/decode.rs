@@ -1,7 +1,8 @@
 //! The small fused kernels of a decode step (everything but attention and the grouped expert
-//! GEMM): embedding lookup, RMSNorm, dense f16 skinny GEMM with bias and residual add, rotary
-//! embedding, on-device routing that writes the grouped kernel's descriptor table, row gather
-//! and the weighted combine. Every launch reads its token count from `meta[0]`, so one compiled
+//! GEMM): embedding lookup, dense f16 skinny GEMM with bias, residual add and a fused input
+//! RMSNorm, on-device routing (with the planner's statistics) that writes the grouped kernel's
+//! descriptor table, row gather (with a fused RMSNorm) and the weighted combine. No RMSNorm
+//! is a launch of its own: each is folded into the kernels that read its output. Every launch reads its token count from `meta[0]`, so one compiled
 //! kernel serves every batch size up to its `max_tokens` bucket and the host never needs a
 //! round trip inside a layer.
 
@@ -75,38 +76,6 @@ pub fn load_row(
     ss
 }
 
-/// `out[t] = x[t] / rms(x[t]) · (w + offset)`; `params = [eps, offset]` (offset 1 for
-/// Gemma-style `1 + w` norms). Grid `(tokens)`; cube: `units` units, unit `u` owning columns
-/// `u + i · units` (`i < ⌈hidden / units⌉`, unrolled) so that all its loads are in flight
-/// together. Why: one plane looping over a 4096-wide row waits a DRAM latency per iteration
-/// (79 µs per call measured on the H200, against ~3 µs now).
-#[cube(launch_unchecked)]
-pub fn rms_norm_kernel(
-    x: &Array<f32>,
-    w: &Array<f32>,
-    params: &Array<f32>,
-    out: &mut Array<f32>,
-    #[comptime] hidden: usize,
-    #[comptime] units: usize,
-    #[comptime] plane_size: usize,
-) {
-    let per = comptime![hidden.div_ceil(units)];
-    let base = CUBE_POS_X as usize * hidden;
-    let u = UNIT_POS as usize;
-    let mut xv = Array::<f32>::new(per);
-    let ss = load_row(x, base, &mut xv, hidden, units);
-    let total = cube_sum(ss, units, plane_size);
-    let inv = (total / f32::cast_from(hidden) + params[0]).sqrt();
-    let off = params[1];
-    #[unroll]
-    for i in 0..per {
-        let c = u + i * units;
-        if c < hidden {
-            out[base + c] = xv[i] / inv * (w[c] + off);
-        }
-    }
-}
-
 /// `y[t, r] (+)= Σ_c x[t, c] · W[r, c] (+ bias[r])` for `t < meta[0]`, `W` f16 row-major
 /// `[n, k]` as PyTorch stores it, read as vectors of `vec` halves (16-byte loads on CUDA).
 /// Grid `(ceil(n / (warps · rows)))`, cube `warps` planes; a plane owns `rows` rows, its lanes
@@ -116,13 +85,30 @@ pub fn rms_norm_kernel(
 /// f32 at a time, a warp's loads of a column were 32 bytes apart, eight L1 wavefronts per
 /// instruction, which held the H200 at ~1.6 TB/s (ncu, Mixtral's QKV). With several tokens
 /// each plane takes two rows so each `x` vector serves both.
+///
+/// With `norm`, `x` goes through an RMSNorm first (`norm_p = [eps, offset]`, weight `g`):
+/// `y = (W · (x ⊙ (g + offset))) / sqrt(mean(x²) + eps)`. The norm is a per-token scale, so
+/// each lane multiplies its converted weights by `g + offset` (once per vector, whatever the
+/// token count) and sums the squares of the `x` values it reads; a plane reads every column
+/// of each token, so one more `plane_sum` per token gives `Σ x²` and the scale is applied
+/// after the row's reduction: no separate norm launch, no extra pass over memory.
+///
+/// With `act` (an [`crate::Activation`] code) `x` is a dense MLP's gate|up output, rows of
+/// `xs` vectors: the GEMM reads `act(gate) · up` while loading it (as the expert kernels stage
+/// their input), and with `gated` scales each token's result by the sigmoid of the row's
+/// column `2·k` (Qwen's shared-expert gate, a per-token scale applied after the reduction
+/// like the norm's), so the activation needs no launch of its own. Without `act`, `xs = k /
+/// vec`.
 #[cube(launch_unchecked)]
-#[allow(clippy::too_many_arguments)]
+// A comptime switch around a runtime test stays two `if`s: CubeCL expands them differently.
+#[allow(clippy::too_many_arguments, clippy::collapsible_if)]
 pub fn dense_gemm_kernel<N: Size>(
     x: &Array<Vector<f32, N>>,
     w: &Array<Vector<f16, N>>,
     bias: &Array<f32>,
     meta: &Array<u32>,
+    norm_w: &Array<Vector<f32, N>>,
+    norm_p: &Array<f32>,
     y: &mut Array<f32>,
     #[comptime] n: usize,
     #[comptime] k: usize,
@@ -133,6 +119,10 @@ pub fn dense_gemm_kernel<N: Size>(
     #[comptime] rows: usize,
     #[comptime] has_bias: bool,
     #[comptime] accumulate: bool,
+    #[comptime] norm: bool,
+    #[comptime] act: u32,
+    #[comptime] xs: usize,
+    #[comptime] gated: bool,
 ) {
     let lane = UNIT_POS as usize % plane_size;
     let row0 = (CUBE_POS_X as usize * warps + UNIT_POS as usize / plane_size) * rows;
@@ -144,6 +134,16 @@ pub fn dense_gemm_kernel<N: Size>(
     #[unroll]
     for t in 0..max_tokens * rows {
         acc[t] = 0.0;
+    }
+    // Per token: this lane's share of Σ x² (only with `norm`).
+    let mut ss = Array::<f32>::new(max_tokens);
+    #[unroll]
+    for t in 0..max_tokens {
+        ss[t] = 0.0;
+    }
+    let mut off = 0.0f32;
+    if comptime![norm] {
+        off = norm_p[1];
     }
     let kv = comptime![k / vec];
     // Rows past `n` (the last plane of a ragged tile) read row `n - 1` and store nothing, so
@@ -168,7 +168,25 @@ pub fn dense_gemm_kernel<N: Size>(
         }
         #[unroll]
         for q in 0..4usize {
-            dense_fma(x, &wv, q, 4usize, v0 + q * plane_size, kv, tokens, &mut acc, max_tokens, rows, vec);
+            dense_fma(
+                x,
+                &wv,
+                norm_w,
+                off,
+                q,
+                4usize,
+                v0 + q * plane_size,
+                kv,
+                tokens,
+                &mut acc,
+                &mut ss,
+                max_tokens,
+                rows,
+                vec,
+                norm,
+                act,
+                xs,
+            );
         }
     }
     for v in range_stepped(full * comptime![4 * plane_size] + lane, kv, plane_size) {
@@ -177,7 +195,20 @@ pub fn dense_gemm_kernel<N: Size>(
         for r in 0..rows {
             wv[r] = w[wrow[r] + v];
         }
-        dense_fma(x, &wv, 0usize, 1usize, v, kv, tokens, &mut acc, max_tokens, rows, vec);
+        dense_fma(
+            x, &wv, norm_w, off, 0usize, 1usize, v, kv, tokens, &mut acc, &mut ss, max_tokens, rows, vec,
+            norm, act, xs,
+        );
+    }
+    let mut eps = 0.0f32;
+    if comptime![norm] {
+        eps = norm_p[0];
+    }
+    #[unroll]
+    for t in 0..max_tokens {
+        if comptime![norm] {
+            ss[t] = 1.0 / (plane_sum(ss[t]) / f32::cast_from(k) + eps).sqrt();
+        }
     }
     #[unroll]
     for r in 0..rows {
@@ -185,6 +216,15 @@ pub fn dense_gemm_kernel<N: Size>(
         #[unroll]
         for t in 0..max_tokens {
             let mut s = plane_sum(acc[r * max_tokens + t]);
+            if comptime![norm] {
+                s *= ss[t];
+            }
+            if comptime![gated] {
+                if t < tokens {
+                    // The shared expert's gate: column 2·k of the gate|up row, a vector start.
+                    s *= 1.0 / (1.0 + (-x[t * xs + 2 * kv][0]).exp());
+                }
+            }
             if comptime![has_bias] {
                 s += bias[min(row, n - 1)];
             }
@@ -200,31 +240,78 @@ pub fn dense_gemm_kernel<N: Size>(
 }
 
 /// `acc[r · max_tokens + t] += W vector · x vector` for the weight vectors `wv[r · per_row + q]`
-/// of each row and `x`'s vector `v` of each real token.
+/// of each row and `x`'s vector `v` of each real token. With `norm` the weights are first
+/// scaled by the norm weight `g[v] + off` and `ss[t]` gains the squares of `x`'s vector.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn dense_fma<N: Size>(
     x: &Array<Vector<f32, N>>,
     wv: &Array<Vector<f16, N>>,
+    g: &Array<Vector<f32, N>>,
+    off: f32,
     q: usize,
     #[comptime] per_row: usize,
     v: usize,
     kv: usize,
     tokens: usize,
     acc: &mut Array<f32>,
+    ss: &mut Array<f32>,
     #[comptime] max_tokens: usize,
     #[comptime] rows: usize,
     #[comptime] vec: usize,
+    #[comptime] norm: bool,
+    #[comptime] act: u32,
+    #[comptime] xs: usize,
 ) {
+    // The row's weights in f32 once, whatever the token count.
+    let mut wf = Array::<f32>::new(rows * vec);
+    if comptime![norm] {
+        let gv = g[v];
+        #[unroll]
+        for r in 0..rows {
+            #[unroll]
+            for i in 0..vec {
+                wf[r * vec + i] = f32::cast_from(wv[r * per_row + q][i]) * (gv[i] + off);
+            }
+        }
+    } else {
+        #[unroll]
+        for r in 0..rows {
+            #[unroll]
+            for i in 0..vec {
+                wf[r * vec + i] = f32::cast_from(wv[r * per_row + q][i]);
+            }
+        }
+    }
     #[unroll]
     for t in 0..max_tokens {
         if t < tokens {
-            let xv = x[t * kv + v];
+            let xv = x[t * xs + v];
+            let mut xf = Array::<f32>::new(vec);
+            if comptime![act == 0] {
+                #[unroll]
+                for i in 0..vec {
+                    xf[i] = xv[i];
+                }
+            } else {
+                // act(gate) · up, the up half `k` columns (`kv` vectors) further on.
+                let uv = x[t * xs + kv + v];
+                #[unroll]
+                for i in 0..vec {
+                    xf[i] = crate::families::act_fn(xv[i], act) * uv[i];
+                }
+            }
+            if comptime![norm] {
+                #[unroll]
+                for i in 0..vec {
+                    ss[t] += xf[i] * xf[i];
+                }
+            }
             #[unroll]
             for r in 0..rows {
                 #[unroll]
                 for i in 0..vec {
-                    acc[r * max_tokens + t] += f32::cast_from(wv[r * per_row + q][i]) * xv[i];
+                    acc[r * max_tokens + t] += wf[r * vec + i] * xf[i];
                 }
             }
         }
@@ -238,7 +325,10 @@ fn dense_fma<N: Size>(
 ///    expert's; writes `gather[row] = t`, `pos[t, j] = row` and the work items of expert `e`
 ///    (gate_up: `[2I, H]`, down: `[H, I]`, from `slots[e] = (gate_up plane_off, lut_off, bits,
 ///    down plane_off, lut_off, bits)`), `chunks` items of up to `chunk` tokens each, so the
-///    grouped GEMM runs with no host round trip.
+///    grouped GEMM runs with no host round trip;
+/// 3. with `stats`, unit `e` also adds its token count to `counts[base + e]` and the sum of
+///    its choices' weights (in choice order) to `mass[base + e]`: the planner's routing
+///    statistics at no launch of their own.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub fn moe_route_kernel(
@@ -250,6 +340,9 @@ pub fn moe_route_kernel(
     pos: &mut Array<u32>,
     desc_gate_up: &mut Array<u32>,
     desc_down: &mut Array<u32>,
+    counts: &mut Array<u32>,
+    mass: &mut Array<f32>,
+    base: u32,
     #[comptime] experts: usize,
     #[comptime] k: usize,
     #[comptime] max_tokens: usize,
@@ -258,12 +351,77 @@ pub fn moe_route_kernel(
     #[comptime] inter: usize,
     #[comptime] chunk: usize,
     #[comptime] chunks: usize,
+    #[comptime] stats: bool,
 ) {
-    let u = UNIT_POS as usize;
     let tokens = meta[0] as usize;
+    route_cube(
+        logits,
+        slots,
+        tokens,
+        weights,
+        gather,
+        pos,
+        desc_gate_up,
+        desc_down,
+        counts,
+        mass,
+        base,
+        tokens * k,
+        true,
+        experts,
+        0usize,
+        experts,
+        k,
+        max_tokens,
+        renormalize,
+        hidden,
+        inter,
+        chunk,
+        chunks,
+        stats,
+    );
+}
+
+/// The body of [`moe_route_kernel`] for the cube that runs it, token `t`'s logits at
+/// `logits[t · lstride + loff]`: writes the outputs when `write`, and returns the source token of gathered row `wanted` (any value when no row is
+/// wanted, e.g. `wanted = tokens · k`) to every unit.
+#[cube]
+// A comptime switch around a runtime test stays two `if`s: CubeCL expands them differently.
+#[allow(clippy::too_many_arguments, clippy::collapsible_if)]
+fn route_cube(
+    logits: &Array<f32>,
+    slots: &Array<u32>,
+    tokens: usize,
+    weights: &mut Array<f32>,
+    gather: &mut Array<u32>,
+    pos: &mut Array<u32>,
+    desc_gate_up: &mut Array<u32>,
+    desc_down: &mut Array<u32>,
+    counts: &mut Array<u32>,
+    mass: &mut Array<f32>,
+    base: u32,
+    wanted: usize,
+    write: bool,
+    #[comptime] lstride: usize,
+    #[comptime] loff: usize,
+    #[comptime] experts: usize,
+    #[comptime] k: usize,
+    #[comptime] max_tokens: usize,
+    #[comptime] renormalize: bool,
+    #[comptime] hidden: usize,
+    #[comptime] inter: usize,
+    #[comptime] chunk: usize,
+    #[comptime] chunks: usize,
+    #[comptime] stats: bool,
+) -> usize {
+    let u = UNIT_POS as usize;
     let mut sel = SharedMemory::<u32>::new(max_tokens * k);
+    // The final weights, for the statistics (shared: global writes of other units need not
+    // be visible after a cube barrier on every backend).
+    let mut wsh = SharedMemory::<f32>::new(max_tokens * k);
+    let mut src = SharedMemory::<u32>::new(1usize);
     if u < tokens {
-        let base = u * experts;
+        let base = u * lstride + loff;
         let mut m = logits[base];
         for e in 1..experts {
             m = max(m, logits[base + e]);
@@ -279,6 +437,7 @@ pub fn moe_route_kernel(
             taken[i] = 0u32;
         }
         let mut sum = 0.0f32;
+        let mut pv = Array::<f32>::new(k);
         #[unroll]
         for j in 0..k {
             let mut best = 0usize;
@@ -294,14 +453,19 @@ pub fn moe_route_kernel(
             taken[best / 32usize] |= 1u32 << (best % 32usize) as u32;
             sel[u * k + j] = best as u32;
             let p = (bv - m).exp() / z;
-            weights[u * k + j] = p;
+            pv[j] = p;
             sum += p;
         }
-        if comptime![renormalize] {
-            #[unroll]
-            for j in 0..k {
-                weights[u * k + j] = weights[u * k + j] / sum;
+        #[unroll]
+        for j in 0..k {
+            let mut p = pv[j];
+            if comptime![renormalize] {
+                p /= sum;
             }
+            if write {
+                weights[u * k + j] = p;
+            }
+            wsh[u * k + j] = p;
         }
     }
     sync_cube();
@@ -318,61 +482,222 @@ pub fn moe_route_kernel(
             }
         }
         let mut row = before;
+        let mut m = 0.0f32;
         for i in 0..tokens * k {
             if sel[i] as usize == u {
-                gather[row as usize] = (i / k) as u32;
-                pos[i] = row;
+                if row as usize == wanted {
+                    src[0] = (i / k) as u32;
+                }
+                if write {
+                    gather[row as usize] = (i / k) as u32;
+                    pos[i] = row;
+                }
                 row += 1u32;
+                m += wsh[i];
+            }
+        }
+        if comptime![stats] {
+            if write {
+                counts[base as usize + u] += count;
+                mass[base as usize + u] += m;
             }
         }
         // Items of at most `chunk` tokens each, so the grouped GEMM's token bucket (and its
         // accumulators) stays small when a batch spreads over the experts.
         let s = u * 6usize;
-        #[unroll]
-        for c in 0..chunks {
-            let d = (u * chunks + c) * 8usize;
-            let first = before + (c * chunk) as u32;
-            let mut n = 0u32;
-            if count > (c * chunk) as u32 {
-                n = min(count - (c * chunk) as u32, chunk as u32);
-            }
-            desc_gate_up[d] = slots[s];
-            desc_gate_up[d + 1] = slots[s + 1];
-            desc_gate_up[d + 2] = comptime![2 * inter] as u32;
-            desc_gate_up[d + 3] = hidden as u32;
-            desc_gate_up[d + 4] = slots[s + 2];
-            desc_gate_up[d + 5] = first * hidden as u32;
-            desc_gate_up[d + 6] = first * comptime![2 * inter] as u32;
-            desc_gate_up[d + 7] = n;
-            desc_down[d] = slots[s + 3];
-            desc_down[d + 1] = slots[s + 4];
-            desc_down[d + 2] = hidden as u32;
-            desc_down[d + 3] = inter as u32;
-            desc_down[d + 4] = slots[s + 5];
-            desc_down[d + 5] = first * comptime![2 * inter] as u32;
-            desc_down[d + 6] = first * hidden as u32;
-            desc_down[d + 7] = n;
+        if write {
+            write_items(slots, s, u, before, count, desc_gate_up, desc_down, hidden, inter, chunk, chunks);
         }
+    }
+    sync_cube();
+    src[0] as usize
+}
+
+/// Expert `u`'s work items (see [`moe_route_kernel`]): its `count` rows from row `before`, in
+/// items of at most `chunk` tokens, with its slot words from `slots[s..s + 6]`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn write_items(
+    slots: &Array<u32>,
+    s: usize,
+    u: usize,
+    before: u32,
+    count: u32,
+    desc_gate_up: &mut Array<u32>,
+    desc_down: &mut Array<u32>,
+    #[comptime] hidden: usize,
+    #[comptime] inter: usize,
+    #[comptime] chunk: usize,
+    #[comptime] chunks: usize,
+) {
+    #[unroll]
+    for c in 0..chunks {
+        let d = (u * chunks + c) * 8usize;
+        let first = before + (c * chunk) as u32;
+        let mut n = 0u32;
+        if count > (c * chunk) as u32 {
+            n = min(count - (c * chunk) as u32, chunk as u32);
+        }
+        desc_gate_up[d] = slots[s];
+        desc_gate_up[d + 1] = slots[s + 1];
+        desc_gate_up[d + 2] = comptime![2 * inter] as u32;
+        desc_gate_up[d + 3] = hidden as u32;
+        desc_gate_up[d + 4] = slots[s + 2];
+        desc_gate_up[d + 5] = first * hidden as u32;
+        desc_gate_up[d + 6] = first * comptime![2 * inter] as u32;
+        desc_gate_up[d + 7] = n;
+        desc_down[d] = slots[s + 3];
+        desc_down[d + 1] = slots[s + 4];
+        desc_down[d + 2] = hidden as u32;
+        desc_down[d + 3] = inter as u32;
+        desc_down[d + 4] = slots[s + 5];
+        desc_down[d + 5] = first * comptime![2 * inter] as u32;
+        desc_down[d + 6] = first * hidden as u32;
+        desc_down[d + 7] = n;
     }
 }
 
-/// `out[row] = x[gather[row]]` for `row < meta[0] · k`. Grid `(max rows)`.
+/// [`moe_route_kernel`] and the row gather of [`gather_rows_kernel`] (with its optional norm)
+/// in one launch: cube `row` (grid `(max rows)`) recomputes the step's routing in shared
+/// memory — the same selection in the same order, a few µs of ALU that every cube runs in
+/// parallel, against a launch — to learn which token its gathered row holds; cube 0 alone
+/// writes the routing outputs (weights, positions, work items, statistics). Token `t`'s logits
+/// are `logits[t · lstride + loff ..][..experts]` (a GEMM may have computed them beside other
+/// outputs). Cube: at least `max(experts, max_tokens)` units and the gather's `units`.
 #[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn route_gather_kernel(
+    logits: &Array<f32>,
+    slots: &Array<u32>,
+    meta: &Array<u32>,
+    x: &Array<f32>,
+    norm_w: &Array<f32>,
+    norm_p: &Array<f32>,
+    xg: &mut Array<f32>,
+    weights: &mut Array<f32>,
+    gather: &mut Array<u32>,
+    pos: &mut Array<u32>,
+    desc_gate_up: &mut Array<u32>,
+    desc_down: &mut Array<u32>,
+    counts: &mut Array<u32>,
+    mass: &mut Array<f32>,
+    base: u32,
+    #[comptime] experts: usize,
+    #[comptime] k: usize,
+    #[comptime] max_tokens: usize,
+    #[comptime] renormalize: bool,
+    #[comptime] hidden: usize,
+    #[comptime] inter: usize,
+    #[comptime] chunk: usize,
+    #[comptime] chunks: usize,
+    #[comptime] stats: bool,
+    #[comptime] units: usize,
+    #[comptime] plane_size: usize,
+    #[comptime] norm: bool,
+    #[comptime] lstride: usize,
+    #[comptime] loff: usize,
+) {
+    let row = CUBE_POS_X as usize;
+    let tokens = meta[0] as usize;
+    if row >= tokens * k {
+        terminate!();
+    }
+    let t = route_cube(
+        logits,
+        slots,
+        tokens,
+        weights,
+        gather,
+        pos,
+        desc_gate_up,
+        desc_down,
+        counts,
+        mass,
+        base,
+        row,
+        row == 0,
+        lstride,
+        loff,
+        experts,
+        k,
+        max_tokens,
+        renormalize,
+        hidden,
+        inter,
+        chunk,
+        chunks,
+        stats,
+    );
+    gather_row(x, t, row, norm_w, norm_p, xg, hidden, units, plane_size, norm);
+}
+
+/// `out[row] = x[gather[row]]` for `row < meta[0] · k`, with `norm` through an RMSNorm
+/// (`norm_p = [eps, offset]`, weight `norm_w`: `x / rms(x) · (w + offset)`, offset 1 for
+/// `1 + w` norms): the routed experts read the normed rows and the norm needs no launch of
+/// its own. Grid `(max rows)`; cube: `units` units, unit `u` owning columns `u + i · units`
+/// (`i < ⌈width / units⌉`, unrolled) so that all its loads are in flight together (one plane
+/// looping over a 4096-wide row waits a DRAM latency per iteration: a standalone RMSNorm
+/// written that way took 79 µs per call on the H200, against ~3 µs). One row reduction per
+/// gathered row: each token's row is normed `k` times, a few µs of ALU against a launch.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
 pub fn gather_rows_kernel(
     x: &Array<f32>,
     gather: &Array<u32>,
     meta: &Array<u32>,
+    norm_w: &Array<f32>,
+    norm_p: &Array<f32>,
     out: &mut Array<f32>,
     #[comptime] k: usize,
     #[comptime] width: usize,
+    #[comptime] units: usize,
+    #[comptime] plane_size: usize,
+    #[comptime] norm: bool,
 ) {
     let row = CUBE_POS_X as usize;
     if row >= meta[0] as usize * k {
         terminate!();
     }
-    let src = gather[row] as usize * width;
-    for c in range_stepped(UNIT_POS as usize, width, CUBE_DIM as usize) {
-        out[row * width + c] = x[src + c];
+    gather_row(x, gather[row] as usize, row, norm_w, norm_p, out, width, units, plane_size, norm);
+}
+
+/// `out[row] = x[src]` (through the RMSNorm with `norm`) by the cube's `units` units.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn gather_row(
+    x: &Array<f32>,
+    src: usize,
+    row: usize,
+    norm_w: &Array<f32>,
+    norm_p: &Array<f32>,
+    out: &mut Array<f32>,
+    #[comptime] width: usize,
+    #[comptime] units: usize,
+    #[comptime] plane_size: usize,
+    #[comptime] norm: bool,
+) {
+    let per = comptime![width.div_ceil(units)];
+    let u = UNIT_POS as usize;
+    let mut xv = Array::<f32>::new(per);
+    let ss = load_row(x, src * width, &mut xv, width, units);
+    if comptime![norm] {
+        let inv = 1.0 / (cube_sum(ss, units, plane_size) / f32::cast_from(width) + norm_p[0]).sqrt();
+        let off = norm_p[1];
+        #[unroll]
+        for i in 0..per {
+            let c = u + i * units;
+            if c < width {
+                out[row * width + c] = xv[i] * inv * (norm_w[c] + off);
+            }
+        }
+    } else {
+        #[unroll]
+        for i in 0..per {
+            let c = u + i * units;
+            if c < width {
+                out[row * width + c] = xv[i];
+            }
+        }
     }
 }
 

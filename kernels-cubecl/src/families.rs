@@ -1,6 +1,5 @@
 //! The decode-step kernels that Qwen2-MoE and Gemma-4 need beyond the Mixtral set in
-//! [`crate::step`]: the gated activation of a dense MLP (Qwen's shared expert with its sigmoid
-//! gate folded in, Qwen's dense layers, Gemma's dense branch), per-head Q/K/V norms with
+//! [`crate::step`]: per-head Q/K/V norms with
 //! Gemma's K = V, a norm added into the residual (Gemma's sandwich norms), Gemma's whole
 //! feed-forward epilogue in one launch, logit soft-capping, on-device greedy sampling and the
 //! device-side random fills of synthetic models.
@@ -10,38 +9,17 @@
 use cubecl::prelude::*;
 
 use crate::decode::{cube_sum, load_row};
-use crate::step::{bad, cube_1d, need, row_units};
+use crate::step::{bad, need, row_units};
 use crate::{DeviceArray, KernelError, gemm};
 
+/// `act(g)` for an [`gemm::Activation`] code (1: SiLU, 2: tanh GELU).
 #[cube]
-fn act_fn(g: f32, #[comptime] act: u32) -> f32 {
+pub(crate) fn act_fn(g: f32, #[comptime] act: u32) -> f32 {
     if comptime![act == 1] {
         g / (1.0 + (-g).exp())
     } else {
         let inner = 0.797_884_6 * (g + 0.044715 * g * g * g);
         0.5 * g * (1.0 + inner.tanh())
-    }
-}
-
-/// `out[t, i] = act(x[t, i]) · x[t, inter + i]` (· `sigmoid(x[t, 2·inter])` when `gated`).
-/// Grid `(tokens)`.
-#[cube(launch_unchecked)]
-pub fn gated_act_kernel(
-    x: &Array<f32>,
-    out: &mut Array<f32>,
-    #[comptime] inter: usize,
-    #[comptime] stride: usize,
-    #[comptime] act: u32,
-    #[comptime] gated: bool,
-) {
-    let t = CUBE_POS_X as usize;
-    let base = t * stride;
-    let mut scale = 1.0f32;
-    if comptime![gated] {
-        scale = 1.0 / (1.0 + (-x[base + 2 * inter]).exp());
-    }
-    for i in range_stepped(UNIT_POS as usize, inter, CUBE_DIM as usize) {
-        out[t * inter + i] = act_fn(x[base + i], act) * x[base + inter + i] * scale;
     }
 }
 
@@ -99,7 +77,7 @@ pub fn head_norm_kernel(
 }
 
 /// `h[t] += x[t] / rms(x[t]) · w`; `params = [eps]`. Grid `(tokens)`; cube: `units` units,
-/// each owning columns `u + i · units` (unrolled; see [`crate::decode::rms_norm_kernel`]).
+/// each owning columns `u + i · units` (unrolled; see [`crate::decode::gather_rows_kernel`]).
 #[cube(launch_unchecked)]
 pub fn add_rms_norm_kernel(
     x: &Array<f32>,
@@ -342,47 +320,9 @@ pub fn fill_uniform_kernel<F: Float>(out: &mut Array<F>, params: &Array<f32>, se
     }
 }
 
-/// Host side of [`gated_act_kernel`].
-///
-/// # Shapes
-/// - `x`: `[tokens, stride]` with `stride ≥ 2·inter (+1 when gated)`; `out`: `[tokens, inter]`
-#[allow(clippy::too_many_arguments)]
-pub fn gated_act<R: Runtime>(
-    client: &ComputeClient<R>,
-    tokens: usize,
-    inter: usize,
-    stride: usize,
-    act: gemm::Activation,
-    gated: bool,
-    x: &DeviceArray,
-    out: &DeviceArray,
-) -> Result<(), KernelError> {
-    if act == gemm::Activation::None || stride < 2 * inter + gated as usize {
-        return Err(bad(format!("gated_act: {act:?} with stride {stride} for width {inter}")));
-    }
-    need("gated_act x", x, tokens * stride)?;
-    need("gated_act out", out, tokens * inter)?;
-    if tokens == 0 {
-        return Ok(());
-    }
-    // SAFETY: sizes checked above.
-    unsafe {
-        gated_act_kernel::launch_unchecked::<R>(
-            client,
-            CubeCount::Static(tokens as u32, 1, 1),
-            cube_1d(inter),
-            x.arg(),
-            out.arg(),
-            inter,
-            stride,
-            act.code(),
-            gated,
-        )
-    };
-    Ok(())
-}
-
-/// CPU reference of [`gated_act`].
+/// `out[t, i] = act(x[t, i]) · x[t, inter + i]` (· `sigmoid(x[t, 2·inter])` when `gated`) of
+/// rows of `stride`, on the CPU: the input [`crate::step::dense_gemm_act`] reads (the
+/// reference of its fused activation).
 pub fn gated_act_reference(
     x: &[f32],
     inter: usize,
@@ -798,4 +738,200 @@ pub fn fill_uniform_reference(len: usize, seed: u32, scale: f32) -> Vec<f32> {
             (u * 2.0 - 1.0) * scale
         })
         .collect()
+}
+
+/// Gemma-4's per-head norms, RoPE and the K/V append in one launch (grid `(tokens)`, cube
+/// `units` units): [`head_norm_kernel`] with `qk_norm` and `v_norm` (weighted Q/K norms,
+/// weightless V norm, V = the raw K heads with `k_eq_v`) feeding [`crate::rope_append`]'s
+/// rotation, reading the projection row `src[t]` directly. First each plane reduces whole
+/// heads (`plane_sum` over the head's columns) into one inverse RMS per source head in shared
+/// memory; then the query heads, normed and rotated, go to `q[t]` (the first `heads · hd` of a
+/// row of `q_stride`, where attention reads them), the key heads normed and rotated into K
+/// pool slot `slots[t]` (dimensions past `rot_dim` unrotated), the value heads normed into the
+/// V pool. Why: the separate norm was one more launch per layer.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn head_norm_rope_append_kernel<KV: Float>(
+    src: &Array<f32>,
+    w: &Array<f32>,
+    params: &Array<f32>,
+    pos: &Array<u32>,
+    inv_freq: &Array<f32>,
+    slots: &Array<u32>,
+    q: &mut Array<f32>,
+    k_pool: &mut Array<KV>,
+    v_pool: &mut Array<KV>,
+    #[comptime] heads: usize,
+    #[comptime] kv_heads: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] rot_dim: usize,
+    #[comptime] src_stride: usize,
+    #[comptime] q_stride: usize,
+    #[comptime] k_eq_v: bool,
+    #[comptime] units: usize,
+    #[comptime] plane_size: usize,
+) {
+    let t = CUBE_POS_X as usize;
+    let u = UNIT_POS as usize;
+    let lane = u % plane_size;
+    let n_src = comptime![if k_eq_v { heads + kv_heads } else { heads + 2 * kv_heads }];
+    let row = t * src_stride;
+    let mut inv = SharedMemory::<f32>::new(n_src);
+    let eps = params[0];
+    for sh in range_stepped(u / plane_size, n_src, comptime![units / plane_size]) {
+        let mut ss = 0.0f32;
+        for c in range_stepped(lane, head_dim, plane_size) {
+            let v = src[row + sh * head_dim + c];
+            ss += v * v;
+        }
+        let total = plane_sum(ss);
+        if lane == 0 {
+            inv[sh] = 1.0 / (total / f32::cast_from(head_dim) + eps).sqrt();
+        }
+    }
+    sync_cube();
+    let half = comptime![rot_dim / 2];
+    let kv_width = comptime![kv_heads * head_dim];
+    let p = f32::cast_from(pos[t]);
+    let dst = slots[t] as usize * kv_width;
+    for x in range_stepped(u, comptime![(heads + kv_heads) * half], units) {
+        let hd = x / half;
+        let i = x % half;
+        let woff = select(hd >= heads, head_dim, 0usize);
+        let a = p * inv_freq[i];
+        let (s, c) = (a.sin(), a.cos());
+        let b = row + hd * head_dim + i;
+        let x1 = src[b] * inv[hd] * w[woff + i];
+        let x2 = src[b + half] * inv[hd] * w[woff + i + half];
+        let y1 = x1 * c - x2 * s;
+        let y2 = x2 * c + x1 * s;
+        if hd < heads {
+            let o = t * q_stride + hd * head_dim + i;
+            q[o] = y1;
+            q[o + half] = y2;
+        } else {
+            let d = dst + (hd - heads) * head_dim + i;
+            k_pool[d] = KV::cast_from(y1);
+            k_pool[d + half] = KV::cast_from(y2);
+        }
+    }
+    let tail = comptime![head_dim - rot_dim];
+    if comptime![tail > 0] {
+        for x in range_stepped(u, comptime![(heads + kv_heads) * tail], units) {
+            let hd = x / tail;
+            let i = rot_dim + x % tail;
+            let woff = select(hd >= heads, head_dim, 0usize);
+            let v = src[row + hd * head_dim + i] * inv[hd] * w[woff + i];
+            if hd < heads {
+                q[t * q_stride + hd * head_dim + i] = v;
+            } else {
+                k_pool[dst + (hd - heads) * head_dim + i] = KV::cast_from(v);
+            }
+        }
+    }
+    // Value heads: the raw K heads with K = V, else their own; weightless norm.
+    let v0 = comptime![if k_eq_v { heads } else { heads + kv_heads }];
+    for i in range_stepped(u, kv_width, units) {
+        let sh = v0 + i / head_dim;
+        v_pool[dst + i] = KV::cast_from(src[row + v0 * head_dim + i] * inv[sh]);
+    }
+}
+
+/// Host side of [`head_norm_rope_append_kernel`] (Q/K/V norms as Gemma-4 has them: `g.qk_norm`
+/// and `g.v_norm` both set); `w = [q_norm | k_norm]`, `params = [eps]`.
+///
+/// # Shapes
+/// - `src`: `[tokens, g.src_stride]`; `w`: `[2 · head_dim]`; `pos`, `slots`: `[tokens]`;
+///   `inv_freq`: `[rot_dim / 2]`; `q`: `[tokens, q_stride]`; pools: `[slots, kv_heads · head_dim]`
+#[allow(clippy::too_many_arguments)]
+pub fn head_norm_rope_append<R: Runtime, KV: Float + CubeElement>(
+    client: &ComputeClient<R>,
+    g: HeadNorm,
+    tokens: usize,
+    rot_dim: usize,
+    src: &DeviceArray,
+    w: &DeviceArray,
+    params: &DeviceArray,
+    pos: &DeviceArray,
+    inv_freq: &DeviceArray,
+    slots: &DeviceArray,
+    (q, q_stride): (&DeviceArray, usize),
+    k_pool: &DeviceArray,
+    v_pool: &DeviceArray,
+) -> Result<(), KernelError> {
+    let hd = g.head_dim;
+    let src_heads = if g.k_eq_v { g.heads + g.kv_heads } else { g.heads + 2 * g.kv_heads };
+    if !g.qk_norm || !g.v_norm || g.src_stride < src_heads * hd || q_stride < g.heads * hd {
+        return Err(bad(format!("head_norm_rope_append: unsupported {g:?} (q stride {q_stride})")));
+    }
+    if rot_dim == 0 || rot_dim > hd || !rot_dim.is_multiple_of(2) {
+        return Err(bad(format!("head_norm_rope_append: rot_dim {rot_dim} for head_dim {hd}")));
+    }
+    need("head_norm_rope_append src", src, tokens * g.src_stride)?;
+    need("head_norm_rope_append weights", w, 2 * hd)?;
+    need("head_norm_rope_append params", params, 1)?;
+    need("head_norm_rope_append pos", pos, tokens)?;
+    need("head_norm_rope_append slots", slots, tokens)?;
+    need("head_norm_rope_append inv_freq", inv_freq, rot_dim / 2)?;
+    need("head_norm_rope_append q", q, tokens * q_stride)?;
+    if k_pool.len != v_pool.len {
+        return Err(bad("head_norm_rope_append: K and V pools differ".into()));
+    }
+    if tokens == 0 {
+        return Ok(());
+    }
+    // A plane per source head in the reduction, up to 256 units for the rotation.
+    let (units, plane) = row_units(client, (g.heads + g.kv_heads) * rot_dim / 2, 1);
+    let units = units.min(256usize.max(plane));
+    // SAFETY: sizes checked above; slot values are the cache allocator's (inside the pools).
+    unsafe {
+        head_norm_rope_append_kernel::launch_unchecked::<KV, R>(
+            client,
+            CubeCount::Static(tokens as u32, 1, 1),
+            CubeDim::new_1d(units as u32),
+            src.arg(),
+            w.arg(),
+            params.arg(),
+            pos.arg(),
+            inv_freq.arg(),
+            slots.arg(),
+            q.arg(),
+            k_pool.arg(),
+            v_pool.arg(),
+            g.heads,
+            g.kv_heads,
+            hd,
+            rot_dim,
+            g.src_stride,
+            q_stride,
+            g.k_eq_v,
+            units,
+            plane,
+        )
+    };
+    Ok(())
+}
+
+/// CPU reference of [`head_norm_rope_append`]: [`head_norm_reference`] then
+/// [`crate::step::rope_reference`] on the query and key heads; returns each token's
+/// `(queries [heads · hd], keys [kv_heads · hd], values [kv_heads · hd])` rows, flattened.
+#[allow(clippy::too_many_arguments)]
+pub fn head_norm_rope_append_reference(
+    g: HeadNorm,
+    src: &[f32],
+    w: &[f32],
+    eps: f32,
+    pos: &[u32],
+    inv_freq: &[f32],
+    rot_dim: usize,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let mut rows = head_norm_reference(g, src, w, eps);
+    let stride = g.out_stride();
+    let r = crate::step::Rope { stride, heads: g.heads + g.kv_heads, head_dim: g.head_dim, rot_dim };
+    crate::step::rope_reference(r, &mut rows, pos, inv_freq);
+    let (nq, nk) = (g.heads * g.head_dim, g.kv_heads * g.head_dim);
+    let part = |off: usize, n: usize| -> Vec<f32> {
+        rows.chunks(stride).flat_map(|r| r[off..][..n].to_vec()).collect()
+    };
+    (part(0, nq), part(nq, nk), part(nq + nk, nk))
 }

@@ -7,7 +7,7 @@
 use cubecl::prelude::*;
 use half::f16;
 
-use crate::{DeviceArray, KernelError, MAX_TOKENS, PoolSlot, decode, gemm, token_bucket};
+use crate::{Activation, DeviceArray, KernelError, MAX_TOKENS, PoolSlot, decode, gemm, token_bucket};
 
 pub(crate) fn bad(reason: String) -> KernelError {
     KernelError::BadItem { item: 0, reason }
@@ -76,50 +76,9 @@ pub fn embed_reference(ids: &[u32], table: &[f16], hidden: usize, scale: f32) ->
         .collect()
 }
 
-/// RMSNorm of each row: `x / sqrt(mean(x²) + eps) · (w + offset)`, `params = [eps, offset]`.
-///
-/// # Shapes
-/// - `x`, `out`: `[tokens, hidden]`; `w`: `[hidden]`
-pub fn rms_norm<R: Runtime>(
-    client: &ComputeClient<R>,
-    tokens: usize,
-    hidden: usize,
-    x: &DeviceArray,
-    w: &DeviceArray,
-    params: &DeviceArray,
-    out: &DeviceArray,
-) -> Result<(), KernelError> {
-    need("rms_norm x", x, tokens * hidden)?;
-    need("rms_norm out", out, tokens * hidden)?;
-    need("rms_norm weight", w, hidden)?;
-    need("rms_norm params", params, 2)?;
-    if tokens == 0 {
-        return Ok(());
-    }
-    // Up to 16 values per unit: 256 units for a 4096-wide row.
-    let (units, plane) = row_units(client, hidden, 16);
-    if hidden > 32 * units {
-        return Err(bad(format!("rms_norm: width {hidden} exceeds 32 values per unit of {units} units")));
-    }
-    // SAFETY: sizes checked above.
-    unsafe {
-        decode::rms_norm_kernel::launch_unchecked::<R>(
-            client,
-            CubeCount::Static(tokens as u32, 1, 1),
-            CubeDim::new_1d(units as u32),
-            x.arg(),
-            w.arg(),
-            params.arg(),
-            out.arg(),
-            hidden,
-            units,
-            plane,
-        )
-    };
-    Ok(())
-}
-
-/// CPU reference of [`rms_norm`].
+/// RMSNorm of each row: `x / sqrt(mean(x²) + eps) · (w + offset)` (offset 1 for `1 + w`
+/// norms), on the CPU. The decode step has no norm launch of its own: the reference of the
+/// norms folded into [`dense_gemm_normed`] and [`gather_rows_normed`].
 pub fn rms_norm_reference(x: &[f32], w: &[f32], eps: f32, offset: f32) -> Vec<f32> {
     let hidden = w.len();
     x.chunks(hidden)
@@ -144,6 +103,17 @@ pub struct DenseGemm {
     pub accumulate: bool,
 }
 
+/// An RMSNorm folded into the input of the kernel that consumes its output:
+/// `x / sqrt(mean(x²) + params[0]) · (w + params[1])` per row of `x`, as
+/// [`rms_norm_reference`] computes it (`params = [eps, offset]`, offset 1 for `1 + w` norms).
+#[derive(Debug, Clone, Copy)]
+pub struct RowNorm<'a> {
+    /// f32 `[width]` norm weight.
+    pub w: &'a DeviceArray,
+    /// f32 `[eps, offset]`.
+    pub params: &'a DeviceArray,
+}
+
 /// `y (+)= x · Wᵀ (+ bias)` with `W` f16 `[n, k]` row-major; `meta[0]` = tokens (≤ 16).
 ///
 /// # Shapes
@@ -159,30 +129,136 @@ pub fn dense_gemm<R: Runtime>(
     bias: &DeviceArray,
     y: &DeviceArray,
 ) -> Result<(), KernelError> {
+    dense_gemm_normed(client, g, tokens, meta, x, None, w, bias, y)
+}
+
+/// [`dense_gemm`] of `norm(x)` when `norm` is given: `y (+)= rms_norm(x) · Wᵀ (+ bias)` in one
+/// launch (the norm is a per-token scale applied after each row's reduction, see
+/// [`decode::dense_gemm_kernel`]), so a norm feeding a projection costs no launch.
+///
+/// # Shapes
+/// - `x`: `[tokens, k]`; `norm.w`: `[k]`; `w`: `[n, k]`; `y`: `[tokens, n]`
+#[allow(clippy::too_many_arguments)]
+pub fn dense_gemm_normed<R: Runtime>(
+    client: &ComputeClient<R>,
+    g: DenseGemm,
+    tokens: usize,
+    meta: &DeviceArray,
+    x: &DeviceArray,
+    norm: Option<RowNorm<'_>>,
+    w: &DeviceArray,
+    bias: &DeviceArray,
+    y: &DeviceArray,
+) -> Result<(), KernelError> {
+    let input = match norm {
+        Some(nm) => GemmInput::Norm(nm),
+        None => GemmInput::Plain,
+    };
+    dense_gemm_launch(client, g, tokens, meta, x, input, w, bias, y)
+}
+
+/// How a dense MLP's down projection reads its gate|up rows (see [`dense_gemm_act`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GatedInput {
+    /// The activation of the gate half (not [`Activation::None`]).
+    pub act: Activation,
+    /// Elements per gate|up row: `2·k`, or more (a multiple of 8 when `gated`).
+    pub stride: usize,
+    /// Scale each token by the sigmoid of its row's column `2·k` (Qwen's shared-expert gate).
+    pub gated: bool,
+}
+
+/// [`dense_gemm`] over `act(gate) · up` (· `sigmoid(x[t, 2k])` when `gated`) of the gate|up
+/// rows `x`, the down projection of a dense MLP with its activation fused into the input
+/// loads (as [`crate::Activation`] does in the expert kernels): no activation launch.
+///
+/// # Shapes
+/// - `x`: `[tokens, a.stride]` (gate `[0, k)`, up `[k, 2k)`, gate column `2k`); `w`: `[n, k]`;
+///   `y`: `[tokens, n]`
+#[allow(clippy::too_many_arguments)]
+pub fn dense_gemm_act<R: Runtime>(
+    client: &ComputeClient<R>,
+    g: DenseGemm,
+    tokens: usize,
+    meta: &DeviceArray,
+    x: &DeviceArray,
+    a: GatedInput,
+    w: &DeviceArray,
+    bias: &DeviceArray,
+    y: &DeviceArray,
+) -> Result<(), KernelError> {
+    if a.act == Activation::None || a.stride < 2 * g.k + a.gated as usize {
+        return Err(bad(format!("dense_gemm_act: {a:?} for width {}", g.k)));
+    }
+    dense_gemm_launch(client, g, tokens, meta, x, GemmInput::Act(a), w, bias, y)
+}
+
+/// What the dense GEMM does to `x` while loading it.
+#[derive(Debug, Clone, Copy)]
+enum GemmInput<'a> {
+    Plain,
+    Norm(RowNorm<'a>),
+    Act(GatedInput),
+}
+
+#[allow(clippy::too_many_arguments)]
+fn dense_gemm_launch<R: Runtime>(
+    client: &ComputeClient<R>,
+    g: DenseGemm,
+    tokens: usize,
+    meta: &DeviceArray,
+    x: &DeviceArray,
+    input: GemmInput<'_>,
+    w: &DeviceArray,
+    bias: &DeviceArray,
+    y: &DeviceArray,
+) -> Result<(), KernelError> {
     if tokens > MAX_TOKENS {
         return Err(bad(format!("dense_gemm: {tokens} tokens, at most {MAX_TOKENS}")));
     }
-    need("dense_gemm x", x, tokens * g.k)?;
+    let x_stride = match input {
+        GemmInput::Act(a) => a.stride,
+        _ => g.k,
+    };
+    need("dense_gemm x", x, tokens * x_stride)?;
     need("dense_gemm w", w, g.n * g.k)?;
     need("dense_gemm y", y, tokens * g.n)?;
     if g.bias {
         need("dense_gemm bias", bias, g.n)?;
+    }
+    if let GemmInput::Norm(nm) = input {
+        need("dense_gemm norm weight", nm.w, g.k)?;
+        need("dense_gemm norm params", nm.params, 2)?;
     }
     if tokens == 0 {
         return Ok(());
     }
     let plane = client.properties().hardware.plane_size_max as usize;
     let warps = 8;
-    // The widest load the device likes that divides the row (16 bytes of halves on CUDA).
-    let vec =
-        client.io_optimized_vector_sizes(2).filter(|v| *v <= 8 && g.k.is_multiple_of(*v)).max().unwrap_or(1);
+    // The widest load the device likes that divides the row (16 bytes of halves on CUDA) and
+    // the row stride of `x`.
+    let vec = client
+        .io_optimized_vector_sizes(2)
+        .filter(|v| *v <= 8 && g.k.is_multiple_of(*v) && x_stride.is_multiple_of(*v))
+        .max()
+        .unwrap_or(1);
     let tb = token_bucket(tokens);
     // Two rows per plane share each `x` vector once there are several tokens; at one or two
     // tokens one row per plane keeps twice the cubes (and loads) in flight.
     let rows = if tb > 2 { 2 } else { 1 };
-    // SAFETY: sizes checked above; the kernel reads `meta[0] ≤ tokens` rows; `w` holds `n · k`
-    // halves, i.e. `n · k / vec` vectors, and `x` at least `tokens · k / vec` (whole buffers,
-    // so their starts are aligned for any vector width).
+    // Without a norm the kernel reads neither norm buffer: `x` and `meta` stand in for them.
+    let (nw, np) = match input {
+        GemmInput::Norm(nm) => (nm.w, nm.params),
+        _ => (x, meta),
+    };
+    let (act, gated) = match input {
+        GemmInput::Act(a) => (a.act.code(), a.gated),
+        _ => (0, false),
+    };
+    // SAFETY: sizes checked above; the kernel reads `meta[0] ≤ tokens` rows of `x_stride`;
+    // `w` holds `n · k` halves, i.e. `n · k / vec` vectors, and `x` at least
+    // `tokens · x_stride / vec`, the norm weight (when read) `k / vec` (whole buffers, so their
+    // starts are aligned for any vector width).
     unsafe {
         decode::dense_gemm_kernel::launch_unchecked::<R>(
             client,
@@ -193,6 +269,8 @@ pub fn dense_gemm<R: Runtime>(
             ArrayArg::from_raw_parts(w.handle.clone(), g.n * g.k / vec),
             bias.arg(),
             meta.arg(),
+            ArrayArg::from_raw_parts(nw.handle.clone(), (nw.len / vec).max(1)),
+            np.arg(),
             y.arg(),
             g.n,
             g.k,
@@ -203,6 +281,10 @@ pub fn dense_gemm<R: Runtime>(
             rows,
             g.bias,
             g.accumulate,
+            matches!(input, GemmInput::Norm(_)),
+            act,
+            x_stride / vec,
+            gated,
         )
     };
     Ok(())
@@ -220,6 +302,36 @@ pub fn dense_gemm_reference(g: DenseGemm, x: &[f32], w: &[f16], bias: &[f32], y:
             *o = if g.accumulate { *o + s } else { s };
         }
     }
+}
+
+/// CPU reference of [`dense_gemm_normed`]: [`rms_norm_reference`] of `x` with `norm_w`,
+/// `[eps, offset]`, then [`dense_gemm_reference`]; updates `y` in place.
+#[allow(clippy::too_many_arguments)]
+pub fn dense_gemm_normed_reference(
+    g: DenseGemm,
+    x: &[f32],
+    norm_w: &[f32],
+    eps: f32,
+    offset: f32,
+    w: &[f16],
+    bias: &[f32],
+    y: &mut [f32],
+) {
+    dense_gemm_reference(g, &rms_norm_reference(x, norm_w, eps, offset), w, bias, y);
+}
+
+/// CPU reference of [`dense_gemm_act`]: [`crate::families::gated_act_reference`] of the
+/// gate|up rows, then [`dense_gemm_reference`]; updates `y` in place.
+pub fn dense_gemm_act_reference(
+    g: DenseGemm,
+    x: &[f32],
+    a: GatedInput,
+    w: &[f16],
+    bias: &[f32],
+    y: &mut [f32],
+) {
+    let xa = crate::families::gated_act_reference(x, g.k, a.stride, a.act, a.gated);
+    dense_gemm_reference(g, &xa, w, bias, y);
 }
 
 /// Where the heads to rotate sit.
@@ -294,6 +406,18 @@ pub const ROUTE_CHUNK: usize = 8;
 /// Work items per expert (`MAX_TOKENS / ROUTE_CHUNK`); empty ones exit at once.
 pub const ROUTE_CHUNKS: usize = MAX_TOKENS / ROUTE_CHUNK;
 
+/// Routing statistics [`moe_route_counted`] accumulates: per expert `e` of the layer,
+/// `counts[base + e] +=` its tokens and `mass[base + e] +=` their routing weights.
+#[derive(Debug, Clone, Copy)]
+pub struct RouteCounters<'a> {
+    /// u32 counters, at least `base + experts`.
+    pub counts: &'a DeviceArray,
+    /// f32 sums, at least `base + experts`.
+    pub mass: &'a DeviceArray,
+    /// The layer's first entry (`layer · experts`).
+    pub base: usize,
+}
+
 /// Output buffers of [`moe_route`].
 #[derive(Debug, Clone)]
 pub struct RouteBuffers {
@@ -307,6 +431,9 @@ pub struct RouteBuffers {
     pub desc_gate_up: DeviceArray,
     /// `[experts · ROUTE_CHUNKS · 8]` down work items.
     pub desc_down: DeviceArray,
+    /// One-element stand-ins for the statistics' buffers when none are kept (never written).
+    no_counts: DeviceArray,
+    no_mass: DeviceArray,
 }
 
 impl RouteBuffers {
@@ -322,6 +449,8 @@ impl RouteBuffers {
                 shape.experts * ROUTE_CHUNKS * gemm::DESC_WORDS,
             ),
             desc_down: DeviceArray::empty::<R, u32>(client, shape.experts * ROUTE_CHUNKS * gemm::DESC_WORDS),
+            no_counts: DeviceArray::empty::<R, u32>(client, 1),
+            no_mass: DeviceArray::empty::<R, f32>(client, 1),
         }
     }
 }
@@ -340,6 +469,27 @@ pub fn moe_route<R: Runtime>(
     slots: &DeviceArray,
     out: &RouteBuffers,
 ) -> Result<(), KernelError> {
+    moe_route_counted(client, shape, tokens, meta, logits, slots, out, None)
+}
+
+/// [`moe_route`] that also accumulates the layer's routing statistics into `stats` when given
+/// (the planner's per-expert token counts and routing mass, see [`route_stats_reference`]),
+/// in the same launch.
+///
+/// # Shapes
+/// - `logits`: `[tokens, experts]`; `slots`: `[experts · 6]`; `stats.counts`, `stats.mass`:
+///   `[≥ base + experts]`
+#[allow(clippy::too_many_arguments)]
+pub fn moe_route_counted<R: Runtime>(
+    client: &ComputeClient<R>,
+    shape: MoeShape,
+    tokens: usize,
+    meta: &DeviceArray,
+    logits: &DeviceArray,
+    slots: &DeviceArray,
+    out: &RouteBuffers,
+    stats: Option<RouteCounters<'_>>,
+) -> Result<(), KernelError> {
     if shape.experts > 128 || shape.k == 0 || shape.k > shape.experts {
         return Err(bad(format!("moe_route: unsupported {shape:?} (at most 128 experts, 1 ≤ k ≤ experts)")));
     }
@@ -348,10 +498,18 @@ pub fn moe_route<R: Runtime>(
     }
     need("moe_route logits", logits, tokens * shape.experts)?;
     need("moe_route slots", slots, shape.experts * 6)?;
+    if let Some(st) = stats {
+        need("moe_route counts", st.counts, st.base + shape.experts)?;
+        need("moe_route mass", st.mass, st.base + shape.experts)?;
+    }
     if tokens == 0 {
         return Ok(());
     }
     let units = shape.experts.max(MAX_TOKENS);
+    let (counts, mass, base) = match stats {
+        Some(st) => (st.counts, st.mass, st.base),
+        None => (&out.no_counts, &out.no_mass, 0),
+    };
     // SAFETY: sizes checked above; outputs were sized for MAX_TOKENS tokens by RouteBuffers.
     unsafe {
         decode::moe_route_kernel::launch_unchecked::<R>(
@@ -366,6 +524,9 @@ pub fn moe_route<R: Runtime>(
             out.pos.arg(),
             out.desc_gate_up.arg(),
             out.desc_down.arg(),
+            counts.arg(),
+            mass.arg(),
+            base as u32,
             shape.experts,
             shape.k,
             MAX_TOKENS,
@@ -374,6 +535,120 @@ pub fn moe_route<R: Runtime>(
             shape.inter,
             ROUTE_CHUNK,
             ROUTE_CHUNKS,
+            stats.is_some(),
+        )
+    };
+    Ok(())
+}
+
+/// Where each token's router logits sit: `logits[t · stride + offset ..][..experts]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LogitsLayout {
+    /// Elements per token row (`experts` for a buffer of logits only).
+    pub stride: usize,
+    /// The first logit in the row (after the other outputs of the GEMM that computed them).
+    pub offset: usize,
+}
+
+/// [`moe_route_counted`] and [`gather_rows_normed`] of `x` by its routing in one launch (see
+/// [`decode::route_gather_kernel`]): the routed experts' input is ready one launch after the
+/// router logits. `out.gather` is written too.
+///
+/// # Shapes
+/// - `logits`: `[tokens, layout.stride]`; `slots`: `[experts · 6]`; `x`: `[tokens, hidden]`;
+///   `xg`: `[tokens · k, hidden]`
+#[allow(clippy::too_many_arguments)]
+pub fn moe_route_gather<R: Runtime>(
+    client: &ComputeClient<R>,
+    shape: MoeShape,
+    tokens: usize,
+    meta: &DeviceArray,
+    (logits, layout): (&DeviceArray, LogitsLayout),
+    slots: &DeviceArray,
+    out: &RouteBuffers,
+    stats: Option<RouteCounters<'_>>,
+    x: &DeviceArray,
+    norm: Option<RowNorm<'_>>,
+    xg: &DeviceArray,
+) -> Result<(), KernelError> {
+    if shape.experts > 128 || shape.k == 0 || shape.k > shape.experts {
+        return Err(bad(format!("moe_route: unsupported {shape:?} (at most 128 experts, 1 ≤ k ≤ experts)")));
+    }
+    if tokens > MAX_TOKENS {
+        return Err(bad(format!("moe_route: {tokens} tokens, at most {MAX_TOKENS}")));
+    }
+    let width = shape.hidden;
+    if layout.stride < layout.offset + shape.experts {
+        return Err(bad(format!("moe_route_gather: {layout:?} for {} experts", shape.experts)));
+    }
+    need(
+        "moe_route logits",
+        logits,
+        tokens.saturating_sub(1) * layout.stride + layout.offset + shape.experts,
+    )?;
+    need("moe_route slots", slots, shape.experts * 6)?;
+    need("gather x", x, tokens * width)?;
+    need("gather out", xg, tokens * shape.k * width)?;
+    if let Some(st) = stats {
+        need("moe_route counts", st.counts, st.base + shape.experts)?;
+        need("moe_route mass", st.mass, st.base + shape.experts)?;
+    }
+    if let Some(nm) = norm {
+        need("gather norm weight", nm.w, width)?;
+        need("gather norm params", nm.params, 2)?;
+    }
+    if tokens == 0 {
+        return Ok(());
+    }
+    // The routing needs a unit per expert and per token, the gather up to 16 values per unit.
+    let (units, plane) = row_units(client, width.max(16 * shape.experts.max(MAX_TOKENS)), 16);
+    if width > 32 * units || units < shape.experts.max(MAX_TOKENS) {
+        return Err(bad(format!("moe_route_gather: width {width} or {shape:?} too wide for {units} units")));
+    }
+    let (counts, mass, base) = match stats {
+        Some(st) => (st.counts, st.mass, st.base),
+        None => (&out.no_counts, &out.no_mass, 0),
+    };
+    let (nw, np) = match norm {
+        Some(nm) => (nm.w, nm.params),
+        None => (x, meta),
+    };
+    // SAFETY: sizes checked above; outputs were sized for MAX_TOKENS tokens by RouteBuffers;
+    // the gathered rows' tokens come from the routing, below `tokens`.
+    unsafe {
+        decode::route_gather_kernel::launch_unchecked::<R>(
+            client,
+            CubeCount::Static((tokens * shape.k) as u32, 1, 1),
+            CubeDim::new_1d(units as u32),
+            logits.arg(),
+            slots.arg(),
+            meta.arg(),
+            x.arg(),
+            nw.arg(),
+            np.arg(),
+            xg.arg(),
+            out.weights.arg(),
+            out.gather.arg(),
+            out.pos.arg(),
+            out.desc_gate_up.arg(),
+            out.desc_down.arg(),
+            counts.arg(),
+            mass.arg(),
+            base as u32,
+            shape.experts,
+            shape.k,
+            MAX_TOKENS,
+            shape.renormalize,
+            shape.hidden,
+            shape.inter,
+            ROUTE_CHUNK,
+            ROUTE_CHUNKS,
+            stats.is_some(),
+            units,
+            plane,
+            norm.is_some(),
+            layout.stride,
+            layout.offset,
         )
     };
     Ok(())
@@ -398,6 +673,26 @@ pub fn route_reference(shape: MoeShape, logits: &[f32]) -> (Vec<u32>, Vec<f32>) 
     (sel, wts)
 }
 
+/// CPU reference of the statistics of [`moe_route_counted`] for one layer:
+/// `counts[layer · E + e] +=` choices of `e`, `mass[layer · E + e] +=` their weights.
+///
+/// # Shapes
+/// - `choices`, `weights`: `[tokens, k]` (expert index and routing weight of each choice)
+/// - `counts`, `mass`: `[layers · experts]`
+pub fn route_stats_reference(
+    experts: usize,
+    layer: usize,
+    choices: &[usize],
+    weights: &[f32],
+    counts: &mut [u32],
+    mass: &mut [f32],
+) {
+    for (&e, &w) in choices.iter().zip(weights) {
+        counts[layer * experts + e] += 1;
+        mass[layer * experts + e] += w;
+    }
+}
+
 /// Gathers `x` rows into expert order: `out[row] = x[gather[row]]`.
 ///
 /// # Shapes
@@ -413,27 +708,85 @@ pub fn gather_rows<R: Runtime>(
     gather: &DeviceArray,
     out: &DeviceArray,
 ) -> Result<(), KernelError> {
+    gather_rows_normed(client, tokens, k, width, meta, x, None, gather, out)
+}
+
+/// [`gather_rows`] of `norm(x)` when `norm` is given: `out[row] = rms_norm(x[gather[row]])`,
+/// so the routed experts' input norm costs no launch of its own.
+///
+/// # Shapes
+/// - `x`: `[tokens, width]`; `norm.w`: `[width]`; `out`: `[tokens · k, width]`
+#[allow(clippy::too_many_arguments)]
+pub fn gather_rows_normed<R: Runtime>(
+    client: &ComputeClient<R>,
+    tokens: usize,
+    k: usize,
+    width: usize,
+    meta: &DeviceArray,
+    x: &DeviceArray,
+    norm: Option<RowNorm<'_>>,
+    gather: &DeviceArray,
+    out: &DeviceArray,
+) -> Result<(), KernelError> {
     need("gather x", x, tokens * width)?;
     need("gather out", out, tokens * k * width)?;
     need("gather index", gather, tokens * k)?;
+    if let Some(nm) = norm {
+        need("gather norm weight", nm.w, width)?;
+        need("gather norm params", nm.params, 2)?;
+    }
     if tokens == 0 {
         return Ok(());
     }
+    let (units, plane) = row_units(client, width, 16);
+    if width > 32 * units {
+        return Err(bad(format!("gather: width {width} exceeds 32 values per unit of {units} units")));
+    }
+    // Without a norm the kernel reads neither norm buffer: `x` and `meta` stand in for them.
+    let (nw, np) = match norm {
+        Some(nm) => (nm.w, nm.params),
+        None => (x, meta),
+    };
     // SAFETY: sizes checked above; indices come from `moe_route`, below `tokens`.
     unsafe {
         decode::gather_rows_kernel::launch_unchecked::<R>(
             client,
             CubeCount::Static((tokens * k) as u32, 1, 1),
-            cube_1d(width),
+            CubeDim::new_1d(units as u32),
             x.arg(),
             gather.arg(),
             meta.arg(),
+            nw.arg(),
+            np.arg(),
             out.arg(),
             k,
             width,
+            units,
+            plane,
+            norm.is_some(),
         )
     };
     Ok(())
+}
+
+/// CPU reference of [`gather_rows_normed`] (of [`gather_rows`] with `norm = None`): the rows
+/// `x[gather[row]]`, each through [`rms_norm_reference`] with `(w, eps, offset)` when given.
+pub fn gather_rows_reference(
+    x: &[f32],
+    width: usize,
+    gather: &[u32],
+    norm: Option<(&[f32], f32, f32)>,
+) -> Vec<f32> {
+    gather
+        .iter()
+        .flat_map(|&t| {
+            let row = &x[t as usize * width..][..width];
+            match norm {
+                Some((w, eps, off)) => rms_norm_reference(row, w, eps, off),
+                None => row.to_vec(),
+            }
+        })
+        .collect()
 }
 
 /// `h[t] += Σ_j weights[t, j] · y[pos[t, j]]`.

@@ -7,10 +7,11 @@ use std::path::Path;
 use cubecl::prelude::*;
 use half::f16;
 use kernels_cubecl::families::{
-    GemmaFfnOut, HeadNorm, add_rms_norm, argmax, gated_act, gemma_ffn_out, head_norm, softcap,
+    GemmaFfnOut, HeadNorm, add_rms_norm, argmax, gemma_ffn_out, head_norm_rope_append, softcap,
 };
 use kernels_cubecl::step::{
-    DenseGemm, RouteBuffers, ap_gemm_routed, dense_gemm, embed, gather_rows, moe_combine, moe_route, rms_norm,
+    DenseGemm, GatedInput, LogitsLayout, RouteBuffers, RowNorm, ap_gemm_routed, dense_gemm, dense_gemm_act,
+    dense_gemm_normed, embed, moe_combine, moe_route_gather,
 };
 use kernels_cubecl::{
     Activation, DeviceArray, GemmConfig, MAX_TOKENS, RowLayout, paged_decode_attention_strided, read_f32,
@@ -59,8 +60,6 @@ struct Layer {
 /// Per-step scratch buffers, sized for `MAX_TOKENS` tokens and the widest layer.
 struct Scratch {
     h: DeviceArray,
-    xn: DeviceArray,
-    xn2: DeviceArray,
     proj: DeviceArray,
     qkv: DeviceArray,
     attn: DeviceArray,
@@ -70,7 +69,6 @@ struct Scratch {
     gate_up: DeviceArray,
     down: DeviceArray,
     mlp_gu: DeviceArray,
-    mlp_act: DeviceArray,
     mlp_out: DeviceArray,
     logits: DeviceArray,
     route: RouteBuffers,
@@ -111,7 +109,8 @@ pub type MixtralDecoder<R, KV> = Decoder<R, KV>;
 trait Weights<R: Runtime> {
     /// The device.
     fn client(&self) -> &ComputeClient<R>;
-    /// f16 matrix made of the row blocks `parts` (`(name, rows)`), `cols` wide.
+    /// f16 matrix made of the row blocks `parts` (`(name, rows)`, an empty name: padding
+    /// rows whose values are never read), `cols` wide.
     fn mat(&mut self, parts: &[(&str, usize)], cols: usize) -> Result<DeviceArray, DecodeError>;
     /// f32 vector on the host; `default` when the source lacks it (`None`: required).
     fn host(&mut self, name: &str, n: usize, default: Option<f32>) -> Result<Vec<f32>, DecodeError>;
@@ -136,6 +135,10 @@ impl<R: Runtime> Weights<R> for HfWeights<'_, R> {
     fn mat(&mut self, parts: &[(&str, usize)], cols: usize) -> Result<DeviceArray, DecodeError> {
         let mut all = Vec::new();
         for (name, rows) in parts {
+            if name.is_empty() {
+                all.extend(std::iter::repeat_n(f16::ZERO, rows * cols));
+                continue;
+            }
             all.extend(read(self.ckpt, name, &[*rows, cols])?.into_iter().map(f16::from_f32));
         }
         Ok(DeviceArray::from_slice(self.client, &all))
@@ -172,8 +175,11 @@ impl<R: Runtime> Weights<R> for SyntheticWeights<'_, R> {
     }
     fn mat(&mut self, parts: &[(&str, usize)], cols: usize) -> Result<DeviceArray, DecodeError> {
         let rows: usize = parts.iter().map(|p| p.1).sum();
-        let gain =
-            if parts[0].0.contains("router") || parts[0].0.contains("gate.weight") { 4.0 } else { 1.0 };
+        let gain = if parts.iter().any(|p| p.0.contains("router") || p.0.contains("gate.weight")) {
+            4.0
+        } else {
+            1.0
+        };
         let a = DeviceArray::empty::<R, f16>(self.client, rows * cols);
         self.seed += 1;
         kernels_cubecl::families::fill_uniform::<R, f16>(
@@ -194,6 +200,27 @@ impl<R: Runtime> Weights<R> for SyntheticWeights<'_, R> {
         let n: usize = parts.iter().map(|p| p.1).sum();
         Ok(Some(DeviceArray::from_slice(self.client, &vec![0.01f32; n])))
     }
+}
+
+/// Elements per row of layer `l`'s dense MLP gate|up output: its rows, padded to a multiple
+/// of 8 when Qwen's shared-expert gate row makes them odd, so that the down GEMM that reads
+/// `act(gate)·up` from it (`dense_gemm_act`) can load whole vectors.
+fn mlp_stride(cfg: &DecodeConfig, l: usize) -> usize {
+    let rows = cfg.mlp_rows(l);
+    if rows > 2 * cfg.mlp_inter(l) { rows.next_multiple_of(8) } else { rows }
+}
+
+/// Whether layer `l`'s router rows sit in its dense MLP's gate|up matrix (after its rows and
+/// padding): Qwen's shared expert reads the same norm(h) as the router, so one GEMM computes
+/// both (Gemma's router has a norm of its own).
+fn router_in_mlp(cfg: &DecodeConfig, l: usize) -> bool {
+    cfg.family != Family::Gemma4 && cfg.sparse[l] && cfg.mlp_rows(l) > 0
+}
+
+/// Elements per row of layer `l`'s gate|up GEMM output: [`mlp_stride`], then, with
+/// [`router_in_mlp`], the router logits padded to a multiple of 8.
+fn gu_width(cfg: &DecodeConfig, l: usize) -> usize {
+    mlp_stride(cfg, l) + if router_in_mlp(cfg, l) { cfg.experts.next_multiple_of(8) } else { 0 }
 }
 
 /// The prefix of the text model's tensors (`model.language_model` in multimodal Gemma-4).
@@ -345,11 +372,21 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
                 if mrows > 2 * minter {
                     gu.push((gate_row.as_str(), 1));
                 }
+                // Rows that pad the gate|up output to the stride its reader's vectors need.
+                if mlp_stride(&cfg, l) > mrows {
+                    gu.push(("", mlp_stride(&cfg, l) - mrows));
+                }
+                // The router reads the same norm(h): its rows follow, one GEMM for both.
+                let router_name = format!("{p}.mlp.gate.weight");
+                if router_in_mlp(&cfg, l) {
+                    gu.push((router_name.as_str(), e));
+                    gu.push(("", gu_width(&cfg, l) - mlp_stride(&cfg, l) - e));
+                }
                 Some((src.mat(&gu, h)?, src.mat(&[(d.as_str(), h)], minter)?))
             } else {
                 None
             };
-            let router = if !cfg.sparse[l] {
+            let router = if !cfg.sparse[l] || router_in_mlp(&cfg, l) {
                 None
             } else {
                 Some(match cfg.family {
@@ -433,8 +470,6 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
         let scratch = |n: usize| DeviceArray::empty::<R, f32>(client, n);
         let s = Scratch {
             h: scratch(t * h),
-            xn: scratch(t * h),
-            xn2: scratch(t * h),
             proj: scratch(t * widest(&|l| cfg.proj_rows(l))),
             qkv: scratch(t * widest(&|l| cfg.qkv_width(l))),
             attn: scratch(t * cfg.heads * widest(&|l| cfg.attn[l].head_dim)),
@@ -443,8 +478,7 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
             xg: scratch(t * cfg.top_k * h),
             gate_up: scratch(t * cfg.top_k * 2 * cfg.inter),
             down: scratch(t * cfg.top_k * h),
-            mlp_gu: scratch(t * widest(&|l| cfg.mlp_rows(l))),
-            mlp_act: scratch(t * widest(&|l| cfg.mlp_inter(l))),
+            mlp_gu: scratch(t * widest(&|l| gu_width(&cfg, l))),
             mlp_out: scratch(t * h),
             logits: scratch(t * cfg.vocab),
             route: RouteBuffers::new(client, cfg.moe_shape()),
@@ -714,24 +748,30 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
                 n += 1;
             }};
         }
-        // Dense MLP: gate|up GEMM → act(gate)·up (· sigmoid of the shared expert's gate row)
-        // → down GEMM, into `out` (added when `acc`).
-        let mlp = |x: &DeviceArray,
-                   l: usize,
-                   (gu, dn): &(DeviceArray, DeviceArray),
-                   out: &DeviceArray,
-                   acc: bool| {
-            let (rows, inter) = (cfg.mlp_rows(l), cfg.mlp_inter(l));
-            let g = DenseGemm { n: rows, k: h, bias: false, accumulate: false };
-            dense_gemm(c, g, t, &meta, x, gu, &s.none, &s.mlp_gu)?;
-            gated_act(c, t, inter, rows, cfg.act, rows > 2 * inter, &s.mlp_gu, &s.mlp_act)?;
-            let d = DenseGemm { n: h, k: inter, bias: false, accumulate: acc };
-            dense_gemm(c, d, t, &meta, &s.mlp_act, dn, &s.none, out)?;
-            Ok::<usize, DecodeError>(3)
+        // Every RMSNorm of the step is folded into the kernels that read its output (the
+        // dense GEMMs' input and the experts' row gather), so none costs a launch.
+        fn rn<'a>(w: &'a DeviceArray, params: &'a DeviceArray) -> Option<RowNorm<'a>> {
+            Some(RowNorm { w, params })
+        }
+        let np = &s.norm_params;
+        // Dense MLP, first half: gate|up GEMM of norm(x) into `s.mlp_gu` (with Qwen's router
+        // logits after them, see `router_in_mlp`).
+        let mlp_up = |x: &DeviceArray, nw: &DeviceArray, l: usize, (gu, _): &(DeviceArray, DeviceArray)| {
+            let g = DenseGemm { n: gu_width(cfg, l), k: h, bias: false, accumulate: false };
+            dense_gemm_normed(c, g, t, &meta, x, rn(nw, np), gu, &s.none, &s.mlp_gu)?;
+            Ok::<usize, DecodeError>(1)
         };
-        // The routed experts of `x` up to their outputs in `s.down` (gathered rows).
-        let experts = |x: &DeviceArray, ex: &LayerPool<'_>| {
-            gather_rows(c, t, cfg.top_k, h, &meta, x, &s.route.gather, &s.xg)?;
+        // Second half: the down GEMM over act(gate)·up (· sigmoid of the shared expert's gate
+        // row), fused into its loads, into `out` (added when `acc`).
+        let mlp_down = |l: usize, (_, dn): &(DeviceArray, DeviceArray), out: &DeviceArray, acc: bool| {
+            let inter = cfg.mlp_inter(l);
+            let a = GatedInput { act: cfg.act, stride: gu_width(cfg, l), gated: cfg.mlp_rows(l) > 2 * inter };
+            let d = DenseGemm { n: h, k: inter, bias: false, accumulate: acc };
+            dense_gemm_act(c, d, t, &meta, &s.mlp_gu, a, dn, &s.none, out)?;
+            Ok::<usize, DecodeError>(1)
+        };
+        // The routed experts of the gathered rows `s.xg` up to their outputs in `s.down`.
+        let experts = |ex: &LayerPool<'_>| {
             ap_gemm_routed(
                 c,
                 self.gemm,
@@ -760,30 +800,34 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
                 &s.down,
                 cfg.act,
             )?;
-            Ok::<usize, DecodeError>(3)
+            Ok::<usize, DecodeError>(2)
         };
 
         launch!(embed(c, t, h, &ids, &self.embed, &s.embed_scale, &s.h));
         for (li, layer) in self.layers.iter().enumerate() {
             let a = &cfg.attn[li];
             let (hd, kvh, qkv_w) = (a.head_dim, a.kv_heads, cfg.qkv_width(li));
-            // Attention: norm → fused projection (+ biases) [→ head norms] → RoPE → append →
-            // paged attention → O projection into the residual (Gemma: through its norm).
-            launch!(rms_norm(c, t, h, &s.h, &layer.input_norm, &s.norm_params, &s.xn));
+            // Attention: norm folded into the fused projection (+ biases) → ([head norms +]
+            // RoPE + append in one launch) → paged attention → O projection into the residual
+            // (Gemma: through its norm).
             let rows = cfg.proj_rows(li);
             let proj_out = if layer.head_norms.is_some() { &s.proj } else { &s.qkv };
             let g = DenseGemm { n: rows, k: h, bias: layer.bqkv.is_some(), accumulate: false };
-            launch!(dense_gemm(
+            launch!(dense_gemm_normed(
                 c,
                 g,
                 t,
                 &meta,
-                &s.xn,
+                &s.h,
+                rn(&layer.input_norm, np),
                 &layer.wqkv,
                 layer.bqkv.as_ref().unwrap_or(&s.none),
                 proj_out
             ));
+            let attn_shape = self.kv.geometry().attn_shape(li);
+            let (kp, vp) = self.kv.layer(li);
             if let Some(w) = &layer.head_norms {
+                // Gemma-4: Q/K/V head norms, RoPE and the append in one launch.
                 let g = HeadNorm {
                     heads: nh,
                     kv_heads: kvh,
@@ -793,24 +837,37 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
                     v_norm: true,
                     k_eq_v: a.k_eq_v,
                 };
-                launch!(head_norm(c, g, t, &s.proj, w, &s.eps, &s.qkv));
+                launch!(head_norm_rope_append::<R, KV>(
+                    c,
+                    g,
+                    t,
+                    hd,
+                    &s.proj,
+                    w,
+                    &s.eps,
+                    &pos,
+                    &layer.inv_freq,
+                    &step.slots,
+                    (&s.qkv, qkv_w),
+                    kp,
+                    vp
+                ));
+            } else {
+                let layout = RowLayout { stride: qkv_w, k_off: nh * hd, v_off: (nh + kvh) * hd };
+                launch!(rope_append::<R, KV>(
+                    c,
+                    attn_shape,
+                    t,
+                    layout,
+                    hd,
+                    &s.qkv,
+                    &pos,
+                    &layer.inv_freq,
+                    &step.slots,
+                    kp,
+                    vp
+                ));
             }
-            let attn_shape = self.kv.geometry().attn_shape(li);
-            let (kp, vp) = self.kv.layer(li);
-            let layout = RowLayout { stride: qkv_w, k_off: nh * hd, v_off: (nh + kvh) * hd };
-            launch!(rope_append::<R, KV>(
-                c,
-                attn_shape,
-                t,
-                layout,
-                hd,
-                &s.qkv,
-                &pos,
-                &layer.inv_freq,
-                &step.slots,
-                kp,
-                vp
-            ));
             launch!(paged_decode_attention_strided::<R, KV>(
                 c,
                 attn_shape,
@@ -832,15 +889,59 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
 
             match gemma {
                 None => {
-                    // Mixtral / Qwen2-MoE: norm → routed experts combined into the residual,
-                    // plus the MLP (Qwen's gated shared expert or dense layer) added to it.
-                    launch!(rms_norm(c, t, h, &s.h, &layer.post_attn_norm, &s.norm_params, &s.xn));
-                    if let (Some(router), Some(ex)) = (&layer.router, self.experts.layer(li)) {
-                        let g = DenseGemm { n: e, k: h, bias: false, accumulate: false };
-                        launch!(dense_gemm(c, g, t, &meta, &s.xn, router, &s.none, &s.router_logits));
-                        launch!(moe_route(c, shape, t, &meta, &s.router_logits, ex.slots, &s.route));
-                        n += self.stats.record(c, shape, li, t, &meta, &s.route)?;
-                        n += experts(&s.xn, &ex)?;
+                    // Mixtral / Qwen2-MoE: routed experts of norm(h) combined into the
+                    // residual, plus the MLP (Qwen's gated shared expert or dense layer) of the
+                    // same norm(h) added to it. Everything that reads h runs before the
+                    // combine writes it; the additions keep their order (experts, then MLP).
+                    let pn = &layer.post_attn_norm;
+                    if let Some(ex) = self.experts.layer(li) {
+                        // Router logits: their own GEMM, or beside the shared expert's gate|up
+                        // rows in its GEMM.
+                        let logits = match (&layer.router, &layer.mlp) {
+                            (Some(router), _) => {
+                                let g = DenseGemm { n: e, k: h, bias: false, accumulate: false };
+                                launch!(dense_gemm_normed(
+                                    c,
+                                    g,
+                                    t,
+                                    &meta,
+                                    &s.h,
+                                    rn(pn, np),
+                                    router,
+                                    &s.none,
+                                    &s.router_logits
+                                ));
+                                (&s.router_logits, LogitsLayout { stride: e, offset: 0 })
+                            }
+                            (None, Some(w)) => {
+                                n += mlp_up(&s.h, pn, li, w)?;
+                                let at =
+                                    LogitsLayout { stride: gu_width(cfg, li), offset: mlp_stride(cfg, li) };
+                                (&s.mlp_gu, at)
+                            }
+                            (None, None) => {
+                                return Err(DecodeError::Unsupported(format!("layer {li}: no router")));
+                            }
+                        };
+                        // Routing (+ statistics) and the gather of norm(h) in one launch.
+                        let counters = self.stats.counters(shape, li, t)?;
+                        launch!(moe_route_gather(
+                            c,
+                            shape,
+                            t,
+                            &meta,
+                            logits,
+                            ex.slots,
+                            &s.route,
+                            counters,
+                            &s.h,
+                            rn(pn, np),
+                            &s.xg
+                        ));
+                        if let (Some(_), Some(w)) = (&layer.router, &layer.mlp) {
+                            n += mlp_up(&s.h, pn, li, w)?;
+                        }
+                        n += experts(&ex)?;
                         launch!(moe_combine(
                             c,
                             t,
@@ -851,29 +952,44 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
                             &s.route.weights,
                             &s.h
                         ));
+                    } else if let Some(w) = &layer.mlp {
+                        n += mlp_up(&s.h, pn, li, w)?;
                     }
                     if let Some(w) = &layer.mlp {
-                        n += mlp(&s.xn, li, w, &s.h, true)?;
+                        n += mlp_down(li, w, &s.h, true)?;
                     }
                 }
                 Some(gl) => {
                     // Gemma-4: h += norm(o); dense GeGLU branch and experts on the same
-                    // residual, each through its norms; one epilogue sums, norms, adds, scales.
+                    // residual, each through its norms (folded into their GEMMs and gather);
+                    // one epilogue sums, norms, adds, scales.
                     launch!(add_rms_norm(c, t, h, &s.o, &layer.post_attn_norm, &s.eps, &s.h));
                     let (Some(router), Some(ex), Some(w)) =
                         (&layer.router, self.experts.layer(li), &layer.mlp)
                     else {
                         return Err(DecodeError::Unsupported("Gemma-4 layer without experts or MLP".into()));
                     };
-                    launch!(rms_norm(c, t, h, &s.h, &gl.pre_ff, &s.norm_params, &s.xn));
-                    n += mlp(&s.xn, li, w, &s.mlp_out, false)?;
-                    launch!(rms_norm(c, t, h, &s.h, &gl.router_norm, &s.norm_params, &s.xn2));
+                    n += mlp_up(&s.h, &gl.pre_ff, li, w)?;
+                    n += mlp_down(li, w, &s.mlp_out, false)?;
                     let g = DenseGemm { n: e, k: h, bias: false, accumulate: false };
-                    launch!(dense_gemm(c, g, t, &meta, &s.xn2, router, &s.none, &s.router_logits));
-                    launch!(moe_route(c, shape, t, &meta, &s.router_logits, ex.slots, &s.route));
-                    n += self.stats.record(c, shape, li, t, &meta, &s.route)?;
-                    launch!(rms_norm(c, t, h, &s.h, &gl.pre_ff2, &s.norm_params, &s.xn2));
-                    n += experts(&s.xn2, &ex)?;
+                    launch!(dense_gemm_normed(
+                        c,
+                        g,
+                        t,
+                        &meta,
+                        &s.h,
+                        rn(&gl.router_norm, np),
+                        router,
+                        &s.none,
+                        &s.router_logits
+                    ));
+                    let counters = self.stats.counters(shape, li, t)?;
+                    let (lg, r) = ((&s.router_logits, LogitsLayout { stride: e, offset: 0 }), &s.route);
+                    let pre_ff2 = rn(&gl.pre_ff2, np);
+                    launch!(moe_route_gather(
+                        c, shape, t, &meta, lg, ex.slots, r, counters, &s.h, pre_ff2, &s.xg
+                    ));
+                    n += experts(&ex)?;
                     let b = GemmaFfnOut {
                         logits: &s.router_logits,
                         per_expert_scale: &gl.per_expert_scale,
@@ -889,14 +1005,14 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
                 }
             }
         }
-        launch!(rms_norm(c, t, h, &s.h, &self.final_norm, &s.norm_params, &s.xn));
         let head = DenseGemm { n: cfg.vocab, k: h, bias: false, accumulate: false };
-        launch!(dense_gemm(
+        launch!(dense_gemm_normed(
             c,
             head,
             t,
             &meta,
-            &s.xn,
+            &s.h,
+            rn(&self.final_norm, np),
             self.lm_head.as_ref().unwrap_or(&self.embed),
             &s.none,
             &s.logits

@@ -1,20 +1,25 @@
 //! The fast decode path of the three families (Mixtral, Qwen2-MoE, Gemma-4; one [`Decoder`]
 //! with per-family branches): one decode step of a batch of sequences runs as a fixed handful
 //! of CubeCL launches per layer, straight on the compute client (no Burn tensor ops, no host
-//! round trip inside a layer). The Mixtral wiring:
+//! round trip inside a layer). No RMSNorm is a launch of its own: each is folded into the
+//! GEMMs or the gather that read its output (a per-token scale after the row reduction). The
+//! Mixtral wiring, 9 launches per layer:
 //!
-//! 1. RMSNorm → fused QKV projection (one f16 GEMM) → RoPE on Q and K in place;
-//! 2. K/V append into the paged cache → paged decode attention;
-//! 3. O projection added into the residual → RMSNorm → router logits;
-//! 4. on-device softmax/top-k routing that writes the grouped kernel's descriptors → row gather →
-//!    grouped bit-plane GEMM for gate_up → grouped GEMM for down with SiLU(gate)·up fused into its
-//!    input → weighted combine into the residual.
+//! 1. fused QKV projection of norm(h) (one f16 GEMM) → RoPE on Q and K + K/V append into the
+//!    paged cache → paged decode attention;
+//! 2. O projection added into the residual → router logits of norm(h);
+//! 3. on-device softmax/top-k routing that writes the grouped kernel's descriptors (and the
+//!    planner's routing counts when armed) and gathers the normed rows in the same launch →
+//!    grouped bit-plane GEMM for gate_up → grouped GEMM for down with SiLU(gate)·up fused into
+//!    its input → weighted combine into the residual.
 //!
-//! Qwen2-MoE adds the q/k/v biases to the projection, and its gated shared expert (or a dense
-//! layer's MLP) as gate|up GEMM → activation × sigmoid gate → down GEMM into the residual.
-//! Gemma-4 adds per-head Q/K/V norms (K = V on full layers) after the projection, its sandwich
-//! norm on the attention output, a dense GeGLU branch beside the experts, and one epilogue
-//! kernel (routing weights × per-expert scale, combine, three norms, residual, layer scalar).
+//! Qwen2-MoE (10 per sparse layer, 6 per dense one) adds the q/k/v biases to the projection,
+//! and its gated shared expert (or a dense layer's MLP) as gate|up GEMM (the router's rows in
+//! the same GEMM: both read the same norm) → down GEMM reading act(gate)·up × sigmoid gate into
+//! the residual. Gemma-4 (12) adds per-head Q/K/V norms (K = V
+//! on full layers) in the RoPE + append launch, its sandwich norm on the attention output, a dense
+//! GeGLU branch beside the experts, and one epilogue kernel (routing weights × per-expert
+//! scale, combine, three norms, residual, layer scalar).
 //!
 //! The host uploads the step's ids, positions and block tables once, and reads back the logits
 //! (or, sampling greedily on the device, only the new ids) once. A new sequence's prompt goes

@@ -1,75 +1,14 @@
 //! Routing statistics on the device: per-(layer, expert) token counts and routing mass of a
-//! decode step, accumulated from the outputs of `moe_route` (the grouped kernel's work items,
-//! the choices' gathered rows and weights) without a host round trip. The planner needs them
+//! decode step, accumulated by the routing launch itself (`moe_route_counted`) without a host
+//! round trip or a launch of their own. The planner needs them
 //! once per step (or every few steps): the host downloads two flat `[layers · experts]` arrays.
 
 use cubecl::prelude::*;
-use kernels_cubecl::gemm::DESC_WORDS;
-use kernels_cubecl::step::{MoeShape, ROUTE_CHUNKS, RouteBuffers};
+pub use kernels_cubecl::step::route_stats_reference;
+use kernels_cubecl::step::{MoeShape, RouteCounters};
 use kernels_cubecl::{DeviceArray, KernelError, MAX_TOKENS, read_f32, read_u32};
 
 use crate::DecodeError;
-
-/// One unit per expert `e` of layer `base / experts`: its token count is the sum of its work
-/// items' token counts, its first gathered row is its first item's `x` offset / `hidden`, and
-/// its mass is the sum of the routing weights of the choices whose gathered row falls in
-/// `[first, first + count)` (rows are grouped by expert).
-#[cube(launch_unchecked)]
-#[allow(clippy::too_many_arguments)]
-fn route_stats_kernel(
-    desc: &Array<u32>,
-    pos: &Array<u32>,
-    weights: &Array<f32>,
-    meta: &Array<u32>,
-    counts: &mut Array<u32>,
-    mass: &mut Array<f32>,
-    base: u32,
-    #[comptime] experts: usize,
-    #[comptime] k: usize,
-    #[comptime] chunks: usize,
-    #[comptime] hidden: usize,
-    #[comptime] words: usize,
-) {
-    let e = UNIT_POS as usize;
-    if e < experts {
-        let tokens = meta[0] as usize;
-        let mut count = 0u32;
-        #[unroll]
-        for c in 0..chunks {
-            count += desc[(e * chunks + c) * words + 7usize];
-        }
-        let first = desc[e * chunks * words + 5usize] / hidden as u32;
-        let mut m = 0.0f32;
-        for i in 0..tokens * k {
-            let row = pos[i];
-            if row >= first && row < first + count {
-                m += weights[i];
-            }
-        }
-        counts[base as usize + e] += count;
-        mass[base as usize + e] += m;
-    }
-}
-
-/// CPU reference of one layer's accumulation: `counts[layer · E + e] +=` choices of `e`,
-/// `mass[layer · E + e] +=` their weights.
-///
-/// # Shapes
-/// - `choices`, `weights`: `[tokens, k]` (expert index and routing weight of each choice)
-/// - `counts`, `mass`: `[layers · experts]`
-pub fn route_stats_reference(
-    experts: usize,
-    layer: usize,
-    choices: &[usize],
-    weights: &[f32],
-    counts: &mut [u32],
-    mass: &mut [f32],
-) {
-    for (&e, &w) in choices.iter().zip(weights) {
-        counts[layer * experts + e] += 1;
-        mass[layer * experts + e] += w;
-    }
-}
 
 /// Routing counts and mass of the sampled decode steps, on the device.
 #[derive(Debug)]
@@ -113,19 +52,17 @@ impl RouteStats {
         }
     }
 
-    /// Adds layer `layer`'s routing of `tokens` tokens (outputs of `moe_route` in `route`).
-    /// Does nothing unless armed. Returns the launches it made (0 or 1).
-    pub fn record<R: Runtime>(
+    /// The counters layer `layer`'s routing of `tokens` tokens adds to, for
+    /// [`kernels_cubecl::step::moe_route_counted`] (which accumulates them in the routing
+    /// launch itself); `None` unless armed. Counts the tokens once per step.
+    pub fn counters(
         &mut self,
-        client: &ComputeClient<R>,
         shape: MoeShape,
         layer: usize,
         tokens: usize,
-        meta: &DeviceArray,
-        route: &RouteBuffers,
-    ) -> Result<usize, DecodeError> {
+    ) -> Result<Option<RouteCounters<'_>>, DecodeError> {
         if !self.armed || tokens == 0 {
-            return Ok(0);
+            return Ok(None);
         }
         if layer >= self.layers || shape.experts != self.experts || tokens > MAX_TOKENS {
             return Err(DecodeError::Unsupported(format!(
@@ -137,33 +74,7 @@ impl RouteStats {
             self.tokens += tokens as u64;
         }
         self.last = Some(layer);
-        let arg = |a: &DeviceArray| {
-            // SAFETY: `len` is the element count the buffer was created with.
-            unsafe { ArrayArg::<R>::from_raw_parts(a.handle.clone(), a.len.max(1)) }
-        };
-        // SAFETY: `desc` holds experts · ROUTE_CHUNKS items of DESC_WORDS words and `pos` /
-        // `weights` MAX_TOKENS · k entries (RouteBuffers::new); the kernel reads `meta[0] · k`
-        // of them and writes `counts` / `mass` at `layer · experts + e < layers · experts`.
-        unsafe {
-            route_stats_kernel::launch_unchecked::<R>(
-                client,
-                CubeCount::Static(1, 1, 1),
-                CubeDim::new_1d(shape.experts as u32),
-                arg(&route.desc_gate_up),
-                arg(&route.pos),
-                arg(&route.weights),
-                arg(meta),
-                arg(&self.counts),
-                arg(&self.mass),
-                (layer * self.experts) as u32,
-                shape.experts,
-                shape.k,
-                ROUTE_CHUNKS,
-                shape.hidden,
-                DESC_WORDS,
-            )
-        };
-        Ok(1)
+        Ok(Some(RouteCounters { counts: &self.counts, mass: &self.mass, base: layer * self.experts }))
     }
 
     /// Downloads the counters and zeroes them (`None` when no token was recorded).
@@ -189,7 +100,7 @@ mod tests {
     use super::*;
     use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
     use kernels_cubecl::PoolSlot;
-    use kernels_cubecl::step::{expert_slot_words, moe_route, route_reference};
+    use kernels_cubecl::step::{RouteBuffers, expert_slot_words, moe_route_counted, route_reference};
 
     /// Mass is a sum of at most `tokens` weights in another order: f32 rounding only.
     const MASS_TOL: f32 = 1e-5;
@@ -224,8 +135,8 @@ mod tests {
                     .collect();
                 let meta = DeviceArray::from_slice(&client, &[tokens as u32]);
                 let dl = DeviceArray::from_slice(&client, &logits);
-                moe_route(&client, shape, tokens, &meta, &dl, &slots, &route).unwrap();
-                stats.record(&client, shape, layer, tokens, &meta, &route).unwrap();
+                let counters = stats.counters(shape, layer, tokens).unwrap();
+                moe_route_counted(&client, shape, tokens, &meta, &dl, &slots, &route, counters).unwrap();
                 if armed {
                     let (sel, w) = route_reference(shape, &logits);
                     let sel: Vec<usize> = sel.iter().map(|&e| e as usize).collect();

@@ -347,3 +347,50 @@ fn mixtral_shipped_chunked_prefill() {
 fn gemma4_fixture_chunked_prefill_past_the_window() {
     check_prefill(&fixture("gemma4"), F32_KV_TOL);
 }
+
+/// Launches of one layer of the fast path, by kind (the RMSNorms are folded into the GEMMs and
+/// the experts' gather, so none is a launch): QKV GEMM, RoPE + append, attention, O GEMM,
+/// router GEMM, routing (+ statistics) with the gather, gate_up, down, combine.
+const MOE_LAYER_LAUNCHES: usize = 9;
+/// Qwen2-MoE's shared expert beside the routed ones: its gate|up GEMM and the down GEMM that
+/// reads act(gate)·up (· its sigmoid gate).
+const MLP_LAUNCHES: usize = 2;
+/// A dense layer: the attention's four launches and the MLP.
+const DENSE_LAYER_LAUNCHES: usize = 4 + MLP_LAUNCHES;
+/// Gemma-4: the MoE layer with its combine replaced by the FFN epilogue (its head norms ride in
+/// the RoPE + append launch), plus the attention output's add-norm and the dense GeGLU branch.
+const GEMMA_LAYER_LAUNCHES: usize = MOE_LAYER_LAUNCHES + 1 + MLP_LAUNCHES;
+
+/// `Decoder::last_launches` of one step of a single sequence, with and without the routing
+/// statistics armed, and of a greedy step: the embedding, every layer's launches by kind, the
+/// LM head (the final norm folded in), Gemma's soft-cap, and the device argmax.
+#[test]
+fn launches_per_layer() {
+    if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
+        // SAFETY: set once before any thread reads the environment.
+        unsafe { std::env::set_var("XDG_RUNTIME_DIR", std::env::temp_dir()) };
+    }
+    let client = cubecl::Runtime::client(&WgpuDevice::DefaultDevice);
+    for (dir, sparse, dense) in [
+        (fixture("mixtral"), MOE_LAYER_LAUNCHES, DENSE_LAYER_LAUNCHES),
+        // The router's rows ride in the shared expert's gate|up GEMM.
+        (fixture("qwen2_moe"), MOE_LAYER_LAUNCHES + MLP_LAUNCHES - 1, DENSE_LAYER_LAUNCHES),
+        (fixture("gemma4"), GEMMA_LAYER_LAUNCHES, 0),
+    ] {
+        let cfg = DecodeConfig::from_model(&ModelConfig::from_dir(&dir).unwrap()).unwrap();
+        let experts = ExpertBlocks::quantize_hf(&Checkpoint::open(&dir).unwrap(), &cfg, 4).unwrap();
+        let mut dec = Decoder::<WgpuRuntime, f32>::load(&client, &dir, &experts, 8, 4, 16).unwrap();
+        let layers: usize = cfg.sparse.iter().map(|&s| if s { sparse } else { dense }).sum();
+        let want = 1 + layers + 1 + usize::from(cfg.softcap > 0.0);
+        dec.add_sequence(1).unwrap();
+        dec.step(&[(1, 1)]).unwrap();
+        assert_eq!(dec.last_launches(), want, "{}", dir.display());
+        dec.route_stats_mut().armed = true;
+        dec.step(&[(1, 2)]).unwrap();
+        assert!(dec.take_route_stats().unwrap().is_some(), "{}: routing recorded", dir.display());
+        assert_eq!(dec.last_launches(), want, "{}: statistics armed", dir.display());
+        dec.route_stats_mut().armed = false;
+        dec.step_greedy(&[(1, 3)]).unwrap();
+        assert_eq!(dec.last_launches(), want + 1, "{}: greedy", dir.display());
+    }
+}
