@@ -59,6 +59,10 @@ pub struct BenchKernelsArgs {
     /// Skip the prefill comparison (dequantize + Burn matmul vs Burn's f16 matmul; CUDA only).
     #[arg(long)]
     pub no_prefill: bool,
+    /// Also check each single block's result against the CPU reference on random `x` (fails
+    /// the run past the error budget).
+    #[arg(long)]
+    pub check: bool,
 }
 
 /// Runs the benchmark on the chosen runtime.
@@ -113,6 +117,48 @@ pub(crate) fn gaussian_block(rows: usize, cols: usize, seed: u64) -> Result<ApBl
     };
     let w: Vec<f32> = (0..rows * cols).map(|_| (uni() + uni() + uni() + uni()) * 0.02).collect();
     Ok(ApBlock::quantize("bench", &w, None, rows, cols, 3, 8)?)
+}
+
+/// Largest `|kernel − reference| / max |reference|` accepted by `bench-kernels --check` (f32
+/// accumulation in a different order over up to 14336 columns).
+const CHECK_BUDGET: f32 = 1e-4;
+
+/// `bench-kernels --check`: the kernel's result for one block against the CPU reference on
+/// random `x` (the timed runs use a constant `x`); errors past [`CHECK_BUDGET`] fail the run.
+fn check_block<R: Runtime>(
+    client: &ComputeClient<R>,
+    cfg: GemmConfig,
+    block: &ApBlock,
+    bits: u8,
+    tokens: usize,
+) -> Result<f32> {
+    let (rows, cols) = (block.rows, block.cols);
+    let mut pool = PoolImage::default();
+    let slot = pool.push(block, bits);
+    let mut s = 0x9E37_79B9_7F4A_7C15u64 ^ ((bits as u64) << 8) ^ (tokens as u64);
+    let x: Vec<f32> = (0..tokens * cols)
+        .map(|_| {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+        })
+        .collect();
+    let it = slot.item(0, 0, tokens as u32);
+    let planes = DeviceArray::from_slice(client, &pool.planes);
+    let luts = DeviceArray::from_slice(client, &pool.luts);
+    let xd = DeviceArray::from_slice(client, &x);
+    let y = DeviceArray::empty::<R, f32>(client, tokens * rows);
+    let desc = upload_items(client, &[it]);
+    ap_gemm(client, cfg, &planes, &luts, &[it], &desc, &xd, &y, Activation::None)?;
+    let got = kernels_cubecl::read_f32(client, &y)?;
+    let mut want = vec![0f32; tokens * rows];
+    kernels_cubecl::ap_gemm_reference(&pool, &[it], &x, &mut want, Activation::None);
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(f32::MIN_POSITIVE);
+    let err = got.iter().zip(&want).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
+    anyhow::ensure!(
+        err <= CHECK_BUDGET,
+        "kernel vs reference: {rows}x{cols} at {bits} bits, {tokens} tokens: relative error {err:.2e} > {CHECK_BUDGET:.0e}"
+    );
+    Ok(err)
 }
 
 /// The kernel variants to time: the current choice ("specialized": the persistent GEMV for
@@ -231,6 +277,20 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchKernelsArgs) -> Result<Vec<Value
                         (it, upload_items(&client, &[it]))
                     })
                     .collect();
+                if a.check {
+                    // The launch's own choice (the tiled kernel for one block) and the GEMV.
+                    for (variant, vcfg) in
+                        [("specialized", cfg), ("gemv", GemmConfig { gemv_min_items: 1, ..cfg })]
+                    {
+                        let err = check_block(&client, vcfg, &block, bits, tokens)?;
+                        eprintln!(
+                            "check {variant} {model} {block_name} {rows}x{cols} t{tokens} b{bits}: relative error {err:.2e}"
+                        );
+                        records.push(json!({"kernel": "check", "variant": variant, "model": model,
+                            "block": block_name, "shape": [rows, cols], "tokens": tokens, "bits": bits,
+                            "max_rel_err": err}));
+                    }
+                }
                 for (variant, vcfg) in variants(cfg, a.compare_v1) {
                     let t = time_batches(&client, a.launches, |i| {
                         let (it, d) = &descs[i % descs.len()];

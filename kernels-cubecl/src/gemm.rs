@@ -335,11 +335,10 @@ pub(crate) fn word_rows(
                 let jj = jl % 4usize;
                 #[unroll]
                 for r in 0..rows {
-                    let mut w = 0.0f32;
-                    if comptime![lanes] {
+                    let w = if comptime![lanes] {
                         let j = 2usize * jj + h;
                         let src = tw[r * 4usize + q] >> (4usize * j) as u32;
-                        w = lane_lut(lr, r, src, shuffle);
+                        lane_lut(lr, r, src, shuffle)
                     } else {
                         let addr = if comptime![nib] {
                             let j = 2usize * jj + h;
@@ -347,8 +346,8 @@ pub(crate) fn word_rows(
                         } else {
                             (((vb[2usize * r + h] >> (8usize * jj) as u32) << 2u32) & am) | rp[r]
                         };
-                        w = lut_s[(addr >> 2u32) as usize];
-                    }
+                        lut_s[(addr >> 2u32) as usize]
+                    };
                     #[unroll(unrolled)]
                     for t in 0..tb {
                         acc[r * tb + t] += w * xv[t * xw + jl / 4usize][jj];
