@@ -1,7 +1,8 @@
 //! The small fused kernels of a decode step (everything but attention and the grouped expert
 //! GEMM): embedding lookup, dense f16 skinny GEMM with bias, residual add and a fused input
 //! RMSNorm, on-device routing (with the planner's statistics) that writes the grouped kernel's
-//! descriptor table, row gather (with a fused RMSNorm) and the weighted combine. No RMSNorm
+//! descriptor table (a small router's logits computed in the same launch), row gather (with a
+//! fused RMSNorm) and the weighted combine. No RMSNorm
 //! is a launch of its own: each is folded into the kernels that read its output. Every launch reads its token count from `meta[0]`, so one compiled
 //! kernel serves every batch size up to its `max_tokens` bucket and the host never needs a
 //! round trip inside a layer.
