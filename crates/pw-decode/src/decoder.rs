@@ -599,6 +599,16 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
         &mut self.gemm
     }
 
+    /// Computes the router logits inside the routing launch (`on`, the default where the
+    /// router is small enough, see `kernels_cubecl::step::router_fusable`) or with a GEMM of
+    /// their own (for benchmarks comparing the two); returns whether the fused path is on
+    /// (never for a router it cannot take).
+    pub fn set_fused_router(&mut self, on: bool) -> bool {
+        let cfg = &self.cfg;
+        self.fused_router = on && cfg.experts > 0 && router_fusable(&self.client, cfg.moe_shape());
+        self.fused_router
+    }
+
     /// Kernel launches of the last step (all chunks).
     pub fn last_launches(&self) -> usize {
         self.launches

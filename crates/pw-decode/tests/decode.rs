@@ -396,5 +396,20 @@ fn launches_per_layer() {
         dec.route_stats_mut().armed = false;
         dec.step_greedy(&[(1, 3)]).unwrap();
         assert_eq!(dec.last_launches(), want + 1, "{}: greedy", dir.display());
+        if dir != fixture("mixtral") {
+            continue;
+        }
+        // Mixtral's router back in a GEMM of its own: one more launch per sparse layer, the
+        // same greedy tokens as with the router in the routing launch.
+        assert!(!dec.set_fused_router(false), "the fused router switched off");
+        let sparse_layers = cfg.sparse.iter().filter(|&&s| s).count();
+        dec.add_sequence(2).unwrap();
+        let ids = dec.step_greedy(&[(2, 1), (2, 2)]).unwrap();
+        let router_gemms = sparse_layers * ROUTER_GEMM_LAUNCHES;
+        assert_eq!(dec.last_launches(), want + 1 + router_gemms, "router GEMM");
+        assert!(dec.set_fused_router(true), "Mixtral's router fusable");
+        dec.add_sequence(3).unwrap();
+        assert_eq!(dec.step_greedy(&[(3, 1), (3, 2)]).unwrap(), ids, "same tokens either way");
+        assert_eq!(dec.last_launches(), want + 1, "fused router");
     }
 }
