@@ -705,7 +705,12 @@ fn router_shared<R: Runtime>(client: &ComputeClient<R>, shape: MoeShape) -> usiz
 ///
 /// # Shapes
 /// - `x`: `[tokens, hidden]`; `router`: `[experts, hidden]`; returns `[tokens, experts]`
-pub fn router_logits_reference(x: &[f32], router: &[f16], hidden: usize, norm: Option<(&[f32], f32, f32)>) -> Vec<f32> {
+pub fn router_logits_reference(
+    x: &[f32],
+    router: &[f16],
+    hidden: usize,
+    norm: Option<(&[f32], f32, f32)>,
+) -> Vec<f32> {
     let xn = match norm {
         Some((w, eps, off)) => rms_norm_reference(x, w, eps, off),
         None => x.to_vec(),

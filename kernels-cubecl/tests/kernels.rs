@@ -744,13 +744,21 @@ fn moe_route_gather_router_matches_reference() {
                 for (w, a, b) in
                     [("gather", &want_bufs.gather, &bufs.gather), ("pos", &want_bufs.pos, &bufs.pos)]
                 {
-                    assert_eq!(read_u32(&client, a).unwrap()[..n], read_u32(&client, b).unwrap()[..n], "{w}: {what}");
+                    assert_eq!(
+                        read_u32(&client, a).unwrap()[..n],
+                        read_u32(&client, b).unwrap()[..n],
+                        "{w}: {what}"
+                    );
                 }
                 let d = shape.experts * ROUTE_CHUNKS * kernels_cubecl::gemm::DESC_WORDS;
                 for (a, b) in
                     [(&want_bufs.desc_gate_up, &bufs.desc_gate_up), (&want_bufs.desc_down, &bufs.desc_down)]
                 {
-                    assert_eq!(read_u32(&client, a).unwrap()[..d], read_u32(&client, b).unwrap()[..d], "items");
+                    assert_eq!(
+                        read_u32(&client, a).unwrap()[..d],
+                        read_u32(&client, b).unwrap()[..d],
+                        "items"
+                    );
                 }
                 assert_eq!(
                     read_f32(&client, &want_bufs.weights).unwrap()[..n],
