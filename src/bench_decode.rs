@@ -53,6 +53,10 @@ pub struct BenchDecodeArgs {
     /// kernel (`kernels_cubecl::GEMV_MIN_ITEMS`).
     #[arg(long)]
     pub gemv_min_items: Option<usize>,
+    /// Keep the router GEMM a launch of its own even where the routing launch could compute
+    /// the logits (Mixtral), to compare the two.
+    #[arg(long)]
+    pub router_gemm: bool,
 }
 
 fn inv_freq(theta: f64, head_dim: usize, rotating_pairs: usize) -> Vec<f32> {
@@ -225,6 +229,7 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
         if let Some(m) = a.gemv_min_items {
             dec.gemm_config_mut().gemv_min_items = m;
         }
+        let fused_router = dec.set_fused_router(!a.router_gemm);
         sync(&client)?;
         let accountant = Accountant::new(u64::MAX / 2);
         let _weights =
@@ -285,6 +290,7 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
                         "expert_bytes_touched": bytes.experts, "kv_bytes": bytes.kv,
                         "stream_gbps": gbps, "chunks": b.div_ceil(kernels_cubecl::MAX_TOKENS),
                         "gemv_min_items": dec.gemm_config_mut().gemv_min_items,
+                        "fused_router": fused_router,
                     });
                     eprintln!("{rec}");
                     records.push(rec);

@@ -1,7 +1,8 @@
 //! The small fused kernels of a decode step (everything but attention and the grouped expert
 //! GEMM): embedding lookup, dense f16 skinny GEMM with bias, residual add and a fused input
 //! RMSNorm, on-device routing (with the planner's statistics) that writes the grouped kernel's
-//! descriptor table, row gather (with a fused RMSNorm) and the weighted combine. No RMSNorm
+//! descriptor table (a small router's logits computed in the same launch), row gather (with a
+//! fused RMSNorm) and the weighted combine. No RMSNorm
 //! is a launch of its own: each is folded into the kernels that read its output. Every launch reads its token count from `meta[0]`, so one compiled
 //! kernel serves every batch size up to its `max_tokens` bucket and the host never needs a
 //! round trip inside a layer.
@@ -355,7 +356,7 @@ pub fn moe_route_kernel(
 ) {
     let tokens = meta[0] as usize;
     route_cube(
-        logits,
+        &logits.to_slice(),
         slots,
         tokens,
         weights,
@@ -389,7 +390,7 @@ pub fn moe_route_kernel(
 // A comptime switch around a runtime test stays two `if`s: CubeCL expands them differently.
 #[allow(clippy::too_many_arguments, clippy::collapsible_if)]
 fn route_cube(
-    logits: &Array<f32>,
+    logits: &Slice<f32>,
     slots: &Array<u32>,
     tokens: usize,
     weights: &mut Array<f32>,
@@ -603,7 +604,7 @@ pub fn route_gather_kernel(
         terminate!();
     }
     let t = route_cube(
-        logits,
+        &logits.to_slice(),
         slots,
         tokens,
         weights,
@@ -618,6 +619,161 @@ pub fn route_gather_kernel(
         row == 0,
         lstride,
         loff,
+        experts,
+        k,
+        max_tokens,
+        renormalize,
+        hidden,
+        inter,
+        chunk,
+        chunks,
+        stats,
+    );
+    gather_row(x, t, row, norm_w, norm_p, xg, hidden, units, plane_size, norm);
+}
+
+/// [`route_gather_kernel`] with the router GEMM folded in: every cube first computes all the
+/// step's router logits `logits[t, e] = Σ_c norm(x)[t, c] · router[e, c]` (`router` f16
+/// `[experts, hidden]`, the norm the gather's own) into shared memory, then routes and gathers
+/// as [`route_gather_kernel`] does; cube 0 also writes the logits to `logits_out`. Only for a
+/// small router (the host launcher bounds `experts · hidden`): each cube reads the whole
+/// router (from L2 after the first) and `x`, a few µs of ALU in parallel against a launch and
+/// the round trip of the logits through memory.
+///
+/// The dot products: unit `u` owns columns `u + i · units` (as [`load_row`]), keeps one partial
+/// sum per expert for the token in hand, reduces each over its plane and leaves the planes'
+/// sums (and the sum of squares of the norm) in shared memory; after one barrier units sum the
+/// planes' partials of each (token, expert) and apply the norm's per-token scale, as
+/// `dense_gemm_kernel` does with its norm. Cube: `units` units, a multiple of `plane_size`.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn route_gather_router_kernel(
+    router: &Array<f16>,
+    logits_out: &mut Array<f32>,
+    slots: &Array<u32>,
+    meta: &Array<u32>,
+    x: &Array<f32>,
+    norm_w: &Array<f32>,
+    norm_p: &Array<f32>,
+    xg: &mut Array<f32>,
+    weights: &mut Array<f32>,
+    gather: &mut Array<u32>,
+    pos: &mut Array<u32>,
+    desc_gate_up: &mut Array<u32>,
+    desc_down: &mut Array<u32>,
+    counts: &mut Array<u32>,
+    mass: &mut Array<f32>,
+    base: u32,
+    #[comptime] experts: usize,
+    #[comptime] k: usize,
+    #[comptime] max_tokens: usize,
+    #[comptime] renormalize: bool,
+    #[comptime] hidden: usize,
+    #[comptime] inter: usize,
+    #[comptime] chunk: usize,
+    #[comptime] chunks: usize,
+    #[comptime] stats: bool,
+    #[comptime] units: usize,
+    #[comptime] plane_size: usize,
+    #[comptime] norm: bool,
+) {
+    let row = CUBE_POS_X as usize;
+    let tokens = meta[0] as usize;
+    if row >= tokens * k {
+        terminate!();
+    }
+    let u = UNIT_POS as usize;
+    let planes = comptime![units / plane_size];
+    let per = comptime![hidden.div_ceil(units)];
+    // Per (token, plane): the plane's partial dot product with each expert's row, then its
+    // partial sum of squares.
+    let stride = comptime![experts + 1];
+    let mut part = SharedMemory::<f32>::new(comptime![max_tokens * planes * (experts + 1)]);
+    let mut lg = SharedMemory::<f32>::new(comptime![max_tokens * experts]);
+    // This unit's columns of the norm weight (with its offset), once for every token.
+    let mut gw = Array::<f32>::new(per);
+    #[unroll]
+    for i in 0..per {
+        let c = u + i * units;
+        let mut g = 1.0f32;
+        if comptime![norm] {
+            g = 0.0;
+            if c < hidden {
+                g = norm_w[c] + norm_p[1];
+            }
+        }
+        gw[i] = g;
+    }
+    let lane = u % plane_size;
+    let p = u / plane_size;
+    for t in 0..tokens {
+        let mut xv = Array::<f32>::new(per);
+        let ss = load_row(x, t * hidden, &mut xv, hidden, units);
+        let mut acc = Array::<f32>::new(experts);
+        #[unroll]
+        for e in 0..experts {
+            acc[e] = 0.0;
+        }
+        #[unroll]
+        for i in 0..per {
+            let c = u + i * units;
+            if c < hidden {
+                let v = xv[i] * gw[i];
+                #[unroll]
+                for e in 0..experts {
+                    acc[e] += v * f32::cast_from(router[e * hidden + c]);
+                }
+            }
+        }
+        let at = (t * planes + p) * stride;
+        #[unroll]
+        for e in 0..experts {
+            let sum = plane_sum(acc[e]);
+            if lane == 0 {
+                part[at + e] = sum;
+            }
+        }
+        let sq = plane_sum(ss);
+        if lane == 0 {
+            part[at + experts] = sq;
+        }
+    }
+    sync_cube();
+    for j in range_stepped(u, tokens * experts, units) {
+        let t = j / experts;
+        let e = j % experts;
+        let mut d = 0.0f32;
+        let mut sq = 0.0f32;
+        for q in 0..planes {
+            d += part[(t * planes + q) * stride + e];
+            sq += part[(t * planes + q) * stride + experts];
+        }
+        let mut v = d;
+        if comptime![norm] {
+            v = d / (sq / f32::cast_from(hidden) + norm_p[0]).sqrt();
+        }
+        lg[j] = v;
+        if row == 0 {
+            logits_out[j] = v;
+        }
+    }
+    sync_cube();
+    let t = route_cube(
+        &lg.to_slice(),
+        slots,
+        tokens,
+        weights,
+        gather,
+        pos,
+        desc_gate_up,
+        desc_down,
+        counts,
+        mass,
+        base,
+        row,
+        row == 0,
+        experts,
+        0usize,
         experts,
         k,
         max_tokens,

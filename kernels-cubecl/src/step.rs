@@ -571,13 +571,6 @@ pub fn moe_route_gather<R: Runtime>(
     norm: Option<RowNorm<'_>>,
     xg: &DeviceArray,
 ) -> Result<(), KernelError> {
-    if shape.experts > 128 || shape.k == 0 || shape.k > shape.experts {
-        return Err(bad(format!("moe_route: unsupported {shape:?} (at most 128 experts, 1 ≤ k ≤ experts)")));
-    }
-    if tokens > MAX_TOKENS {
-        return Err(bad(format!("moe_route: {tokens} tokens, at most {MAX_TOKENS}")));
-    }
-    let width = shape.hidden;
     if layout.stride < layout.offset + shape.experts {
         return Err(bad(format!("moe_route_gather: {layout:?} for {} experts", shape.experts)));
     }
@@ -586,24 +579,9 @@ pub fn moe_route_gather<R: Runtime>(
         logits,
         tokens.saturating_sub(1) * layout.stride + layout.offset + shape.experts,
     )?;
-    need("moe_route slots", slots, shape.experts * 6)?;
-    need("gather x", x, tokens * width)?;
-    need("gather out", xg, tokens * shape.k * width)?;
-    if let Some(st) = stats {
-        need("moe_route counts", st.counts, st.base + shape.experts)?;
-        need("moe_route mass", st.mass, st.base + shape.experts)?;
-    }
-    if let Some(nm) = norm {
-        need("gather norm weight", nm.w, width)?;
-        need("gather norm params", nm.params, 2)?;
-    }
+    let (units, plane) = check_route_gather(client, shape, tokens, slots, stats, x, norm, xg)?;
     if tokens == 0 {
         return Ok(());
-    }
-    // The routing needs a unit per expert and per token, the gather up to 16 values per unit.
-    let (units, plane) = row_units(client, width.max(16 * shape.experts.max(MAX_TOKENS)), 16);
-    if width > 32 * units || units < shape.experts.max(MAX_TOKENS) {
-        return Err(bad(format!("moe_route_gather: width {width} or {shape:?} too wide for {units} units")));
     }
     let (counts, mass, base) = match stats {
         Some(st) => (st.counts, st.mass, st.base),
@@ -649,6 +627,180 @@ pub fn moe_route_gather<R: Runtime>(
             norm.is_some(),
             layout.stride,
             layout.offset,
+        )
+    };
+    Ok(())
+}
+
+/// The checks [`moe_route_gather`] and [`moe_route_gather_router`] share; returns the cube's
+/// units and the plane size.
+#[allow(clippy::too_many_arguments)]
+fn check_route_gather<R: Runtime>(
+    client: &ComputeClient<R>,
+    shape: MoeShape,
+    tokens: usize,
+    slots: &DeviceArray,
+    stats: Option<RouteCounters<'_>>,
+    x: &DeviceArray,
+    norm: Option<RowNorm<'_>>,
+    xg: &DeviceArray,
+) -> Result<(usize, usize), KernelError> {
+    if shape.experts > 128 || shape.k == 0 || shape.k > shape.experts {
+        return Err(bad(format!("moe_route: unsupported {shape:?} (at most 128 experts, 1 ≤ k ≤ experts)")));
+    }
+    if tokens > MAX_TOKENS {
+        return Err(bad(format!("moe_route: {tokens} tokens, at most {MAX_TOKENS}")));
+    }
+    let width = shape.hidden;
+    need("moe_route slots", slots, shape.experts * 6)?;
+    need("gather x", x, tokens * width)?;
+    need("gather out", xg, tokens * shape.k * width)?;
+    if let Some(st) = stats {
+        need("moe_route counts", st.counts, st.base + shape.experts)?;
+        need("moe_route mass", st.mass, st.base + shape.experts)?;
+    }
+    if let Some(nm) = norm {
+        need("gather norm weight", nm.w, width)?;
+        need("gather norm params", nm.params, 2)?;
+    }
+    // The routing needs a unit per expert and per token, the gather up to 16 values per unit.
+    let (units, plane) = row_units(client, width.max(16 * shape.experts.max(MAX_TOKENS)), 16);
+    if width > 32 * units || units < shape.experts.max(MAX_TOKENS) {
+        return Err(bad(format!("moe_route_gather: width {width} or {shape:?} too wide for {units} units")));
+    }
+    Ok((units, plane))
+}
+
+/// The largest router (`experts · hidden` weights) [`moe_route_gather_router`] folds into the
+/// routing launch: every routing cube reads the whole router and recomputes every token's
+/// logits, so the cost grows with it. Mixtral's 8 × 4096 (64 KiB of f16, L2-resident after
+/// the first cube, ~2k FMAs per unit) fits; Qwen1.5-MoE's 60 × 2048 router sits in the shared
+/// expert's GEMM anyway, and Gemma-4's 128 × 2816 (11× Mixtral's, with its own norm, read
+/// again by its FFN epilogue) keeps its GEMM.
+pub const FUSED_ROUTER_MAX_WEIGHTS: usize = 64 * 1024;
+/// The most experts [`moe_route_gather_router`] takes: each unit keeps a partial sum per expert
+/// in registers.
+pub const FUSED_ROUTER_MAX_EXPERTS: usize = 32;
+
+/// Shared memory [`moe_route_gather_router`] may take for its partial sums (lavapipe offers
+/// 32 KiB, the H200 48 KiB without opting in).
+const FUSED_ROUTER_MAX_SHARED: usize = 24 * 1024;
+
+/// Whether [`moe_route_gather_router`] takes a router of this shape on this device (see
+/// [`FUSED_ROUTER_MAX_WEIGHTS`]; its partial sums must also fit in shared memory).
+pub fn router_fusable<R: Runtime>(client: &ComputeClient<R>, shape: MoeShape) -> bool {
+    shape.experts <= FUSED_ROUTER_MAX_EXPERTS
+        && shape.experts * shape.hidden <= FUSED_ROUTER_MAX_WEIGHTS
+        && router_shared(client, shape) <= FUSED_ROUTER_MAX_SHARED
+}
+
+/// Bytes of shared memory of [`decode::route_gather_router_kernel`]'s partial sums and logits.
+fn router_shared<R: Runtime>(client: &ComputeClient<R>, shape: MoeShape) -> usize {
+    let (units, plane) = row_units(client, shape.hidden.max(16 * shape.experts.max(MAX_TOKENS)), 16);
+    4 * MAX_TOKENS * ((units / plane) * (shape.experts + 1) + shape.experts)
+}
+
+/// CPU reference of the router logits [`moe_route_gather_router`] computes:
+/// `norm(x) · routerᵀ` with `norm = (w, eps, offset)` as [`rms_norm_reference`].
+///
+/// # Shapes
+/// - `x`: `[tokens, hidden]`; `router`: `[experts, hidden]`; returns `[tokens, experts]`
+pub fn router_logits_reference(
+    x: &[f32],
+    router: &[f16],
+    hidden: usize,
+    norm: Option<(&[f32], f32, f32)>,
+) -> Vec<f32> {
+    let xn = match norm {
+        Some((w, eps, off)) => rms_norm_reference(x, w, eps, off),
+        None => x.to_vec(),
+    };
+    xn.chunks(hidden)
+        .flat_map(|row| {
+            router.chunks(hidden).map(move |r| row.iter().zip(r).map(|(a, b)| a * b.to_f32()).sum::<f32>())
+        })
+        .collect()
+}
+
+/// [`moe_route_gather`] with the router GEMM in the same launch (see
+/// [`decode::route_gather_router_kernel`]): the logits `norm(x) · routerᵀ` are computed in each
+/// routing cube (the norm is the gather's), and written to `logits` by one of them. For
+/// routers that pass [`router_fusable`] only.
+///
+/// # Shapes
+/// - `router`: f16 `[experts, hidden]`; `logits`: `[tokens, experts]`; `slots`: `[experts · 6]`;
+///   `x`: `[tokens, hidden]`; `xg`: `[tokens · k, hidden]`
+#[allow(clippy::too_many_arguments)]
+pub fn moe_route_gather_router<R: Runtime>(
+    client: &ComputeClient<R>,
+    shape: MoeShape,
+    tokens: usize,
+    meta: &DeviceArray,
+    (router, logits): (&DeviceArray, &DeviceArray),
+    slots: &DeviceArray,
+    out: &RouteBuffers,
+    stats: Option<RouteCounters<'_>>,
+    x: &DeviceArray,
+    norm: Option<RowNorm<'_>>,
+    xg: &DeviceArray,
+) -> Result<(), KernelError> {
+    if !router_fusable(client, shape) {
+        return Err(bad(format!(
+            "moe_route_gather_router: a router of {} × {} is above {FUSED_ROUTER_MAX_EXPERTS} experts, \
+             {FUSED_ROUTER_MAX_WEIGHTS} weights or {FUSED_ROUTER_MAX_SHARED} bytes of shared memory \
+             (use its own GEMM and moe_route_gather)",
+            shape.experts, shape.hidden
+        )));
+    }
+    need("moe_route_gather_router router", router, shape.experts * shape.hidden)?;
+    need("moe_route_gather_router logits", logits, tokens * shape.experts)?;
+    let (units, plane) = check_route_gather(client, shape, tokens, slots, stats, x, norm, xg)?;
+    if tokens == 0 {
+        return Ok(());
+    }
+    let (counts, mass, base) = match stats {
+        Some(st) => (st.counts, st.mass, st.base),
+        None => (&out.no_counts, &out.no_mass, 0),
+    };
+    let (nw, np) = match norm {
+        Some(nm) => (nm.w, nm.params),
+        None => (x, meta),
+    };
+    // SAFETY: sizes checked above; outputs were sized for MAX_TOKENS tokens by RouteBuffers;
+    // the gathered rows' tokens come from the routing, below `tokens`.
+    unsafe {
+        decode::route_gather_router_kernel::launch_unchecked::<R>(
+            client,
+            CubeCount::Static((tokens * shape.k) as u32, 1, 1),
+            CubeDim::new_1d(units as u32),
+            router.arg(),
+            logits.arg(),
+            slots.arg(),
+            meta.arg(),
+            x.arg(),
+            nw.arg(),
+            np.arg(),
+            xg.arg(),
+            out.weights.arg(),
+            out.gather.arg(),
+            out.pos.arg(),
+            out.desc_gate_up.arg(),
+            out.desc_down.arg(),
+            counts.arg(),
+            mass.arg(),
+            base as u32,
+            shape.experts,
+            shape.k,
+            MAX_TOKENS,
+            shape.renormalize,
+            shape.hidden,
+            shape.inter,
+            ROUTE_CHUNK,
+            ROUTE_CHUNKS,
+            stats.is_some(),
+            units,
+            plane,
+            norm.is_some(),
         )
     };
     Ok(())

@@ -670,6 +670,112 @@ fn moe_route_gather_matches_reference() {
     }
 }
 
+/// Error budget of the router logits folded into the routing launch
+/// (`moe_route_gather_router`) against `router_logits_reference`: f32 dot products over
+/// `hidden` in another order (planes' partial sums), and the norm's scale applied after them,
+/// relative to the largest logit.
+const ROUTER_LOGITS_TOL: f32 = 5e-5;
+
+/// The router GEMM, routing and gather in one launch (`moe_route_gather_router`): its logits
+/// within ROUTER_LOGITS_TOL of `router_logits_reference`; its routing outputs bit for bit those
+/// of `moe_route_counted` over the logits it wrote (weights, positions, gather order, work
+/// items, statistics); the gathered rows as `gather_rows_reference` (exact without a norm,
+/// NORMED_TOL with one). Mixtral's router shape, and a width that leaves units idle.
+#[test]
+fn moe_route_gather_router_matches_reference() {
+    use kernels_cubecl::step::*;
+    let client = client();
+    let mut rng = StdRng::seed_from_u64(23);
+    let up = |v: &[f32]| DeviceArray::from_slice(&client, v);
+    let too_big = MoeShape { experts: 128, k: 8, renormalize: true, hidden: 2816, inter: 704 };
+    assert!(!router_fusable(&client, too_big), "Gemma-4's router stays a GEMM");
+    for shape in [
+        MoeShape { experts: 8, k: 2, renormalize: true, hidden: 4096, inter: 64 },
+        MoeShape { experts: 6, k: 3, renormalize: false, hidden: 300, inter: 16 },
+    ] {
+        assert!(router_fusable(&client, shape), "{shape:?}");
+        let h = shape.hidden;
+        let slot = |rows, cols| PoolSlot { plane_off: 7, lut_off: 3, rows, cols, bits: 4 };
+        let slots =
+            vec![(slot(2 * shape.inter as u32, h as u32), slot(h as u32, shape.inter as u32)); shape.experts];
+        let slot_words = DeviceArray::from_slice(&client, &expert_slot_words(shape, &slots).unwrap());
+        let (want_bufs, bufs) = (RouteBuffers::new(&client, shape), RouteBuffers::new(&client, shape));
+        let router: Vec<half::f16> =
+            (0..shape.experts * h).map(|_| half::f16::from_f32(rng.random_range(-0.1f32..0.1))).collect();
+        let rd = DeviceArray::from_slice(&client, &router);
+        for tokens in [1usize, 5, 16] {
+            let meta = DeviceArray::from_slice(&client, &[tokens as u32]);
+            let x = rand_vec(&mut rng, tokens * h, 2.0);
+            let xd = up(&x);
+            let g = rand_vec(&mut rng, h, 1.0);
+            let (gd, params) = (up(&g), up(&[1e-5, 1.0]));
+            for norm in [None, Some(RowNorm { w: &gd, params: &params })] {
+                let what = format!("{shape:?}, {tokens} tokens, norm {}", norm.is_some());
+                let zeros = || DeviceArray::from_slice(&client, &vec![0u32; 2 * shape.experts]);
+                let zf = || up(&vec![0.0; 2 * shape.experts]);
+                let (wc, wm, gc, gm) = (zeros(), zf(), zeros(), zf());
+                let base = shape.experts;
+                let stats = Some(RouteCounters { counts: &gc, mass: &gm, base });
+                let xg = DeviceArray::empty::<WgpuRuntime, f32>(&client, tokens * shape.k * h);
+                let ld = up(&vec![f32::NAN; tokens * shape.experts]);
+                moe_route_gather_router(
+                    &client,
+                    shape,
+                    tokens,
+                    &meta,
+                    (&rd, &ld),
+                    &slot_words,
+                    &bufs,
+                    stats,
+                    &xd,
+                    norm,
+                    &xg,
+                )
+                .unwrap();
+                let logits = read_f32(&client, &ld).unwrap();
+                let nref = norm.map(|_| (g.as_slice(), 1e-5, 1.0));
+                let want = router_logits_reference(&x, &router, h, nref);
+                assert_close(&logits, &want, ROUTER_LOGITS_TOL, &format!("logits of {what}"));
+                // The routing of the logits the kernel computed (every cube's are the same).
+                let want_stats = Some(RouteCounters { counts: &wc, mass: &wm, base });
+                moe_route_counted(&client, shape, tokens, &meta, &ld, &slot_words, &want_bufs, want_stats)
+                    .unwrap();
+                let n = tokens * shape.k;
+                for (w, a, b) in
+                    [("gather", &want_bufs.gather, &bufs.gather), ("pos", &want_bufs.pos, &bufs.pos)]
+                {
+                    assert_eq!(
+                        read_u32(&client, a).unwrap()[..n],
+                        read_u32(&client, b).unwrap()[..n],
+                        "{w}: {what}"
+                    );
+                }
+                let d = shape.experts * ROUTE_CHUNKS * kernels_cubecl::gemm::DESC_WORDS;
+                for (a, b) in
+                    [(&want_bufs.desc_gate_up, &bufs.desc_gate_up), (&want_bufs.desc_down, &bufs.desc_down)]
+                {
+                    assert_eq!(
+                        read_u32(&client, a).unwrap()[..d],
+                        read_u32(&client, b).unwrap()[..d],
+                        "items"
+                    );
+                }
+                assert_eq!(
+                    read_f32(&client, &want_bufs.weights).unwrap()[..n],
+                    read_f32(&client, &bufs.weights).unwrap()[..n],
+                    "weights: {what}"
+                );
+                assert_eq!(read_u32(&client, &wc).unwrap(), read_u32(&client, &gc).unwrap(), "counts");
+                assert_eq!(read_f32(&client, &wm).unwrap(), read_f32(&client, &gm).unwrap(), "mass");
+                let idx = read_u32(&client, &want_bufs.gather).unwrap()[..n].to_vec();
+                let want = gather_rows_reference(&x, h, &idx, nref);
+                let tol = if norm.is_some() { NORMED_TOL } else { 0.0 };
+                assert_close(&read_f32(&client, &xg).unwrap(), &want, tol, &what);
+            }
+        }
+    }
+}
+
 fn check_routed_moe(
     client: &ComputeClient<WgpuRuntime>,
     rng: &mut StdRng,

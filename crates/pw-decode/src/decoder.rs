@@ -11,7 +11,7 @@ use kernels_cubecl::families::{
 };
 use kernels_cubecl::step::{
     DenseGemm, GatedInput, LogitsLayout, RouteBuffers, RowNorm, ap_gemm_routed, dense_gemm, dense_gemm_act,
-    dense_gemm_normed, embed, moe_combine, moe_route_gather,
+    dense_gemm_normed, embed, moe_combine, moe_route_gather, moe_route_gather_router, router_fusable,
 };
 use kernels_cubecl::{
     Activation, DeviceArray, GemmConfig, MAX_TOKENS, RowLayout, paged_decode_attention_strided, read_f32,
@@ -93,6 +93,9 @@ pub struct Decoder<R: Runtime, KV: Float + CubeElement> {
     /// Routing counts of the armed steps, for the planner.
     stats: RouteStats,
     gemm: GemmConfig,
+    /// Router logits computed inside the routing launch (`moe_route_gather_router`) instead of
+    /// a GEMM of their own: routers small enough to recompute in every routing cube.
+    fused_router: bool,
     kv: DevicePools<R>,
     tables: BlockTables,
     s: Scratch,
@@ -497,6 +500,7 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
             stats: RouteStats::new(client, cfg.layers, cfg.experts.max(1)),
             experts,
             gemm: GemmConfig::for_client(client),
+            fused_router: cfg.experts > 0 && router_fusable(client, cfg.moe_shape()),
             kv: DevicePools::new::<KV>(client, &geometry, kv_blocks),
             tables: BlockTables::new(&geometry, kv_blocks),
             s,
@@ -593,6 +597,16 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
     /// The expert kernels' launch shape (for benchmarks comparing kernel choices).
     pub fn gemm_config_mut(&mut self) -> &mut GemmConfig {
         &mut self.gemm
+    }
+
+    /// Computes the router logits inside the routing launch (`on`, the default where the
+    /// router is small enough, see `kernels_cubecl::step::router_fusable`) or with a GEMM of
+    /// their own (for benchmarks comparing the two); returns whether the fused path is on
+    /// (never for a router it cannot take).
+    pub fn set_fused_router(&mut self, on: bool) -> bool {
+        let cfg = &self.cfg;
+        self.fused_router = on && cfg.experts > 0 && router_fusable(&self.client, cfg.moe_shape());
+        self.fused_router
     }
 
     /// Kernel launches of the last step (all chunks).
@@ -895,9 +909,28 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
                     // combine writes it; the additions keep their order (experts, then MLP).
                     let pn = &layer.post_attn_norm;
                     if let Some(ex) = self.experts.layer(li) {
-                        // Router logits: their own GEMM, or beside the shared expert's gate|up
-                        // rows in its GEMM.
+                        // Router logits: computed in the routing launch itself when the router is
+                        // small (Mixtral's 8 × 4096, see `router_fusable`), else their own GEMM,
+                        // or beside the shared expert's gate|up rows in its GEMM. Then routing
+                        // (+ statistics) and the gather of norm(h) in one launch.
+                        let counters = self.stats.counters(shape, li, t)?;
                         let logits = match (&layer.router, &layer.mlp) {
+                            (Some(router), _) if self.fused_router => {
+                                launch!(moe_route_gather_router(
+                                    c,
+                                    shape,
+                                    t,
+                                    &meta,
+                                    (router, &s.router_logits),
+                                    ex.slots,
+                                    &s.route,
+                                    counters,
+                                    &s.h,
+                                    rn(pn, np),
+                                    &s.xg
+                                ));
+                                None
+                            }
                             (Some(router), _) => {
                                 let g = DenseGemm { n: e, k: h, bias: false, accumulate: false };
                                 launch!(dense_gemm_normed(
@@ -911,33 +944,33 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
                                     &s.none,
                                     &s.router_logits
                                 ));
-                                (&s.router_logits, LogitsLayout { stride: e, offset: 0 })
+                                Some((&s.router_logits, LogitsLayout { stride: e, offset: 0 }))
                             }
                             (None, Some(w)) => {
                                 n += mlp_up(&s.h, pn, li, w)?;
                                 let at =
                                     LogitsLayout { stride: gu_width(cfg, li), offset: mlp_stride(cfg, li) };
-                                (&s.mlp_gu, at)
+                                Some((&s.mlp_gu, at))
                             }
                             (None, None) => {
                                 return Err(DecodeError::Unsupported(format!("layer {li}: no router")));
                             }
                         };
-                        // Routing (+ statistics) and the gather of norm(h) in one launch.
-                        let counters = self.stats.counters(shape, li, t)?;
-                        launch!(moe_route_gather(
-                            c,
-                            shape,
-                            t,
-                            &meta,
-                            logits,
-                            ex.slots,
-                            &s.route,
-                            counters,
-                            &s.h,
-                            rn(pn, np),
-                            &s.xg
-                        ));
+                        if let Some(logits) = logits {
+                            launch!(moe_route_gather(
+                                c,
+                                shape,
+                                t,
+                                &meta,
+                                logits,
+                                ex.slots,
+                                &s.route,
+                                counters,
+                                &s.h,
+                                rn(pn, np),
+                                &s.xg
+                            ));
+                        }
                         if let (Some(_), Some(w)) = (&layer.router, &layer.mlp) {
                             n += mlp_up(&s.h, pn, li, w)?;
                         }

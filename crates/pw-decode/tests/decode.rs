@@ -350,16 +350,20 @@ fn gemma4_fixture_chunked_prefill_past_the_window() {
 
 /// Launches of one layer of the fast path, by kind (the RMSNorms are folded into the GEMMs and
 /// the experts' gather, so none is a launch): QKV GEMM, RoPE + append, attention, O GEMM,
-/// router GEMM, routing (+ statistics) with the gather, gate_up, down, combine.
-const MOE_LAYER_LAUNCHES: usize = 9;
-/// Qwen2-MoE's shared expert beside the routed ones: its gate|up GEMM and the down GEMM that
-/// reads act(gate)·up (· its sigmoid gate).
+/// routing (+ statistics) with the gather, gate_up, down, combine. A small router (Mixtral's,
+/// see `router_fusable`) is computed in the routing launch; a larger one adds its GEMM.
+const MOE_LAYER_LAUNCHES: usize = 8;
+/// A router GEMM of its own (Gemma-4's 128 × 2816 router, too big to recompute per cube).
+const ROUTER_GEMM_LAUNCHES: usize = 1;
+/// Qwen2-MoE's shared expert beside the routed ones: its gate|up GEMM (with the router's rows
+/// after them) and the down GEMM that reads act(gate)·up (· its sigmoid gate).
 const MLP_LAUNCHES: usize = 2;
 /// A dense layer: the attention's four launches and the MLP.
 const DENSE_LAYER_LAUNCHES: usize = 4 + MLP_LAUNCHES;
-/// Gemma-4: the MoE layer with its combine replaced by the FFN epilogue (its head norms ride in
-/// the RoPE + append launch), plus the attention output's add-norm and the dense GeGLU branch.
-const GEMMA_LAYER_LAUNCHES: usize = MOE_LAYER_LAUNCHES + 1 + MLP_LAUNCHES;
+/// Gemma-4: the MoE layer with its router GEMM and its combine replaced by the FFN epilogue
+/// (its head norms ride in the RoPE + append launch), plus the attention output's add-norm and
+/// the dense GeGLU branch.
+const GEMMA_LAYER_LAUNCHES: usize = MOE_LAYER_LAUNCHES + ROUTER_GEMM_LAUNCHES + 1 + MLP_LAUNCHES;
 
 /// `Decoder::last_launches` of one step of a single sequence, with and without the routing
 /// statistics armed, and of a greedy step: the embedding, every layer's launches by kind, the
@@ -374,7 +378,7 @@ fn launches_per_layer() {
     for (dir, sparse, dense) in [
         (fixture("mixtral"), MOE_LAYER_LAUNCHES, DENSE_LAYER_LAUNCHES),
         // The router's rows ride in the shared expert's gate|up GEMM.
-        (fixture("qwen2_moe"), MOE_LAYER_LAUNCHES + MLP_LAUNCHES - 1, DENSE_LAYER_LAUNCHES),
+        (fixture("qwen2_moe"), MOE_LAYER_LAUNCHES + MLP_LAUNCHES, DENSE_LAYER_LAUNCHES),
         (fixture("gemma4"), GEMMA_LAYER_LAUNCHES, 0),
     ] {
         let cfg = DecodeConfig::from_model(&ModelConfig::from_dir(&dir).unwrap()).unwrap();
@@ -392,5 +396,20 @@ fn launches_per_layer() {
         dec.route_stats_mut().armed = false;
         dec.step_greedy(&[(1, 3)]).unwrap();
         assert_eq!(dec.last_launches(), want + 1, "{}: greedy", dir.display());
+        if dir != fixture("mixtral") {
+            continue;
+        }
+        // Mixtral's router back in a GEMM of its own: one more launch per sparse layer, the
+        // same greedy tokens as with the router in the routing launch.
+        assert!(!dec.set_fused_router(false), "the fused router switched off");
+        let sparse_layers = cfg.sparse.iter().filter(|&&s| s).count();
+        dec.add_sequence(2).unwrap();
+        let ids = dec.step_greedy(&[(2, 1), (2, 2)]).unwrap();
+        let router_gemms = sparse_layers * ROUTER_GEMM_LAUNCHES;
+        assert_eq!(dec.last_launches(), want + 1 + router_gemms, "router GEMM");
+        assert!(dec.set_fused_router(true), "Mixtral's router fusable");
+        dec.add_sequence(3).unwrap();
+        assert_eq!(dec.step_greedy(&[(3, 1), (3, 2)]).unwrap(), ids, "same tokens either way");
+        assert_eq!(dec.last_launches(), want + 1, "fused router");
     }
 }
