@@ -333,15 +333,15 @@ pub(crate) fn word_rows(
                 // Vector h, element jj of the word's staged x.
                 let h = if comptime![halves == 1] { jl / 4usize } else { hv };
                 let jj = jl % 4usize;
+                // Nibble j of a transposed word is column q + 4j.
+                let j = 2usize * jj + h;
                 #[unroll]
                 for r in 0..rows {
                     let w = if comptime![lanes] {
-                        let j = 2usize * jj + h;
                         let src = tw[r * 4usize + q] >> (4usize * j) as u32;
                         lane_lut(lr, r, src, shuffle)
                     } else {
                         let addr = if comptime![nib] {
-                            let j = 2usize * jj + h;
                             (((tw[r * 4usize + q] >> (4usize * j) as u32) << 2u32) & am) | rp[r]
                         } else {
                             (((vb[2usize * r + h] >> (8usize * jj) as u32) << 2u32) & am) | rp[r]
@@ -527,11 +527,14 @@ pub fn ap_gemm_kernel(
     // Each row's LUT gets the launch's widest LUT of slots: a launch of narrow blocks leaves
     // shared memory (hence occupancy) to the `x` chunk.
     let mut lut_s = SharedMemory::<f32>::new(warps * rows_per_warp * lut_slots);
-    for i in range_stepped(unit, rows_per_cube * lut_len, cube_units) {
-        let r = i / lut_len;
-        let e = i % lut_len;
-        if row0 + r < n {
-            lut_s[r * lut_slots + e] = f32::cast_from(luts[lut_off + (row0 + r) * lut_len + e]);
+    // Items whose LUTs the lanes hold (see `gemm_item`) never read these.
+    if comptime![shuffle == LUT_SHARED] || bits > 4u32 {
+        for i in range_stepped(unit, rows_per_cube * lut_len, cube_units) {
+            let r = i / lut_len;
+            let e = i % lut_len;
+            if row0 + r < n {
+                lut_s[r * lut_slots + e] = f32::cast_from(luts[lut_off + (row0 + r) * lut_len + e]);
+            }
         }
     }
     let mut x_s = SharedMemory::<X4>::new(max_tokens * plane_size * XV_PER_WORD);

@@ -215,8 +215,8 @@ pub struct GemmConfig {
 }
 
 impl GemmConfig {
-    /// Checks the shared-memory LUT offsets fit the kernels' 16-bit byte-offset fields
-    /// (`gemm::word_rows`): at most 64 rows of 256-slot LUTs per cube.
+    /// Checks the shared-memory LUT bases fit the 14 bits `gemm::word_rows` keeps of them (a
+    /// bound it gives the compiler): at most 64 rows of 256-slot LUTs per cube.
     pub fn check(&self) -> Result<(), KernelError> {
         let rows = (self.warps * self.rows_per_warp).max(self.warps * GEMV_ROWS);
         if rows * gemm::LUT_SLOTS * 4 > 1 << 16 || self.plane_size == 0 || self.warps == 0 {

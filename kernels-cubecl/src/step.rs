@@ -453,6 +453,29 @@ impl RouteBuffers {
             no_mass: DeviceArray::empty::<R, f32>(client, 1),
         }
     }
+
+    /// The statistics counters a routing launch writes: the caller's, or these buffers' unused
+    /// stand-ins (the kernel compiled without statistics never touches them), with the layer's
+    /// first entry.
+    fn counters<'a>(&'a self, stats: Option<RouteCounters<'a>>) -> (&'a DeviceArray, &'a DeviceArray, usize) {
+        match stats {
+            Some(st) => (st.counts, st.mass, st.base),
+            None => (&self.no_counts, &self.no_mass, 0),
+        }
+    }
+}
+
+/// The norm buffers a launch binds: the norm's, or, without a norm (the kernel then reads
+/// neither), `x` and `meta` standing in for them.
+fn norm_args<'a>(
+    norm: Option<RowNorm<'a>>,
+    x: &'a DeviceArray,
+    meta: &'a DeviceArray,
+) -> (&'a DeviceArray, &'a DeviceArray) {
+    match norm {
+        Some(nm) => (nm.w, nm.params),
+        None => (x, meta),
+    }
 }
 
 /// Softmax → top-k routing of `logits` and the grouped kernel's work items, on the device.
@@ -506,10 +529,7 @@ pub fn moe_route_counted<R: Runtime>(
         return Ok(());
     }
     let units = shape.experts.max(MAX_TOKENS);
-    let (counts, mass, base) = match stats {
-        Some(st) => (st.counts, st.mass, st.base),
-        None => (&out.no_counts, &out.no_mass, 0),
-    };
+    let (counts, mass, base) = out.counters(stats);
     // SAFETY: sizes checked above; outputs were sized for MAX_TOKENS tokens by RouteBuffers.
     unsafe {
         decode::moe_route_kernel::launch_unchecked::<R>(
@@ -583,14 +603,8 @@ pub fn moe_route_gather<R: Runtime>(
     if tokens == 0 {
         return Ok(());
     }
-    let (counts, mass, base) = match stats {
-        Some(st) => (st.counts, st.mass, st.base),
-        None => (&out.no_counts, &out.no_mass, 0),
-    };
-    let (nw, np) = match norm {
-        Some(nm) => (nm.w, nm.params),
-        None => (x, meta),
-    };
+    let (counts, mass, base) = out.counters(stats);
+    let (nw, np) = norm_args(norm, x, meta);
     // SAFETY: sizes checked above; outputs were sized for MAX_TOKENS tokens by RouteBuffers;
     // the gathered rows' tokens come from the routing, below `tokens`.
     unsafe {
@@ -758,14 +772,8 @@ pub fn moe_route_gather_router<R: Runtime>(
     if tokens == 0 {
         return Ok(());
     }
-    let (counts, mass, base) = match stats {
-        Some(st) => (st.counts, st.mass, st.base),
-        None => (&out.no_counts, &out.no_mass, 0),
-    };
-    let (nw, np) = match norm {
-        Some(nm) => (nm.w, nm.params),
-        None => (x, meta),
-    };
+    let (counts, mass, base) = out.counters(stats);
+    let (nw, np) = norm_args(norm, x, meta);
     // SAFETY: sizes checked above; outputs were sized for MAX_TOKENS tokens by RouteBuffers;
     // the gathered rows' tokens come from the routing, below `tokens`.
     unsafe {
@@ -894,11 +902,7 @@ pub fn gather_rows_normed<R: Runtime>(
     if width > 32 * units {
         return Err(bad(format!("gather: width {width} exceeds 32 values per unit of {units} units")));
     }
-    // Without a norm the kernel reads neither norm buffer: `x` and `meta` stand in for them.
-    let (nw, np) = match norm {
-        Some(nm) => (nm.w, nm.params),
-        None => (x, meta),
-    };
+    let (nw, np) = norm_args(norm, x, meta);
     // SAFETY: sizes checked above; indices come from `moe_route`, below `tokens`.
     unsafe {
         decode::gather_rows_kernel::launch_unchecked::<R>(

@@ -225,7 +225,7 @@ fn bad_items_are_rejected() {
         let e = ap_gemm(&client, cfg, &planes, &luts, &[item], &desc, &x, &y, Activation::None).unwrap_err();
         assert!(e.to_string().contains(msg), "{e} should mention {msg}");
     }
-    // More LUT rows per cube than the kernels' 16-bit offsets address.
+    // More LUT rows per cube than the kernels' 14-bit LUT bases address.
     let item = slot.item(0, 0, 1);
     let desc = upload_items(&client, &[item]);
     let big = GemmConfig { warps: 16, rows_per_warp: 8, ..cfg };
