@@ -320,6 +320,70 @@ pub fn fill_uniform_kernel<F: Float>(out: &mut Array<F>, params: &Array<f32>, se
     }
 }
 
+/// `out[t, i] = act(x[t, i]) · x[t, inter + i] · s_t` over gate|up rows of `stride` (`s_t` the
+/// sigmoid of `x[t, 2·inter]` when `gated`, else 1). Grid `(tokens, ceil(inter / 256))`, a
+/// column per unit.
+#[cube(launch_unchecked)]
+pub fn gated_act_kernel(
+    x: &Array<f32>,
+    out: &mut Array<f32>,
+    #[comptime] inter: usize,
+    #[comptime] stride: usize,
+    #[comptime] act: u32,
+    #[comptime] gated: bool,
+) {
+    let t = CUBE_POS_X as usize;
+    let c = CUBE_POS_Y as usize * CUBE_DIM as usize + UNIT_POS as usize;
+    if c < inter {
+        let row = t * stride;
+        let mut v = act_fn(x[row + c], act) * x[row + inter + c];
+        if comptime![gated] {
+            v /= 1.0 + (-x[row + 2 * inter]).exp();
+        }
+        out[t * inter + c] = v;
+    }
+}
+
+/// The activation of a dense MLP's gate|up rows as a launch of its own ([`gated_act_kernel`]),
+/// for batches where [`crate::step::dense_gemm_act`] would recompute it too often (see
+/// [`crate::step::FUSED_ACT_MAX_TOKENS`]); the shared expert's sigmoid gate is a per-token
+/// scale, so it is applied here and the down projection reads plain rows.
+///
+/// # Shapes
+/// - `x`: `[tokens, a.stride]`; `out`: `[tokens, inter]`
+pub fn gated_act<R: Runtime>(
+    client: &ComputeClient<R>,
+    tokens: usize,
+    inter: usize,
+    a: crate::step::GatedInput,
+    x: &DeviceArray,
+    out: &DeviceArray,
+) -> Result<(), KernelError> {
+    if a.act == gemm::Activation::None || a.stride < 2 * inter + a.gated as usize {
+        return Err(bad(format!("gated_act: {a:?} for width {inter}")));
+    }
+    need("gated_act x", x, tokens * a.stride)?;
+    need("gated_act out", out, tokens * inter)?;
+    if tokens == 0 || inter == 0 {
+        return Ok(());
+    }
+    // SAFETY: sizes checked above; the kernel bounds-checks its column.
+    unsafe {
+        gated_act_kernel::launch_unchecked::<R>(
+            client,
+            CubeCount::Static(tokens as u32, inter.div_ceil(256) as u32, 1),
+            CubeDim::new_1d(256),
+            x.arg(),
+            out.arg(),
+            inter,
+            a.stride,
+            a.act.code(),
+            a.gated,
+        )
+    };
+    Ok(())
+}
+
 /// `out[t, i] = act(x[t, i]) · x[t, inter + i]` (· `sigmoid(x[t, 2·inter])` when `gated`) of
 /// rows of `stride`, on the CPU: the input [`crate::step::dense_gemm_act`] reads (the
 /// reference of its fused activation).

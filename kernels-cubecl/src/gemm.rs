@@ -138,17 +138,37 @@ pub(crate) fn stage_words(
 ) {
     let x_stride = if comptime![act == 0] { k } else { 2usize * k };
     let xs_stride = words * XV_PER_WORD;
-    for i in range_stepped(unit, tb * words * 8usize, cube_units) {
-        let t = i / (words * 8usize);
-        let wl = (i / 8usize) % words;
-        let sv = i % 8usize;
-        let mut v = X4::empty().fill(0.0f32);
-        if t < tokens {
-            v = staged_vec(x, x_off + t * x_stride, k, col0 + 32usize * wl, sv, act);
+    let total = tb * words * 8usize;
+    // STAGE_ROUND vectors per unit per round, all loaded before any is stored: one at a time,
+    // a unit waited out an L2 round trip per vector (the GEMV stages Mixtral's 14336-column
+    // down input, 14 vectors per unit, while its cube does nothing else).
+    let mut vs = Array::<X4>::new(STAGE_ROUND);
+    for i0 in range_stepped(unit, total, STAGE_ROUND * cube_units) {
+        #[unroll]
+        for j in 0..STAGE_ROUND {
+            let i = i0 + j * cube_units;
+            let t = i / (words * 8usize);
+            let mut v = X4::empty().fill(0.0f32);
+            if i < total && t < tokens {
+                let wl = (i / 8usize) % words;
+                v = staged_vec(x, x_off + t * x_stride, k, col0 + 32usize * wl, i % 8usize, act);
+            }
+            vs[j] = v;
         }
-        x_s[t * xs_stride + wl * XV_PER_WORD + sv] = v;
+        #[unroll]
+        for j in 0..STAGE_ROUND {
+            let i = i0 + j * cube_units;
+            if i < total {
+                let t = i / (words * 8usize);
+                let wl = (i / 8usize) % words;
+                x_s[t * xs_stride + wl * XV_PER_WORD + i % 8usize] = vs[j];
+            }
+        }
     }
 }
+
+/// Vectors of `x` each unit of [`stage_words`] loads before storing any.
+const STAGE_ROUND: usize = 4;
 
 /// Exchanges the bits of `t[a]` at positions `i + s` with those of `t[b]` at `i`, for the
 /// positions `i` set in `m`: one step of a bit-matrix transpose (two instructions per word on

@@ -157,6 +157,13 @@ pub fn dense_gemm_normed<R: Runtime>(
     dense_gemm_launch(client, g, tokens, meta, x, input, w, bias, y)
 }
 
+/// Most tokens for which a dense MLP's down projection should apply the activation in its
+/// loads ([`dense_gemm_act`]): each plane recomputes it for its rows, so the cost grows with
+/// tokens × rows / 2; above this run [`crate::families::gated_act`] then [`dense_gemm`]
+/// (ncu on the H200, git `b4cf179`: Qwen1.5-MoE's shared-expert down took up to 195 µs at
+/// batch 8 with the activation fused, for 23 MB of weights).
+pub const FUSED_ACT_MAX_TOKENS: usize = 2;
+
 /// How a dense MLP's down projection reads its gate|up rows (see [`dense_gemm_act`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GatedInput {
@@ -402,7 +409,13 @@ pub fn expert_slot_words(shape: MoeShape, slots: &[(PoolSlot, PoolSlot)]) -> Res
 }
 
 /// Tokens per routed work item: an expert's tokens are split into items of at most this many.
-pub const ROUTE_CHUNK: usize = 8;
+/// Two, so every routed launch fits the persistent GEMV ([`crate::GEMV_MAX_TOKENS`]): the host
+/// cannot know how a batch spreads over the experts, and with items of up to 8 tokens every
+/// batch above two ran the tiled kernel at its 8-token bucket (ncu on the H200, git `b4cf179`:
+/// Mixtral's routed gate_up + down took 1327 µs per layer at batch 8, Qwen1.5-MoE's 278 µs,
+/// while a decode batch gives each expert about two tokens). An expert with more tokens reads
+/// its weights once per item.
+pub const ROUTE_CHUNK: usize = 2;
 /// Work items per expert (`MAX_TOKENS / ROUTE_CHUNK`); empty ones exit at once.
 pub const ROUTE_CHUNKS: usize = MAX_TOKENS / ROUTE_CHUNK;
 
@@ -945,6 +958,9 @@ pub fn gather_rows_reference(
         .collect()
 }
 
+/// Units per cube of [`moe_combine`] (one column each).
+const COMBINE_UNITS: usize = 256;
+
 /// `h[t] += Σ_j weights[t, j] · y[pos[t, j]]`.
 ///
 /// # Shapes
@@ -969,8 +985,8 @@ pub fn moe_combine<R: Runtime>(
     unsafe {
         decode::moe_combine_kernel::launch_unchecked::<R>(
             client,
-            CubeCount::Static(tokens as u32, 1, 1),
-            cube_1d(hidden),
+            CubeCount::Static(tokens as u32, hidden.div_ceil(COMBINE_UNITS) as u32, 1),
+            CubeDim::new_1d(COMBINE_UNITS as u32),
             y.arg(),
             pos.arg(),
             weights.arg(),

@@ -356,6 +356,9 @@ fn attention_split_choice() {
     let sp = AttnSplit::choose(&mixtral, 1, 4096, 32, 132, 232_448);
     assert_eq!((sp.hg, sp.planes, sp.unroll), (4, 4, 4));
     assert!(8 * sp.splits >= 264 && sp.splits * sp.chunk >= 4096, "{sp:?}");
+    // 512 tokens: chunks of one plane iteration (4 planes × 4 tokens), 256 cubes, not 72.
+    let sp = AttnSplit::choose(&mixtral, 1, 512, 32, 132, 232_448);
+    assert_eq!((sp.chunk, sp.splits), (16, 32), "{sp:?}");
     let sp = AttnSplit::choose(&mixtral, 64, 64, 32, 132, 232_448);
     assert_eq!(sp.splits, 1, "{sp:?}");
     // Gemma-4's global layers: head_dim 512, 8 query heads per KV head.
@@ -960,6 +963,35 @@ fn dense_gemm_act_matches_reference() {
     assert!(dense_gemm_act(&client, d, 1, &meta, &x, bad, &x, &x, &x).is_err(), "no gate column");
     let bad = GatedInput { act: Activation::None, stride: 80, gated: false };
     assert!(dense_gemm_act(&client, d, 1, &meta, &x, bad, &x, &x, &x).is_err(), "no activation");
+}
+
+/// The activation as a launch of its own (batches above `FUSED_ACT_MAX_TOKENS`): against
+/// `gated_act_reference`, with and without the sigmoid gate column, SiLU and GELU, a width that
+/// ends mid-cube; a stride without room for the gate column is refused.
+#[test]
+fn gated_act_matches_reference() {
+    use kernels_cubecl::families::{gated_act, gated_act_reference};
+    use kernels_cubecl::step::GatedInput;
+    let client = client();
+    let mut rng = StdRng::seed_from_u64(12);
+    for (inter, act, gated) in [
+        (300usize, Activation::SiluMul, true),
+        (40, Activation::GeluTanhMul, false),
+        (256, Activation::SiluMul, false),
+    ] {
+        let stride = if gated { (2 * inter + 1).next_multiple_of(8) } else { 2 * inter };
+        let a = GatedInput { act, stride, gated };
+        let tokens = 5;
+        let x = rand_vec(&mut rng, tokens * stride, 3.0);
+        let out = DeviceArray::empty::<WgpuRuntime, f32>(&client, tokens * inter);
+        gated_act(&client, tokens, inter, a, &DeviceArray::from_slice(&client, &x), &out).unwrap();
+        let want = gated_act_reference(&x, inter, stride, act, gated);
+        let what = format!("gated_act {a:?}, width {inter}");
+        assert_close(&read_f32(&client, &out).unwrap(), &want, FAMILY_TOL, &what);
+    }
+    let x = DeviceArray::from_slice(&client, &[0.0f32; 80]);
+    let bad = GatedInput { act: Activation::SiluMul, stride: 80, gated: true };
+    assert!(gated_act(&client, 1, 40, bad, &x, &x).is_err(), "no gate column");
 }
 
 /// Gemma-4's head norms, RoPE and K/V append in one launch against `head_norm_reference`, then

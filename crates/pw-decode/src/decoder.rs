@@ -7,11 +7,12 @@ use std::path::Path;
 use cubecl::prelude::*;
 use half::f16;
 use kernels_cubecl::families::{
-    GemmaFfnOut, HeadNorm, add_rms_norm, argmax, gemma_ffn_out, head_norm_rope_append, softcap,
+    GemmaFfnOut, HeadNorm, add_rms_norm, argmax, gated_act, gemma_ffn_out, head_norm_rope_append, softcap,
 };
 use kernels_cubecl::step::{
-    DenseGemm, GatedInput, LogitsLayout, RouteBuffers, RowNorm, ap_gemm_routed, dense_gemm, dense_gemm_act,
-    dense_gemm_normed, embed, moe_combine, moe_route_gather, moe_route_gather_router, router_fusable,
+    DenseGemm, FUSED_ACT_MAX_TOKENS, GatedInput, LogitsLayout, RouteBuffers, RowNorm, ap_gemm_routed,
+    dense_gemm, dense_gemm_act, dense_gemm_normed, embed, moe_combine, moe_route_gather,
+    moe_route_gather_router, router_fusable,
 };
 use kernels_cubecl::{
     Activation, DeviceArray, GemmConfig, MAX_TOKENS, RowLayout, paged_decode_attention_strided, read_f32,
@@ -69,6 +70,8 @@ struct Scratch {
     gate_up: DeviceArray,
     down: DeviceArray,
     mlp_gu: DeviceArray,
+    /// `act(gate)·up` of `mlp_gu` when the down GEMM does not fuse it.
+    mlp_act: DeviceArray,
     mlp_out: DeviceArray,
     logits: DeviceArray,
     route: RouteBuffers,
@@ -482,6 +485,7 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
             gate_up: scratch(t * cfg.top_k * 2 * cfg.inter),
             down: scratch(t * cfg.top_k * h),
             mlp_gu: scratch(t * widest(&|l| gu_width(&cfg, l))),
+            mlp_act: scratch(t * widest(&|l| cfg.mlp_inter(l))),
             mlp_out: scratch(t * h),
             logits: scratch(t * cfg.vocab),
             route: RouteBuffers::new(client, cfg.moe_shape()),
@@ -776,13 +780,19 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
             Ok::<usize, DecodeError>(1)
         };
         // Second half: the down GEMM over act(gate)·up (· sigmoid of the shared expert's gate
-        // row), fused into its loads, into `out` (added when `acc`).
+        // row) into `out` (added when `acc`): the activation fused into its loads for a token
+        // or two, a launch of its own for more (see `FUSED_ACT_MAX_TOKENS`).
         let mlp_down = |l: usize, (_, dn): &(DeviceArray, DeviceArray), out: &DeviceArray, acc: bool| {
             let inter = cfg.mlp_inter(l);
             let a = GatedInput { act: cfg.act, stride: gu_width(cfg, l), gated: cfg.mlp_rows(l) > 2 * inter };
             let d = DenseGemm { n: h, k: inter, bias: false, accumulate: acc };
-            dense_gemm_act(c, d, t, &meta, &s.mlp_gu, a, dn, &s.none, out)?;
-            Ok::<usize, DecodeError>(1)
+            if t <= FUSED_ACT_MAX_TOKENS {
+                dense_gemm_act(c, d, t, &meta, &s.mlp_gu, a, dn, &s.none, out)?;
+                return Ok::<usize, DecodeError>(1);
+            }
+            gated_act(c, t, inter, a, &s.mlp_gu, &s.mlp_act)?;
+            dense_gemm(c, d, t, &meta, &s.mlp_act, dn, &s.none, out)?;
+            Ok::<usize, DecodeError>(2)
         };
         // The routed experts of the gathered rows `s.xg` up to their outputs in `s.down`.
         let experts = |ex: &LayerPool<'_>| {
