@@ -276,6 +276,8 @@ pub const GEMV_MAX_TOKENS: usize = 2;
 pub const GEMV_MIN_ITEMS: usize = 16;
 /// Rows of one warp unit of the GEMV kernel.
 const GEMV_ROWS: usize = 2;
+/// Warps of the GEMV kernel resident per SM (its registers' limit on the H200).
+const GEMV_WARPS_PER_SM: usize = 24;
 
 /// Launches [`gemv::ap_gemv_kernel`] over `n_items` descriptors when it applies (see
 /// [`GemmConfig::gemv`]; `x` of `cols` columns fits in shared memory); `false` when it does not.
@@ -297,22 +299,28 @@ pub(crate) fn launch_gemv<R: Runtime>(
     let ps = cfg.plane_size;
     let step = ps * cfg.gemv_words_per_lane;
     let x_words = cols.div_ceil(32).div_ceil(step) * step;
-    let shared = 4
-        * (tb * x_words * 4 * gemm::XV_PER_WORD
-            + cfg.warps * GEMV_ROWS * lut_slots
-            + n_items
-            + 1
-            + cfg.warps);
+    let shared = |warps: usize| {
+        4 * (tb * x_words * 4 * gemm::XV_PER_WORD + warps * GEMV_ROWS * lut_slots + n_items + 1 + warps)
+    };
     let hw = &client.properties().hardware;
-    if shared > hw.max_shared_memory_size {
+    if shared(cfg.warps) > hw.max_shared_memory_size {
         return false;
     }
-    let threads = cfg.warps * ps;
-    // As many cubes per SM as can be resident (shared memory, the SM's 2048 threads, and
-    // registers: ncu on the H200 saw 77 per thread, 3 cubes of 256), so no second wave
-    // leaves SMs idle at the end.
-    let per_sm = (hw.max_shared_memory_size / shared).min(2048 / threads).clamp(1, 3);
-    let cubes = hw.num_streaming_multiprocessors.unwrap_or(4) as usize * per_sm;
+    // As many cubes per SM as can be resident (shared memory, and registers: ncu on the H200
+    // saw 77 per thread, room for 24 warps), so no second wave leaves SMs idle at the end.
+    let per_sm =
+        |warps: usize| (hw.max_shared_memory_size / shared(warps)).min(GEMV_WARPS_PER_SM / warps).max(1);
+    // Where the staged `x` (all columns) leaves room for fewer cubes, wider cubes keep as many
+    // warps per SM: Mixtral's down input at two tokens (129 KB) allowed one cube of 8 warps
+    // per SM, and its GEMV ran at half the gate_up's bandwidth (ncu on the H200, batch 8).
+    let widest = (hw.max_units_per_cube as usize / ps).min(3 * cfg.warps);
+    let warps = [cfg.warps, cfg.warps * 3 / 2, 2 * cfg.warps, 3 * cfg.warps]
+        .into_iter()
+        .filter(|&w| w <= widest && shared(w) <= hw.max_shared_memory_size)
+        .max_by_key(|&w| (per_sm(w) * w, std::cmp::Reverse(w)))
+        .unwrap_or(cfg.warps);
+    let threads = warps * ps;
+    let cubes = hw.num_streaming_multiprocessors.unwrap_or(4) as usize * per_sm(warps);
     // SAFETY: callers checked the descriptors against the buffers (host items) or built them
     // on the device from validated slot words (routed items).
     unsafe {
@@ -329,7 +337,7 @@ pub(crate) fn launch_gemv<R: Runtime>(
             n_items,
             tb,
             ps,
-            cfg.warps,
+            warps,
             GEMV_ROWS,
             cfg.gemv_words_per_lane,
             x_words,

@@ -541,7 +541,9 @@ pub fn moe_route_counted<R: Runtime>(
     if tokens == 0 {
         return Ok(());
     }
-    let units = shape.experts.max(MAX_TOKENS);
+    // A unit per expert and per token, whole planes (the top-k runs a plane per token).
+    let plane = client.properties().hardware.plane_size_max as usize;
+    let units = shape.experts.max(MAX_TOKENS).next_multiple_of(plane);
     let (counts, mass, base) = out.counters(stats);
     // SAFETY: sizes checked above; outputs were sized for MAX_TOKENS tokens by RouteBuffers.
     unsafe {
@@ -569,6 +571,8 @@ pub fn moe_route_counted<R: Runtime>(
             ROUTE_CHUNK,
             ROUTE_CHUNKS,
             stats.is_some(),
+            units,
+            plane,
         )
     };
     Ok(())
