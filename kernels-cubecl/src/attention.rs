@@ -228,20 +228,28 @@ pub fn paged_decode_combine_kernel(
     let lane = UNIT_POS as usize;
     let row = comptime![head_dim + 2];
     let base = (s * n_heads + h) * splits as usize * row;
+    // The splits' maxima and softmax denominators across the lanes (a lane per split), not
+    // in the accumulation loop: a plane walking 32 splits one by one took 7 µs (Mixtral, batch
+    // 1, ncu on the H200).
     let mut mm = f32::new(-1.0e30);
-    for z in 0..splits as usize {
+    for z in range_stepped(lane, splits as usize, plane_size) {
         mm = max(mm, part[base + z * row + head_dim]);
     }
+    mm = plane_max(mm);
+    let mut ll = 0.0f32;
+    for z in range_stepped(lane, splits as usize, plane_size) {
+        let at = base + z * row;
+        ll += part[at + head_dim + 1] * (part[at + head_dim] - mm).exp();
+    }
+    ll = plane_sum(ll);
     let mut acc = Array::<f32>::new(per);
     #[unroll]
     for j in 0..per {
         acc[j] = 0.0;
     }
-    let mut ll = 0.0f32;
     for z in 0..splits as usize {
         let at = base + z * row;
         let f = (part[at + head_dim] - mm).exp();
-        ll += part[at + head_dim + 1] * f;
         #[unroll]
         for j in 0..per {
             acc[j] += part[at + lane + j * plane_size] * f;
