@@ -57,6 +57,12 @@ pub struct BenchDecodeArgs {
     /// the logits (Mixtral), to compare the two.
     #[arg(long)]
     pub router_gemm: bool,
+    /// Override the plane words per lane of the expert GEMV (`GemmConfig::gemv_words_per_lane`).
+    #[arg(long)]
+    pub gemv_words: Option<usize>,
+    /// Override the warps per cube of the expert kernels (`GemmConfig::warps`).
+    #[arg(long)]
+    pub warps: Option<usize>,
 }
 
 fn inv_freq(theta: f64, head_dim: usize, rotating_pairs: usize) -> Vec<f32> {
@@ -226,9 +232,11 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
         let first = &bits_list.first().context("--bits is empty")?.1;
         let mut dec =
             Decoder::<R, half::f16>::synthetic(&client, cfg.clone(), first, kv_blocks, block, max_seq)?;
-        if let Some(m) = a.gemv_min_items {
-            dec.gemm_config_mut().gemv_min_items = m;
-        }
+        let g = dec.gemm_config_mut();
+        g.gemv_min_items = a.gemv_min_items.unwrap_or(g.gemv_min_items);
+        g.gemv_words_per_lane = a.gemv_words.unwrap_or(g.gemv_words_per_lane);
+        g.warps = a.warps.unwrap_or(g.warps);
+        g.check().context("--gemv-words / --warps")?;
         let fused_router = dec.set_fused_router(!a.router_gemm);
         sync(&client)?;
         let accountant = Accountant::new(u64::MAX / 2);
@@ -290,6 +298,8 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
                         "expert_bytes_touched": bytes.experts, "kv_bytes": bytes.kv,
                         "stream_gbps": gbps, "chunks": b.div_ceil(kernels_cubecl::MAX_TOKENS),
                         "gemv_min_items": dec.gemm_config_mut().gemv_min_items,
+                        "gemv_words": dec.gemm_config_mut().gemv_words_per_lane,
+                        "warps": dec.gemm_config_mut().warps,
                         "fused_router": fused_router,
                     });
                     eprintln!("{rec}");

@@ -327,9 +327,10 @@ fn dense_fma<N: Size>(
     }
 }
 
-/// Routing and grouping in one cube of `experts` units (at least `max_tokens`):
-/// 1. unit `t < meta[0]`: softmax over `logits[t]`, top-`k` (ties: lower expert first),
-///    optional renormalisation → `weights[t, j]`;
+/// Routing and grouping in one cube of `units` units (whole planes of `plane_size`, at least
+/// `experts`):
+/// 1. a plane per token `t < meta[0]`: softmax over `logits[t]`, top-`k` (ties: lower expert
+///    first), optional renormalisation → `weights[t, j]`;
 /// 2. unit `e`: its tokens in token order get consecutive gathered rows after every lower
 ///    expert's; writes `gather[row] = t`, `pos[t, j] = row` and the work items of expert `e`
 ///    (gate_up: `[2I, H]`, down: `[H, I]`, from `slots[e] = (gate_up plane_off, lut_off, bits,

@@ -316,7 +316,8 @@ pub(crate) fn launch_gemv<R: Runtime>(
     let widest = (hw.max_units_per_cube as usize / ps).min(3 * cfg.warps);
     let warps = [cfg.warps, cfg.warps * 3 / 2, 2 * cfg.warps, 3 * cfg.warps]
         .into_iter()
-        .filter(|&w| w <= widest && shared(w) <= hw.max_shared_memory_size)
+        // At most 64 rows of LUTs per cube: `word_rows` keeps 14-bit LUT bases (see `check`).
+        .filter(|&w| w <= widest && w * GEMV_ROWS <= 64 && shared(w) <= hw.max_shared_memory_size)
         .max_by_key(|&w| (per_sm(w) * w, std::cmp::Reverse(w)))
         .unwrap_or(cfg.warps);
     let threads = warps * ps;
