@@ -902,7 +902,7 @@ fn gather_row(
 }
 
 /// `h[t] += Σ_j weights[t, j] · y[pos[t, j]]` (the experts' outputs back into the residual
-/// stream, in a fixed order). Grid `(tokens, ceil(hidden / CUBE_DIM))`, a column per unit:
+/// stream, in a fixed order). Grid: `step::column_grid`, a column per unit:
 /// one cube per token walked its row in a loop of dependent loads (~10 µs for Mixtral's 4096
 /// columns at batch 1, ncu on the H200).
 #[cube(launch_unchecked)]

@@ -321,8 +321,8 @@ pub fn fill_uniform_kernel<F: Float>(out: &mut Array<F>, params: &Array<f32>, se
 }
 
 /// `out[t, i] = act(x[t, i]) · x[t, inter + i] · s_t` over gate|up rows of `stride` (`s_t` the
-/// sigmoid of `x[t, 2·inter]` when `gated`, else 1). Grid `(tokens, ceil(inter / 256))`, a
-/// column per unit.
+/// sigmoid of `x[t, 2·inter]` when `gated`, else 1). Grid: `step::column_grid`, a column per
+/// unit.
 #[cube(launch_unchecked)]
 pub fn gated_act_kernel(
     x: &Array<f32>,
@@ -359,20 +359,19 @@ pub fn gated_act<R: Runtime>(
     x: &DeviceArray,
     out: &DeviceArray,
 ) -> Result<(), KernelError> {
-    if a.act == gemm::Activation::None || a.stride < 2 * inter + a.gated as usize {
-        return Err(bad(format!("gated_act: {a:?} for width {inter}")));
-    }
+    a.check("gated_act", inter)?;
     need("gated_act x", x, tokens * a.stride)?;
     need("gated_act out", out, tokens * inter)?;
     if tokens == 0 || inter == 0 {
         return Ok(());
     }
+    let (count, dim) = crate::step::column_grid(tokens, inter);
     // SAFETY: sizes checked above; the kernel bounds-checks its column.
     unsafe {
         gated_act_kernel::launch_unchecked::<R>(
             client,
-            CubeCount::Static(tokens as u32, inter.div_ceil(256) as u32, 1),
-            CubeDim::new_1d(256),
+            count,
+            dim,
             x.arg(),
             out.arg(),
             inter,

@@ -175,6 +175,29 @@ pub struct GatedInput {
     pub gated: bool,
 }
 
+impl GatedInput {
+    /// Rejects an input without an activation or whose rows cannot hold gate and up halves of
+    /// `width` (and the gate column when `gated`); `what` names the launcher.
+    pub(crate) fn check(&self, what: &str, width: usize) -> Result<(), KernelError> {
+        if self.act == Activation::None || self.stride < 2 * width + self.gated as usize {
+            return Err(bad(format!("{what}: {self:?} for width {width}")));
+        }
+        Ok(())
+    }
+}
+
+/// Grid and cube of the per-row column kernels (a unit per column of `width`, a row of cubes
+/// per token): [`moe_combine`], [`crate::families::gated_act`].
+pub(crate) fn column_grid(tokens: usize, width: usize) -> (CubeCount, CubeDim) {
+    (
+        CubeCount::Static(tokens as u32, width.div_ceil(COLUMN_UNITS) as u32, 1),
+        CubeDim::new_1d(COLUMN_UNITS as u32),
+    )
+}
+
+/// Units per cube of [`column_grid`].
+const COLUMN_UNITS: usize = 256;
+
 /// [`dense_gemm`] over `act(gate) · up` (· `sigmoid(x[t, 2k])` when `gated`) of the gate|up
 /// rows `x`, the down projection of a dense MLP with its activation fused into the input
 /// loads (as [`crate::Activation`] does in the expert kernels): no activation launch.
@@ -194,9 +217,7 @@ pub fn dense_gemm_act<R: Runtime>(
     bias: &DeviceArray,
     y: &DeviceArray,
 ) -> Result<(), KernelError> {
-    if a.act == Activation::None || a.stride < 2 * g.k + a.gated as usize {
-        return Err(bad(format!("dense_gemm_act: {a:?} for width {}", g.k)));
-    }
+    a.check("dense_gemm_act", g.k)?;
     dense_gemm_launch(client, g, tokens, meta, x, GemmInput::Act(a), w, bias, y)
 }
 
@@ -542,8 +563,7 @@ pub fn moe_route_counted<R: Runtime>(
         return Ok(());
     }
     // A unit per expert and per token, whole planes (the top-k runs a plane per token).
-    let plane = client.properties().hardware.plane_size_max as usize;
-    let units = shape.experts.max(MAX_TOKENS).next_multiple_of(plane);
+    let (units, plane) = row_units(client, shape.experts.max(MAX_TOKENS), 1);
     let (counts, mass, base) = out.counters(stats);
     // SAFETY: sizes checked above; outputs were sized for MAX_TOKENS tokens by RouteBuffers.
     unsafe {
@@ -962,9 +982,6 @@ pub fn gather_rows_reference(
         .collect()
 }
 
-/// Units per cube of [`moe_combine`] (one column each).
-const COMBINE_UNITS: usize = 256;
-
 /// `h[t] += Σ_j weights[t, j] · y[pos[t, j]]`.
 ///
 /// # Shapes
@@ -986,11 +1003,12 @@ pub fn moe_combine<R: Runtime>(
         return Ok(());
     }
     // SAFETY: sizes checked above; positions come from `moe_route`, below `tokens · k`.
+    let (count, dim) = column_grid(tokens, hidden);
     unsafe {
         decode::moe_combine_kernel::launch_unchecked::<R>(
             client,
-            CubeCount::Static(tokens as u32, hidden.div_ceil(COMBINE_UNITS) as u32, 1),
-            CubeDim::new_1d(COMBINE_UNITS as u32),
+            count,
+            dim,
             y.arg(),
             pos.arg(),
             weights.arg(),
