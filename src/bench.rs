@@ -46,6 +46,9 @@ pub struct BenchKernelsArgs {
     /// Override the plane words per lane of the GEMV kernel.
     #[arg(long)]
     pub gemv_words: Option<usize>,
+    /// Override the rows of one GEMV warp unit.
+    #[arg(long)]
+    pub gemv_rows: Option<usize>,
     /// Also time the GEMV kernel wherever it applies, the tiled kernel alone and the first
     /// (unspecialised) kernel, for ratios in the same run.
     #[arg(long)]
@@ -238,6 +241,8 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchKernelsArgs) -> Result<Vec<Value
     cfg.warps = a.warps.unwrap_or(cfg.warps);
     cfg.rows_per_warp = a.rows_per_warp.unwrap_or(cfg.rows_per_warp);
     cfg.gemv_words_per_lane = a.gemv_words.unwrap_or(cfg.gemv_words_per_lane);
+    cfg.gemv_rows = a.gemv_rows.unwrap_or(cfg.gemv_rows);
+    cfg.check().context("--warps / --rows-per-warp / --gemv-rows")?;
     eprintln!("config: {cfg:?}");
     let wanted = |m: &str| a.models.is_empty() || a.models.iter().any(|w| w == m);
     let mut records = Vec::new();

@@ -63,6 +63,9 @@ pub struct BenchDecodeArgs {
     /// Override the warps per cube of the expert kernels (`GemmConfig::warps`).
     #[arg(long)]
     pub warps: Option<usize>,
+    /// Override the rows of one GEMV warp unit (`GemmConfig::gemv_rows`).
+    #[arg(long)]
+    pub gemv_rows: Option<usize>,
 }
 
 fn inv_freq(theta: f64, head_dim: usize, rotating_pairs: usize) -> Vec<f32> {
@@ -236,7 +239,8 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
         g.gemv_min_items = a.gemv_min_items.unwrap_or(g.gemv_min_items);
         g.gemv_words_per_lane = a.gemv_words.unwrap_or(g.gemv_words_per_lane);
         g.warps = a.warps.unwrap_or(g.warps);
-        g.check().context("--gemv-words / --warps")?;
+        g.gemv_rows = a.gemv_rows.unwrap_or(g.gemv_rows);
+        g.check().context("--gemv-words / --gemv-rows / --warps")?;
         let fused_router = dec.set_fused_router(!a.router_gemm);
         sync(&client)?;
         let accountant = Accountant::new(u64::MAX / 2);
@@ -300,6 +304,7 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
                         "gemv_min_items": dec.gemm_config_mut().gemv_min_items,
                         "gemv_words": dec.gemm_config_mut().gemv_words_per_lane,
                         "warps": dec.gemm_config_mut().warps,
+                        "gemv_rows": dec.gemm_config_mut().gemv_rows,
                         "fused_router": fused_router,
                     });
                     eprintln!("{rec}");

@@ -18,6 +18,8 @@
 
 use cubecl::prelude::*;
 
+use crate::gemm::warp_sum;
+
 /// Writes the new token of each sequence into its slot. Grid: `(sequences)`; each cube copies
 /// one `[kv_heads · head_dim]` row of K and of V (read at `s · src_stride + k_off` / `v_off`,
 /// so they can sit inside a fused QKV row), converting to the pool's element type.
@@ -141,7 +143,7 @@ pub fn paged_decode_split_kernel<KV: Float>(
                     part_dot += qv[g * per + j] * kr[u * per + j];
                 }
                 // Tokens past the chunk (clamped loads) get a score that exp() turns into 0.
-                let score = select(t0 + u < c1, plane_sum(part_dot), f32::new(-1.0e30));
+                let score = select(t0 + u < c1, warp_sum(part_dot, plane_size), f32::new(-1.0e30));
                 sc[g * unroll + u] = score;
                 m_new = max(m_new, score);
             }
@@ -211,6 +213,9 @@ pub fn paged_decode_split_kernel<KV: Float>(
     }
 }
 
+/// Splits [`paged_decode_combine_kernel`] loads per round.
+const COMBINE_ROUND: usize = 8;
+
 /// Split-context decode attention, second pass: merges the `splits` partials of each
 /// (sequence, head). Grid: `(n_heads, seqs)`; cube: one plane, lane `l` owning dims `l, l + P, …`.
 #[cube(launch_unchecked)]
@@ -247,12 +252,29 @@ pub fn paged_decode_combine_kernel(
     for j in 0..per {
         acc[j] = 0.0;
     }
-    for z in 0..splits as usize {
-        let at = base + z * row;
-        let f = (part[at + head_dim] - mm).exp();
+    // Rounds of COMBINE_ROUND splits whose loads are all issued before any is used: a loop
+    // of one split per iteration waited an L2 round trip per split.
+    let n = splits as usize;
+    for z0 in range_stepped(0usize, n, COMBINE_ROUND) {
+        let mut pm = Array::<f32>::new(COMBINE_ROUND);
+        let mut pv = Array::<f32>::new(comptime![COMBINE_ROUND * per]);
         #[unroll]
-        for j in 0..per {
-            acc[j] += part[at + lane + j * plane_size] * f;
+        for zz in 0..COMBINE_ROUND {
+            // Splits past the last read the last one and weigh zero.
+            let at = base + min(z0 + zz, n - 1) * row;
+            pm[zz] = part[at + head_dim];
+            #[unroll]
+            for j in 0..per {
+                pv[zz * per + j] = part[at + lane + j * plane_size];
+            }
+        }
+        #[unroll]
+        for zz in 0..COMBINE_ROUND {
+            let f = select(z0 + zz < n, (pm[zz] - mm).exp(), 0.0f32);
+            #[unroll]
+            for j in 0..per {
+                acc[j] += pv[zz * per + j] * f;
+            }
         }
     }
     let zz = select(ll > 0.0, ll, 1.0f32);

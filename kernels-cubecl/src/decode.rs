@@ -10,6 +10,8 @@
 use cubecl::prelude::*;
 use half::f16;
 
+use crate::gemm::warp_sum;
+
 /// `h[t] = table[ids[t]]` widened to f32 (times `scale`, e.g. Gemma's √hidden). Grid `(tokens)`.
 #[cube(launch_unchecked)]
 pub fn embed_kernel(
@@ -212,7 +214,7 @@ pub fn dense_gemm_kernel<N: Size>(
     #[unroll]
     for t in 0..max_tokens {
         if comptime![norm] {
-            ss[t] = 1.0 / (plane_sum(ss[t]) / f32::cast_from(k) + eps).sqrt();
+            ss[t] = 1.0 / (warp_sum(ss[t], plane_size) / f32::cast_from(k) + eps).sqrt();
         }
     }
     #[unroll]
@@ -220,7 +222,7 @@ pub fn dense_gemm_kernel<N: Size>(
         let row = row0 + r;
         #[unroll]
         for t in 0..max_tokens {
-            let mut s = plane_sum(acc[r * max_tokens + t]);
+            let mut s = warp_sum(acc[r * max_tokens + t], plane_size);
             if comptime![norm] {
                 s *= ss[t];
             }
@@ -571,6 +573,13 @@ fn write_items(
     #[comptime] chunk: usize,
     #[comptime] chunks: usize,
 ) {
+    // The slot words once, before any store: loads after the stores would be repeated per
+    // chunk (the descriptor arrays may alias `slots` for the compiler), a chain of round trips.
+    let mut sw = Array::<u32>::new(6usize);
+    #[unroll]
+    for i in 0..6usize {
+        sw[i] = slots[s + i];
+    }
     #[unroll]
     for c in 0..chunks {
         let d = (u * chunks + c) * 8usize;
@@ -579,19 +588,19 @@ fn write_items(
         if count > (c * chunk) as u32 {
             n = min(count - (c * chunk) as u32, chunk as u32);
         }
-        desc_gate_up[d] = slots[s];
-        desc_gate_up[d + 1] = slots[s + 1];
+        desc_gate_up[d] = sw[0];
+        desc_gate_up[d + 1] = sw[1];
         desc_gate_up[d + 2] = comptime![2 * inter] as u32;
         desc_gate_up[d + 3] = hidden as u32;
-        desc_gate_up[d + 4] = slots[s + 2];
+        desc_gate_up[d + 4] = sw[2];
         desc_gate_up[d + 5] = first * hidden as u32;
         desc_gate_up[d + 6] = first * comptime![2 * inter] as u32;
         desc_gate_up[d + 7] = n;
-        desc_down[d] = slots[s + 3];
-        desc_down[d + 1] = slots[s + 4];
+        desc_down[d] = sw[3];
+        desc_down[d + 1] = sw[4];
         desc_down[d + 2] = hidden as u32;
         desc_down[d + 3] = inter as u32;
-        desc_down[d + 4] = slots[s + 5];
+        desc_down[d + 4] = sw[5];
         desc_down[d + 5] = first * comptime![2 * inter] as u32;
         desc_down[d + 6] = first * hidden as u32;
         desc_down[d + 7] = n;
@@ -682,15 +691,21 @@ pub fn route_gather_kernel(
 /// router (from L2 after the first) and `x`, a few µs of ALU in parallel against a launch and
 /// the round trip of the logits through memory.
 ///
-/// The dot products: unit `u` owns columns `u + i · units` (as [`load_row`]), keeps one partial
-/// sum per expert for the token in hand, reduces each over its plane and leaves the planes'
-/// sums (and the sum of squares of the norm) in shared memory; after one barrier units sum the
-/// planes' partials of each (token, expert) and apply the norm's per-token scale, as
-/// `dense_gemm_kernel` does with its norm. Cube: `units` units, a multiple of `plane_size`.
+/// The dot products: unit `u` owns the vectors `u + i · units` of `vec` columns (16-byte loads
+/// of the router on CUDA), every router vector it needs loaded before any is used, keeps one
+/// partial sum per expert for the token in hand, reduces each over its plane and leaves the
+/// planes' sums (and the sum of squares of the norm) in shared memory; after one barrier units
+/// sum the planes' partials of each (token, expert) and apply the norm's per-token scale, as
+/// `dense_gemm_kernel` does with its norm. Read one half at a time under a column guard, the
+/// router took 16 rounds of loads, each a DRAM round trip, and the launch ~23 µs for Mixtral at
+/// batch 1 (ncu on the H200, stalls at the conversions after each round). Cube: `units` units,
+/// a multiple of `plane_size`.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
-pub fn route_gather_router_kernel(
-    router: &Array<f16>,
+pub fn route_gather_router_kernel<N: Size>(
+    router: &Array<Vector<f16, N>>,
+    x_vec: &Array<Vector<f32, N>>,
+    norm_w_vec: &Array<Vector<f32, N>>,
     logits_out: &mut Array<f32>,
     slots: &Array<u32>,
     meta: &Array<u32>,
@@ -718,6 +733,7 @@ pub fn route_gather_router_kernel(
     #[comptime] units: usize,
     #[comptime] plane_size: usize,
     #[comptime] norm: bool,
+    #[comptime] vec: usize,
 ) {
     let row = CUBE_POS_X as usize;
     let tokens = meta[0] as usize;
@@ -726,56 +742,87 @@ pub fn route_gather_router_kernel(
     }
     let u = UNIT_POS as usize;
     let planes = comptime![units / plane_size];
-    let per = comptime![hidden.div_ceil(units)];
+    let hv = comptime![hidden / vec];
+    let per = comptime![hv.div_ceil(units)];
     // Per (token, plane): the plane's partial dot product with each expert's row, then its
     // partial sum of squares.
     let stride = comptime![experts + 1];
     let mut part = SharedMemory::<f32>::new(comptime![max_tokens * planes * (experts + 1)]);
     let mut lg = SharedMemory::<f32>::new(comptime![max_tokens * experts]);
-    // This unit's columns of the norm weight (with its offset), once for every token.
-    let mut gw = Array::<f32>::new(per);
+    // This unit's vectors; past the row they read the last one and count zero.
+    let mut vi = Array::<usize>::new(per);
+    let mut live = Array::<f32>::new(per);
     #[unroll]
     for i in 0..per {
-        let c = u + i * units;
-        let mut g = 1.0f32;
+        let v = u + i * units;
+        vi[i] = min(v, comptime![hv - 1]);
+        live[i] = select(v < hv, 1.0f32, 0.0f32);
+    }
+    // The router's vectors and the norm weight (with its offset) in f32, once for every token.
+    let mut rw = Array::<Vector<f16, N>>::new(comptime![per * experts]);
+    #[unroll]
+    for i in 0..per {
+        #[unroll]
+        for e in 0..experts {
+            rw[i * experts + e] = router[e * hv + vi[i]];
+        }
+    }
+    let mut gw = Array::<f32>::new(comptime![per * vec]);
+    let mut off = 0.0f32;
+    if comptime![norm] {
+        off = norm_p[1];
+    }
+    #[unroll]
+    for i in 0..per {
         if comptime![norm] {
-            g = 0.0;
-            if c < hidden {
-                g = norm_w[c] + norm_p[1];
+            let g = norm_w_vec[vi[i]];
+            #[unroll]
+            for j in 0..vec {
+                gw[i * vec + j] = (g[j] + off) * live[i];
+            }
+        } else {
+            #[unroll]
+            for j in 0..vec {
+                gw[i * vec + j] = live[i];
             }
         }
-        gw[i] = g;
     }
     let lane = u % plane_size;
     let p = u / plane_size;
     for t in 0..tokens {
-        let mut xv = Array::<f32>::new(per);
-        let ss = load_row(x, t * hidden, &mut xv, hidden, units);
+        let mut xv = Array::<Vector<f32, N>>::new(per);
+        #[unroll]
+        for i in 0..per {
+            xv[i] = x_vec[t * hv + vi[i]];
+        }
         let mut acc = Array::<f32>::new(experts);
         #[unroll]
         for e in 0..experts {
             acc[e] = 0.0;
         }
+        let mut ss = 0.0f32;
         #[unroll]
         for i in 0..per {
-            let c = u + i * units;
-            if c < hidden {
-                let v = xv[i] * gw[i];
+            #[unroll]
+            for j in 0..vec {
+                let xj = xv[i][j] * live[i];
+                ss += xj * xj;
+                let v = xj * gw[i * vec + j];
                 #[unroll]
                 for e in 0..experts {
-                    acc[e] += v * f32::cast_from(router[e * hidden + c]);
+                    acc[e] += v * f32::cast_from(rw[i * experts + e][j]);
                 }
             }
         }
         let at = (t * planes + p) * stride;
         #[unroll]
         for e in 0..experts {
-            let sum = plane_sum(acc[e]);
+            let sum = warp_sum(acc[e], plane_size);
             if lane == 0 {
                 part[at + e] = sum;
             }
         }
-        let sq = plane_sum(ss);
+        let sq = warp_sum(ss, plane_size);
         if lane == 0 {
             part[at + experts] = sq;
         }

@@ -411,7 +411,7 @@ fn gemv_units(
                 );
             }
         }
-        store_rows(&acc, y, y_off, n, row0, tokens, lane, rows, tb);
+        store_rows(&acc, y, y_off, n, row0, tokens, lane, rows, tb, plane_size);
     }
 }
 

@@ -201,6 +201,11 @@ pub struct GemmConfig {
     /// Plane words per lane and row that the GEMV kernel loads together (registers against
     /// loads in flight).
     pub gemv_words_per_lane: usize,
+    /// Rows of one warp unit of the GEMV kernel: each staged `x` vector read from shared memory
+    /// serves this many rows (the load/store pipe, which also carries the LUT shuffles, is the
+    /// GEMV's busiest: 77 % of its wavefronts at one token, ncu on the H200), against registers
+    /// (4 rows: Mixtral's batch-1 step 6.78 → 7.19 ms, git `26b2e3c` + this change).
+    pub gemv_rows: usize,
     /// The GEMM and GEMV kernels' inner loops fully unrolled (constant shifts; the GPU's
     /// choice) or compact (CPU shader compilers such as lavapipe's take minutes on the unrolled
     /// bodies).
@@ -218,11 +223,16 @@ impl GemmConfig {
     /// Checks the shared-memory LUT bases fit the 14 bits `gemm::word_rows` keeps of them (a
     /// bound it gives the compiler): at most 64 rows of 256-slot LUTs per cube.
     pub fn check(&self) -> Result<(), KernelError> {
-        let rows = (self.warps * self.rows_per_warp).max(self.warps * GEMV_ROWS);
-        if rows * gemm::LUT_SLOTS * 4 > 1 << 16 || self.plane_size == 0 || self.warps == 0 {
+        let rows = (self.warps * self.rows_per_warp).max(self.warps * self.gemv_rows);
+        if rows * gemm::LUT_SLOTS * 4 > 1 << 16
+            || self.plane_size == 0
+            || self.warps == 0
+            || self.gemv_rows == 0
+        {
             return Err(KernelError::Config(format!(
-                "{} warps × {} rows per warp (at most 64 rows per cube, non-zero plane size and warps)",
-                self.warps, self.rows_per_warp
+                "{} warps × {} rows per warp, {} per GEMV unit (at most 64 rows per cube, non-zero plane \
+                 size, warps and rows)",
+                self.warps, self.rows_per_warp, self.gemv_rows
             )));
         }
         Ok(())
@@ -245,6 +255,7 @@ impl GemmConfig {
             gemv: true,
             gemv_min_items: GEMV_MIN_ITEMS,
             gemv_words_per_lane: 2,
+            gemv_rows: GEMV_ROWS,
             unrolled,
             lut_in_lanes: plane_size == 8 || plane_size >= 16,
             shuffle_wraps: R::name(client) == "cuda" && plane_size == 32,
@@ -274,8 +285,8 @@ pub const GEMV_MAX_TOKENS: usize = 2;
 /// 8 experts × 8 tokens at 4 bits: 651.5 vs 771.5 µs; batch-1 decode 8.67 vs 8.79 ms), but not
 /// for one block (24.0 vs 23.4 µs), which keeps the tiled kernel.
 pub const GEMV_MIN_ITEMS: usize = 16;
-/// Rows of one warp unit of the GEMV kernel.
-const GEMV_ROWS: usize = 2;
+/// Default [`GemmConfig::gemv_rows`].
+pub const GEMV_ROWS: usize = 2;
 /// Warps of the GEMV kernel resident per SM (its registers' limit on the H200).
 const GEMV_WARPS_PER_SM: usize = 24;
 
@@ -300,7 +311,7 @@ pub(crate) fn launch_gemv<R: Runtime>(
     let step = ps * cfg.gemv_words_per_lane;
     let x_words = cols.div_ceil(32).div_ceil(step) * step;
     let shared = |warps: usize| {
-        4 * (tb * x_words * 4 * gemm::XV_PER_WORD + warps * GEMV_ROWS * lut_slots + n_items + 1 + warps)
+        4 * (tb * x_words * 4 * gemm::XV_PER_WORD + warps * cfg.gemv_rows * lut_slots + n_items + 1 + warps)
     };
     let hw = &client.properties().hardware;
     if shared(cfg.warps) > hw.max_shared_memory_size {
@@ -317,7 +328,7 @@ pub(crate) fn launch_gemv<R: Runtime>(
     let warps = [cfg.warps, cfg.warps * 3 / 2, 2 * cfg.warps, 3 * cfg.warps]
         .into_iter()
         // At most 64 rows of LUTs per cube: `word_rows` keeps 14-bit LUT bases (see `check`).
-        .filter(|&w| w <= widest && w * GEMV_ROWS <= 64 && shared(w) <= hw.max_shared_memory_size)
+        .filter(|&w| w <= widest && w * cfg.gemv_rows <= 64 && shared(w) <= hw.max_shared_memory_size)
         .max_by_key(|&w| (per_sm(w) * w, std::cmp::Reverse(w)))
         .unwrap_or(cfg.warps);
     let threads = warps * ps;
@@ -339,7 +350,7 @@ pub(crate) fn launch_gemv<R: Runtime>(
             tb,
             ps,
             warps,
-            GEMV_ROWS,
+            cfg.gemv_rows,
             cfg.gemv_words_per_lane,
             x_words,
             act.code(),

@@ -811,14 +811,25 @@ pub fn moe_route_gather_router<R: Runtime>(
     }
     let (counts, mass, base) = out.counters(stats);
     let (nw, np) = norm_args(norm, x, meta);
+    // The widest load the device likes that divides the row (16 bytes of halves on CUDA).
+    let vec = client
+        .io_optimized_vector_sizes(2)
+        .filter(|v| *v <= 8 && shape.hidden.is_multiple_of(*v))
+        .max()
+        .unwrap_or(1);
     // SAFETY: sizes checked above; outputs were sized for MAX_TOKENS tokens by RouteBuffers;
-    // the gathered rows' tokens come from the routing, below `tokens`.
+    // the gathered rows' tokens come from the routing, below `tokens`. The vector views cover
+    // whole buffers (`x` holds `tokens` rows of `hidden`, a multiple of `vec`), so their starts
+    // are aligned for any width.
     unsafe {
         decode::route_gather_router_kernel::launch_unchecked::<R>(
             client,
             CubeCount::Static((tokens * shape.k) as u32, 1, 1),
             CubeDim::new_1d(units as u32),
-            router.arg(),
+            vec,
+            ArrayArg::from_raw_parts(router.handle.clone(), shape.experts * shape.hidden / vec),
+            ArrayArg::from_raw_parts(x.handle.clone(), (x.len / vec).max(1)),
+            ArrayArg::from_raw_parts(nw.handle.clone(), (nw.len / vec).max(1)),
             logits.arg(),
             slots.arg(),
             meta.arg(),
@@ -846,6 +857,7 @@ pub fn moe_route_gather_router<R: Runtime>(
             units,
             plane,
             norm.is_some(),
+            vec,
         )
     };
     Ok(())

@@ -797,10 +797,10 @@ fn check_routed_moe(
     let planes = DeviceArray::from_slice(client, &pool.planes);
     let luts = DeviceArray::from_slice(client, &pool.luts);
     let slot_words = DeviceArray::from_slice(client, &expert_slot_words(shape, &slots).unwrap());
-    // The routed launches of 1 and 2 tokens through the GEMV kernel (few items here).
+    // The routed launches through the GEMV kernel (few items here; at most ROUTE_CHUNK tokens
+    // each, so every token count takes it).
     let cfg = GemmConfig { gemv_min_items: 1, ..GemmConfig::for_client(client) };
     let bufs = RouteBuffers::new(client, shape);
-    // 1 and 2 tokens: the persistent GEMV; 5 and 16: the tiled kernel.
     for tokens in [1usize, 2, 5, 16] {
         let meta = DeviceArray::from_slice(client, &[tokens as u32]);
         let x = rand_vec(rng, tokens * h, 1.0);
