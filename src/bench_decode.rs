@@ -66,6 +66,10 @@ pub struct BenchDecodeArgs {
     /// Override the rows of one GEMV warp unit (`GemmConfig::gemv_rows`).
     #[arg(long)]
     pub gemv_rows: Option<usize>,
+    /// Apply the routed experts' activation inside the down GEMV's input staging instead of
+    /// in a launch of its own, to compare the two.
+    #[arg(long)]
+    pub expert_act_in_down: bool,
 }
 
 fn inv_freq(theta: f64, head_dim: usize, rotating_pairs: usize) -> Vec<f32> {
@@ -242,6 +246,7 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
         g.gemv_rows = a.gemv_rows.unwrap_or(g.gemv_rows);
         g.check().context("--gemv-words / --gemv-rows / --warps")?;
         let fused_router = dec.set_fused_router(!a.router_gemm);
+        dec.set_expert_act_launch(!a.expert_act_in_down);
         sync(&client)?;
         let accountant = Accountant::new(u64::MAX / 2);
         let _weights =
@@ -306,6 +311,7 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
                         "warps": dec.gemm_config_mut().warps,
                         "gemv_rows": dec.gemm_config_mut().gemv_rows,
                         "fused_router": fused_router,
+                        "expert_act_launch": !a.expert_act_in_down,
                     });
                     eprintln!("{rec}");
                     records.push(rec);

@@ -12,7 +12,8 @@ use crate::decode::{cube_sum, load_row};
 use crate::step::{bad, need, row_units};
 use crate::{DeviceArray, KernelError, gemm};
 
-/// `act(g)` for an [`gemm::Activation`] code (1: SiLU, 2: tanh GELU).
+/// `act(g)` for an [`gemm::Activation`] code (1: SiLU, 2: GELU with the tanh approximation, HF's
+/// `gelu_pytorch_tanh`).
 #[cube]
 pub(crate) fn act_fn(g: f32, #[comptime] act: u32) -> f32 {
     if comptime![act == 1] {
@@ -320,9 +321,9 @@ pub fn fill_uniform_kernel<F: Float>(out: &mut Array<F>, params: &Array<f32>, se
     }
 }
 
-/// `out[t, i] = act(x[t, i]) · x[t, inter + i] · s_t` over gate|up rows of `stride` (`s_t` the
-/// sigmoid of `x[t, 2·inter]` when `gated`, else 1). Grid: `step::column_grid`, a column per
-/// unit.
+/// `out[t · out_stride + i] = act(x[t, i]) · x[t, inter + i] · s_t` over gate|up rows of
+/// `stride` (`s_t` the sigmoid of `x[t, 2·inter]` when `gated`, else 1). Grid:
+/// `step::column_grid`, a column per unit.
 #[cube(launch_unchecked)]
 pub fn gated_act_kernel(
     x: &Array<f32>,
@@ -331,6 +332,7 @@ pub fn gated_act_kernel(
     #[comptime] stride: usize,
     #[comptime] act: u32,
     #[comptime] gated: bool,
+    #[comptime] out_stride: usize,
 ) {
     let t = CUBE_POS_X as usize;
     let c = CUBE_POS_Y as usize * CUBE_DIM as usize + UNIT_POS as usize;
@@ -340,28 +342,33 @@ pub fn gated_act_kernel(
         if comptime![gated] {
             v /= 1.0 + (-x[row + 2 * inter]).exp();
         }
-        out[t * inter + c] = v;
+        out[t * out_stride + c] = v;
     }
 }
 
 /// The activation of a dense MLP's gate|up rows as a launch of its own ([`gated_act_kernel`]),
 /// for batches where [`crate::step::dense_gemm_act`] would recompute it too often (see
 /// [`crate::step::FUSED_ACT_MAX_TOKENS`]); the shared expert's sigmoid gate is a per-token
-/// scale, so it is applied here and the down projection reads plain rows.
+/// scale, so it is applied here and the down projection reads plain rows. Rows of `out` are
+/// `out_stride` apart (`inter` for packed rows; `2 · inter` leaves each in the gate half of a
+/// gate|up-shaped row, what [`crate::Activation::Applied`] reads).
 ///
 /// # Shapes
-/// - `x`: `[tokens, a.stride]`; `out`: `[tokens, inter]`
+/// - `x`: `[tokens, a.stride]`; `out`: `[tokens, out_stride]` (the first `inter` of each row)
 pub fn gated_act<R: Runtime>(
     client: &ComputeClient<R>,
     tokens: usize,
     inter: usize,
     a: crate::step::GatedInput,
     x: &DeviceArray,
-    out: &DeviceArray,
+    (out, out_stride): (&DeviceArray, usize),
 ) -> Result<(), KernelError> {
     a.check("gated_act", inter)?;
+    if out_stride < inter {
+        return Err(bad(format!("gated_act: output rows of {out_stride} for width {inter}")));
+    }
     need("gated_act x", x, tokens * a.stride)?;
-    need("gated_act out", out, tokens * inter)?;
+    need("gated_act out", out, tokens.saturating_sub(1) * out_stride + inter)?;
     if tokens == 0 || inter == 0 {
         return Ok(());
     }
@@ -378,6 +385,7 @@ pub fn gated_act<R: Runtime>(
             a.stride,
             a.act.code(),
             a.gated,
+            out_stride,
         )
     };
     Ok(())

@@ -29,6 +29,9 @@ pub enum Activation {
     SiluMul,
     /// `x` is `[tokens, 2K]` = gate | up; the kernel uses `gelu_tanh(gate) · up`.
     GeluTanhMul,
+    /// `x` is `[tokens, 2K]` whose first half already holds `act(gate) · up` (written by
+    /// [`crate::families::gated_act`] with a row stride of `2K`); the kernel uses that half.
+    Applied,
 }
 
 impl Activation {
@@ -37,18 +40,8 @@ impl Activation {
             Self::None => 0,
             Self::SiluMul => 1,
             Self::GeluTanhMul => 2,
+            Self::Applied => 3,
         }
-    }
-}
-
-#[cube]
-fn activate(g: f32, #[comptime] act: u32) -> f32 {
-    if comptime![act == 1] {
-        g / (1.0 + (-g).exp())
-    } else {
-        // gelu with the tanh approximation (HF `gelu_pytorch_tanh`).
-        let inner = 0.797_884_6 * (g + 0.044715 * g * g * g);
-        0.5 * g * (1.0 + inner.tanh())
     }
 }
 
@@ -56,7 +49,11 @@ fn activate(g: f32, #[comptime] act: u32) -> f32 {
 /// `up` `k` columns after `gate`.
 #[cube]
 pub(crate) fn staged_x(x: &Array<f32>, base: usize, k: usize, col: usize, #[comptime] act: u32) -> f32 {
-    if comptime![act == 0] { x[base + col] } else { activate(x[base + col], act) * x[base + k + col] }
+    if comptime![act == 0 || act == 3] {
+        x[base + col]
+    } else {
+        crate::families::act_fn(x[base + col], act) * x[base + k + col]
+    }
 }
 
 /// `plane_sum` of a plane of `plane_size` lanes (a power of two) as `log2(plane_size)` unrolled

@@ -497,6 +497,7 @@ pub fn ap_gemm_reference(pool: &PoolImage, items: &[WorkItem], x: &[f32], y: &mu
                     Activation::None => xr[c],
                     Activation::SiluMul => silu(xr[c]) * xr[k + c],
                     Activation::GeluTanhMul => gelu_tanh(xr[c]) * xr[k + c],
+                    Activation::Applied => xr[c],
                 })
                 .collect();
             for r in 0..n {

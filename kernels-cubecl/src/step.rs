@@ -179,7 +179,8 @@ impl GatedInput {
     /// Rejects an input without an activation or whose rows cannot hold gate and up halves of
     /// `width` (and the gate column when `gated`); `what` names the launcher.
     pub(crate) fn check(&self, what: &str, width: usize) -> Result<(), KernelError> {
-        if self.act == Activation::None || self.stride < 2 * width + self.gated as usize {
+        let gating = matches!(self.act, Activation::SiluMul | Activation::GeluTanhMul);
+        if !gating || self.stride < 2 * width + self.gated as usize {
             return Err(bad(format!("{what}: {self:?} for width {width}")));
         }
         Ok(())

@@ -556,6 +556,10 @@ fn dense_gemm_and_gather_normed_match_reference() {
 /// A routed MoE layer: two chained GEMMs (the second over SiLU(gate)·up of the first) and a
 /// weighted sum, each in f32 in another order than the CPU.
 const MOE_TOL: f32 = 1e-4;
+/// The same down GEMV over an activation applied by `gated_act` against one applied while
+/// staging: the same f32 formula, evaluated by two kernels (the compiler may contract it
+/// differently).
+const FUSED_ACT_TOL: f32 = 1e-6;
 
 /// A whole MoE layer's expert work on the device (route → gather → gate_up → down with SiLU·up →
 /// combine) against the CPU: routing reference, then the grouped GEMM reference per expert.
@@ -836,21 +840,25 @@ fn check_routed_moe(
             Activation::None,
         )
         .unwrap();
-        ap_gemm_routed(
-            client,
-            cfg,
-            &planes,
-            &luts,
-            &bufs.desc_down,
-            shape.experts,
-            h,
-            i,
-            tokens,
-            &gu,
-            &dn,
-            Activation::SiluMul,
-        )
-        .unwrap();
+        // The down GEMV applying SiLU·up while staging its input, and over rows whose gate half
+        // a `gated_act` launch already turned into SiLU(gate)·up (`Activation::Applied`).
+        let rows = tokens * shape.k;
+        let (dn2, act_rows) = (
+            DeviceArray::empty::<WgpuRuntime, f32>(client, rows * h),
+            DeviceArray::empty::<WgpuRuntime, f32>(client, rows * 2 * i),
+        );
+        let silu = GatedInput { act: Activation::SiluMul, stride: 2 * i, gated: false };
+        kernels_cubecl::families::gated_act(client, rows, i, silu, &gu, (&act_rows, 2 * i)).unwrap();
+        for (input, act, out) in [(&gu, Activation::SiluMul, &dn), (&act_rows, Activation::Applied, &dn2)] {
+            let (e, desc) = (shape.experts, &bufs.desc_down);
+            ap_gemm_routed(client, cfg, &planes, &luts, desc, e, h, i, tokens, input, out, act).unwrap();
+        }
+        assert_close(
+            &read_f32(client, &dn2).unwrap()[..rows * h],
+            &read_f32(client, &dn).unwrap()[..rows * h],
+            FUSED_ACT_TOL,
+            &format!("down over applied rows, {tokens} tokens"),
+        );
         moe_combine(client, tokens, shape.k, h, &dn, &bufs.pos, &bufs.weights, &hd).unwrap();
 
         let (sel, wts) = route_reference(shape, &logits);
@@ -983,15 +991,28 @@ fn gated_act_matches_reference() {
         let a = GatedInput { act, stride, gated };
         let tokens = 5;
         let x = rand_vec(&mut rng, tokens * stride, 3.0);
-        let out = DeviceArray::empty::<WgpuRuntime, f32>(&client, tokens * inter);
-        gated_act(&client, tokens, inter, a, &DeviceArray::from_slice(&client, &x), &out).unwrap();
         let want = gated_act_reference(&x, inter, stride, act, gated);
-        let what = format!("gated_act {a:?}, width {inter}");
-        assert_close(&read_f32(&client, &out).unwrap(), &want, FAMILY_TOL, &what);
+        // Packed rows, and rows left in the gate half of gate|up-shaped rows (what
+        // `Activation::Applied` reads).
+        for out_stride in [inter, 2 * inter] {
+            let out = DeviceArray::empty::<WgpuRuntime, f32>(&client, tokens * out_stride);
+            let xd = DeviceArray::from_slice(&client, &x);
+            gated_act(&client, tokens, inter, a, &xd, (&out, out_stride)).unwrap();
+            let got: Vec<f32> = read_f32(&client, &out).unwrap()[..tokens * out_stride]
+                .chunks(out_stride)
+                .flat_map(|row| row[..inter].to_vec())
+                .collect();
+            let what = format!("gated_act {a:?}, width {inter}, output rows of {out_stride}");
+            assert_close(&got, &want, FAMILY_TOL, &what);
+        }
     }
     let x = DeviceArray::from_slice(&client, &[0.0f32; 80]);
     let bad = GatedInput { act: Activation::SiluMul, stride: 80, gated: true };
-    assert!(gated_act(&client, 1, 40, bad, &x, &x).is_err(), "no gate column");
+    assert!(gated_act(&client, 1, 40, bad, &x, (&x, 40)).is_err(), "no gate column");
+    let applied = GatedInput { act: Activation::Applied, stride: 80, gated: false };
+    assert!(gated_act(&client, 1, 40, applied, &x, (&x, 40)).is_err(), "no activation to apply");
+    let ok = GatedInput { act: Activation::SiluMul, stride: 80, gated: false };
+    assert!(gated_act(&client, 1, 40, ok, &x, (&x, 39)).is_err(), "output rows too short");
 }
 
 /// Gemma-4's head norms, RoPE and K/V append in one launch against `head_norm_reference`, then

@@ -68,6 +68,8 @@ struct Scratch {
     router_logits: DeviceArray,
     xg: DeviceArray,
     gate_up: DeviceArray,
+    /// `act(gate) · up` of `gate_up`'s rows, in the gate half of rows shaped like them.
+    expert_act: DeviceArray,
     down: DeviceArray,
     mlp_gu: DeviceArray,
     /// `act(gate)·up` of `mlp_gu` when the down GEMM does not fuse it.
@@ -99,6 +101,9 @@ pub struct Decoder<R: Runtime, KV: Float + CubeElement> {
     /// Router logits computed inside the routing launch (`moe_route_gather_router`) instead of
     /// a GEMM of their own: routers small enough to recompute in every routing cube.
     fused_router: bool,
+    /// The routed experts' activation `act(gate) · up` as a launch of its own between their
+    /// gate_up and down GEMVs, instead of inside the down GEMV's staging of its input.
+    expert_act_launch: bool,
     kv: DevicePools<R>,
     tables: BlockTables,
     s: Scratch,
@@ -483,6 +488,7 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
             router_logits: scratch(t * cfg.experts.max(1)),
             xg: scratch(t * cfg.top_k * h),
             gate_up: scratch(t * cfg.top_k * 2 * cfg.inter),
+            expert_act: scratch(t * cfg.top_k * 2 * cfg.inter),
             down: scratch(t * cfg.top_k * h),
             mlp_gu: scratch(t * widest(&|l| gu_width(&cfg, l))),
             mlp_act: scratch(t * widest(&|l| cfg.mlp_inter(l))),
@@ -505,6 +511,7 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
             experts,
             gemm: GemmConfig::for_client(client),
             fused_router: cfg.experts > 0 && router_fusable(client, cfg.moe_shape()),
+            expert_act_launch: true,
             kv: DevicePools::new::<KV>(client, &geometry, kv_blocks),
             tables: BlockTables::new(&geometry, kv_blocks),
             s,
@@ -611,6 +618,13 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
         let cfg = &self.cfg;
         self.fused_router = on && cfg.experts > 0 && router_fusable(&self.client, cfg.moe_shape());
         self.fused_router
+    }
+
+    /// Applies the routed experts' activation in a launch of its own (`on`, the default) or
+    /// inside the down GEMV's staging of its input, where every cube recomputes it for every
+    /// column (for benchmarks comparing the two; see `experts` in the step).
+    pub fn set_expert_act_launch(&mut self, on: bool) {
+        self.expert_act_launch = on;
     }
 
     /// Kernel launches of the last step (all chunks).
@@ -790,11 +804,15 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
                 dense_gemm_act(c, d, t, &meta, &s.mlp_gu, a, dn, &s.none, out)?;
                 return Ok::<usize, DecodeError>(1);
             }
-            gated_act(c, t, inter, a, &s.mlp_gu, &s.mlp_act)?;
+            gated_act(c, t, inter, a, &s.mlp_gu, (&s.mlp_act, inter))?;
             dense_gemm(c, d, t, &meta, &s.mlp_act, dn, &s.none, out)?;
             Ok::<usize, DecodeError>(2)
         };
-        // The routed experts of the gathered rows `s.xg` up to their outputs in `s.down`.
+        // The routed experts of the gathered rows `s.xg` up to their outputs in `s.down`. Their
+        // activation is a launch of its own: inside the down GEMV every cube (264 for Mixtral)
+        // recomputed it for all 14336 columns while staging its input, 39 % of that kernel's
+        // stall samples at batch 1 (ncu on the H200).
+        let expert_act = self.expert_act_launch;
         let experts = |ex: &LayerPool<'_>| {
             ap_gemm_routed(
                 c,
@@ -810,6 +828,10 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
                 &s.gate_up,
                 Activation::None,
             )?;
+            if expert_act {
+                let a = GatedInput { act: cfg.act, stride: 2 * i, gated: false };
+                gated_act(c, t * cfg.top_k, i, a, &s.gate_up, (&s.expert_act, 2 * i))?;
+            }
             ap_gemm_routed(
                 c,
                 self.gemm,
@@ -820,11 +842,11 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
                 h,
                 i,
                 t,
-                &s.gate_up,
+                if expert_act { &s.expert_act } else { &s.gate_up },
                 &s.down,
-                cfg.act,
+                if expert_act { Activation::Applied } else { cfg.act },
             )?;
-            Ok::<usize, DecodeError>(2)
+            Ok::<usize, DecodeError>(2 + expert_act as usize)
         };
 
         launch!(embed(c, t, h, &ids, &self.embed, &s.embed_scale, &s.h));
