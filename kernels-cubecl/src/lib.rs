@@ -204,7 +204,8 @@ pub struct GemmConfig {
     /// Rows of one warp unit of the GEMV kernel: each staged `x` vector read from shared memory
     /// serves this many rows (the load/store pipe, which also carries the LUT shuffles, is the
     /// GEMV's busiest: 77 % of its wavefronts at one token, ncu on the H200), against registers
-    /// (4 rows: Mixtral's batch-1 step 6.78 → 7.19 ms, git `26b2e3c` + this change).
+    /// (4 rows: Mixtral's batch-1 decode step 6.78 → 7.19 ms on the H200, see
+    /// `benches/results/h200-kernels.md`).
     pub gemv_rows: usize,
     /// The GEMM and GEMV kernels' inner loops fully unrolled (constant shifts; the GPU's
     /// choice) or compact (CPU shader compilers such as lavapipe's take minutes on the unrolled
