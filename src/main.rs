@@ -5,6 +5,7 @@ mod bench_decode;
 mod bench_pages;
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
 mod bench_prefill;
+mod bench_raise;
 mod bench_serve;
 
 use anyhow::{Context, Result, bail};
@@ -71,6 +72,10 @@ enum Command {
     /// plain pinned copy, and a Mixtral-8x7B-shaped decode step's expert work with and without
     /// pages reloading in the background (JSON to --out).
     BenchPages(bench_pages::BenchPagesArgs),
+    /// GPU check and benchmark of page raisings in the fast decode path: a model raised 3 → 8
+    /// bits through the decoder's mover equals one loaded at 8 bits (greedy tokens, logits),
+    /// and a full-size shape keeps decoding while its pages are raised (GB/s, step times).
+    BenchRaise(bench_raise::BenchRaiseArgs),
     /// GPU benchmark of serving: a stream of requests at a fixed arrival rate through the
     /// engine over a synthetic full-size model under a fixed memory limit, experts pinned at
     /// 8 bits vs the planner free to lower them. Writes JSON records to --out.
@@ -112,6 +117,7 @@ fn main() -> Result<()> {
         Command::BenchKernels(args) => bench::bench_kernels(&args),
         Command::BenchDecode(args) => bench_decode::bench_decode(&args),
         Command::BenchPages(args) => bench_pages::bench_pages(&args),
+        Command::BenchRaise(args) => bench_raise::bench_raise(&args),
         Command::BenchServe(args) => bench_serve::bench_serve(&args),
         Command::Quantize(args) => quantize_cmd::quantize(&args),
         Command::EvalPpl(args) => eval_cmd::eval_ppl(&args),

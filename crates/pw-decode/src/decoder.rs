@@ -318,6 +318,34 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
         max_seq_len: usize,
     ) -> Result<Self, DecodeError> {
         let paged = PagedExperts::synthetic(client, cfg.moe_shape(), &cfg.sparse, bits, accountant)?;
+        Self::synthetic_around(client, cfg, paged, kv_blocks, block_size, max_seq_len)
+    }
+
+    /// [`Self::synthetic`] with random host parents copied through the experts' mover like a
+    /// real checkpoint's (see [`PagedExperts::synthetic_host`]): for measuring page transfers
+    /// while decoding. No memory limit.
+    pub fn synthetic_host(
+        client: &ComputeClient<R>,
+        cfg: DecodeConfig,
+        bits: &dyn Fn(usize, usize) -> u8,
+        kv_blocks: usize,
+        block_size: usize,
+        max_seq_len: usize,
+    ) -> Result<Self, DecodeError> {
+        let unlimited = Accountant::new(u64::MAX);
+        let paged = PagedExperts::synthetic_host(client, cfg.moe_shape(), &cfg.sparse, bits, unlimited)?;
+        Self::synthetic_around(client, cfg, paged, kv_blocks, block_size, max_seq_len)
+    }
+
+    /// Random dense weights and KV pools around `paged`.
+    fn synthetic_around(
+        client: &ComputeClient<R>,
+        cfg: DecodeConfig,
+        paged: PagedExperts<R>,
+        kv_blocks: usize,
+        block_size: usize,
+        max_seq_len: usize,
+    ) -> Result<Self, DecodeError> {
         let mut src = SyntheticWeights { client, seed: 7, biases: cfg.family == Family::Qwen2Moe };
         let me = Self::build(client, cfg, "model", &mut src, paged, kv_blocks, block_size, max_seq_len)?;
         for l in 0..me.cfg.layers {

@@ -12,23 +12,26 @@ use kernels_cubecl::step::{MoeShape, expert_slot_words};
 use kernels_cubecl::{DeviceArray, PoolSlot};
 use pw_format::{ApBlock, BlockKind};
 use pw_pages::{
-    Accountant, CommitReport, CubePool, MoveError, Mover, PageId, PageKey, PagedWeights, Ticket, Write,
+    Accountant, CommitReport, CubePool, DeviceMover, MoveError, Mover, PageId, PageKey, PagedWeights, Ticket,
+    Write,
 };
 
 use crate::DecodeError;
 
-/// [`CubePool`] for the decoder. A synthetic model (random weights for speed measurements)
-/// fills its plane arena once with hashed words on the device and skips plane copies: any
-/// extent already holds random planes, and full-size host parents need never be touched.
+/// The decoder's mover: [`pw_pages::device_mover`] (on CUDA asynchronous pinned copies, the
+/// kernels never wait for a raising; elsewhere copies on the client's queue). A synthetic model
+/// (random weights for speed measurements) fills its plane arena once with hashed words on the
+/// device and skips plane copies: any extent already holds random planes, and full-size host
+/// parents need never be touched (nor page-locked).
 pub struct ExpertMover<R: Runtime> {
-    pool: CubePool<R>,
+    inner: Box<dyn DeviceMover<R>>,
     skip_planes: bool,
 }
 
 impl<R: Runtime> ExpertMover<R> {
     /// The arenas.
     pub fn pool(&self) -> &CubePool<R> {
-        &self.pool
+        self.inner.pool()
     }
 
     fn keep<'a>(&self, writes: &[Write<'a>]) -> Vec<Write<'a>> {
@@ -38,27 +41,43 @@ impl<R: Runtime> ExpertMover<R> {
 
 impl<R: Runtime> Mover for ExpertMover<R> {
     fn capacity(&self) -> (usize, usize) {
-        self.pool.capacity()
+        self.inner.capacity()
     }
 
     fn write_ordered(&mut self, writes: &[Write<'_>]) -> Result<(), MoveError> {
         let w = self.keep(writes);
-        self.pool.write_ordered(&w)
+        self.inner.write_ordered(&w)
     }
 
     fn start(&mut self, writes: &[Write<'_>]) -> Result<Ticket, MoveError> {
         let w = self.keep(writes);
-        self.pool.start(&w)
+        self.inner.start(&w)
     }
 
     fn finished(&mut self, ticket: Ticket) -> Result<bool, MoveError> {
-        self.pool.finished(ticket)
+        self.inner.finished(ticket)
     }
 
     fn publish(&mut self, table: &[PoolSlot]) -> Result<(), MoveError> {
-        self.pool.publish(table)
+        self.inner.publish(table)
+    }
+
+    fn pin_host(&mut self, data: &[u8]) {
+        if !self.skip_planes {
+            self.inner.pin_host(data)
+        }
+    }
+
+    fn pin_host_luts(&mut self, data: &[u8]) {
+        self.inner.pin_host_luts(data)
     }
 }
+
+/// Longest wait of [`PagedExperts::settle`] for the uploads of a load (Mixtral-8x7B's 45 GB
+/// at 8 bits take ~1 s at the pinned copy's 55 GB/s, minutes through CubeCL's own uploads).
+const SETTLE_LIMIT: std::time::Duration = std::time::Duration::from_secs(1800);
+/// How long [`PagedExperts::settle`] waits with no transfer in flight and no page moving.
+const STALL_LIMIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// What one [`PagedExperts::boundary`] did, over all layers.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -174,11 +193,12 @@ impl<R: Runtime> PagedExperts<R> {
             }
             // Slack: a raising that cannot grow in place copies the page beside its old
             // extent, and every raising holds its new LUT beside the committed one.
-            let pool = CubePool::new(client.clone(), words + max_words, luts + 2 * max_lut);
+            let inner = pw_pages::device_mover(client, words + max_words, luts + 2 * max_lut)
+                .map_err(pw_pages::PageError::from)?;
             if synthetic {
-                kernels_cubecl::fill_hash(client, pool.planes(), l as u32);
+                kernels_cubecl::fill_hash(client, inner.pool().planes(), l as u32);
             }
-            let mover = ExpertMover { pool, skip_planes: synthetic };
+            let mover = ExpertMover { inner, skip_planes: synthetic };
             let pages: Vec<(String, PageKey, ApBlock)> = layer
                 .into_iter()
                 .enumerate()
@@ -214,7 +234,48 @@ impl<R: Runtime> PagedExperts<R> {
         }
         let mut me = Self { client: client.clone(), shape, slots: Vec::new(), layers, index, accountant };
         me.slots = (0..me.layers.len()).map(|l| me.slot_words(l)).collect::<Result<_, _>>()?;
+        // The first boundary started every page's upload; an asynchronous mover commits them
+        // at later boundaries (which refresh the slot tables).
+        me.settle()?;
         Ok(me)
+    }
+
+    /// Whether some page's desired bits differ from its committed ones.
+    fn pending(&self) -> bool {
+        self.layers
+            .iter()
+            .any(|t| t.ids().any(|id| t.info(id).is_ok_and(|p| p.desired != 0 && p.desired != p.committed)))
+    }
+
+    /// Runs boundaries until every page holds its desired bits, waiting for the transfers in
+    /// flight: for loading and benchmarks, never while serving. Fails when nothing moves any
+    /// more (a mix that does not fit the budget or the arenas) or after [`SETTLE_LIMIT`].
+    fn settle(&mut self) -> Result<(), DecodeError> {
+        let start = std::time::Instant::now();
+        let mut last_progress = start;
+        loop {
+            let r = self.boundary()?;
+            if !self.pending() {
+                return Ok(());
+            }
+            let now = std::time::Instant::now();
+            if r.raised + r.started + r.lowered > 0 {
+                last_progress = now;
+            }
+            let in_flight = self
+                .layers
+                .iter()
+                .any(|t| t.ids().any(|id| t.info(id).is_ok_and(|p| p.raising_to.is_some())));
+            // A deferred raising may wait for a relocation, which the page state does not show.
+            let stalled = !in_flight && now - last_progress > STALL_LIMIT;
+            if stalled || now - start > SETTLE_LIMIT {
+                return Err(DecodeError::Unsupported(
+                    "expert pages did not reach the requested bit-widths (budget, arena space or a transfer that never finished)".into(),
+                ));
+            }
+            kernels_cubecl::sync(&self.client)?;
+            std::thread::sleep(std::time::Duration::from_micros(200));
+        }
     }
 
     fn slot_words(&self, l: usize) -> Result<DeviceArray, DecodeError> {
@@ -233,17 +294,49 @@ impl<R: Runtime> PagedExperts<R> {
         bits: &dyn Fn(usize, usize) -> u8,
         accountant: Accountant,
     ) -> Result<Self, DecodeError> {
+        Self::synthetic_with(client, shape, sparse, bits, accountant, false)
+    }
+
+    /// [`Self::synthetic`] with random host parents (8 planes of random words per page) that
+    /// every load and raising copies through the mover like a real checkpoint's: for measuring
+    /// page transfers. Host memory: every page at 8 bits.
+    pub fn synthetic_host(
+        client: &ComputeClient<R>,
+        shape: MoeShape,
+        sparse: &[bool],
+        bits: &dyn Fn(usize, usize) -> u8,
+        accountant: Accountant,
+    ) -> Result<Self, DecodeError> {
+        Self::synthetic_with(client, shape, sparse, bits, accountant, true)
+    }
+
+    fn synthetic_with(
+        client: &ComputeClient<R>,
+        shape: MoeShape,
+        sparse: &[bool],
+        bits: &dyn Fn(usize, usize) -> u8,
+        accountant: Accountant,
+        host_planes: bool,
+    ) -> Result<Self, DecodeError> {
         let (h, i) = (shape.hidden, shape.inter);
         let (gu_luts, dn_luts) = (synthetic_luts(2 * i, 0.05, 1), synthetic_luts(h, 0.05, 2));
         let mut blocks = Vec::with_capacity(sparse.len());
         let mut initial = Vec::with_capacity(sparse.len());
+        let mut seed = 1u64;
         for (l, &s) in sparse.iter().enumerate() {
             let n = if s { shape.experts } else { 0 };
-            blocks.push(
-                (0..n)
-                    .map(|_| (synthetic_block(2 * i, h, &gu_luts), synthetic_block(h, i, &dn_luts)))
-                    .collect(),
-            );
+            let mut layer = Vec::with_capacity(n);
+            for _ in 0..n {
+                let (mut g, mut d) = (synthetic_block(2 * i, h, &gu_luts), synthetic_block(h, i, &dn_luts));
+                if host_planes {
+                    for b in [&mut g, &mut d] {
+                        seed += 1;
+                        random_words(&mut b.planes, seed);
+                    }
+                }
+                layer.push((g, d));
+            }
+            blocks.push(layer);
             let mut b = Vec::with_capacity(n);
             for e in 0..n {
                 let x = bits(l, e);
@@ -254,7 +347,7 @@ impl<R: Runtime> PagedExperts<R> {
             }
             initial.push(b);
         }
-        Self::new(client, shape, blocks, &initial, accountant, true)
+        Self::new(client, shape, blocks, &initial, accountant, !host_planes)
     }
 
     /// Commits expert `e` of layer `l` at `bits(l, e)` (both blocks) and waits until every
@@ -268,21 +361,7 @@ impl<R: Runtime> PagedExperts<R> {
                 self.layers[ix].set_desired(PageId(2 * e + 1), b)?;
             }
         }
-        // Each boundary commits the raisings whose transfer finished and starts the next; a
-        // mix that cannot fit never settles, so give up after a bounded number of rounds.
-        for _ in 0..1000 {
-            self.boundary()?;
-            let pending = self.layers.iter().any(|t| {
-                t.ids().any(|id| t.info(id).is_ok_and(|p| p.desired != 0 && p.desired != p.committed))
-            });
-            if !pending {
-                return Ok(());
-            }
-            kernels_cubecl::sync(&self.client)?;
-        }
-        Err(DecodeError::Unsupported(
-            "expert pages did not reach the requested bit-widths (budget or arena space)".into(),
-        ))
+        self.settle()
     }
 
     /// Layer `l`'s arenas and slot table as the step reads them; `None` for a dense layer.
@@ -442,6 +521,28 @@ pub fn synthetic_block(rows: usize, cols: usize, luts: &[Vec<f16>]) -> ApBlock {
         luts: luts.to_vec(),
         sensitivity,
     }
+}
+
+/// Fills `out` with xorshift words from `seed`, on every core (a full-size model's parents are
+/// gigabytes).
+fn random_words(out: &mut [u32], seed: u64) {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let chunk = out.len().div_ceil(threads).max(1 << 16);
+    std::thread::scope(|s| {
+        for (c, part) in out.chunks_mut(chunk).enumerate() {
+            s.spawn(move || {
+                let mut z = (seed.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+                    ^ (c as u64 + 1).wrapping_mul(0xBF58_476D_1CE4_E5B9))
+                    | 1;
+                for w in part {
+                    z ^= z << 13;
+                    z ^= z >> 7;
+                    z ^= z << 17;
+                    *w = (z >> 16) as u32;
+                }
+            });
+        }
+    });
 }
 
 /// Random ascending LUTs of `rows` rows for widths 3..=8 with values in `±scale`.

@@ -5,9 +5,9 @@
 //!
 //! CubeCL 0.10 has no public write into part of an existing buffer, hence the
 //! copy kernel. On CUDA the staging upload runs at pageable speed (0.4–0.6
-//! GB/s, see `shared/notes/cubecl-0.10-on-h200.md`); the asynchronous pinned
-//! path (cudarc copies on a second stream into the arena's raw pointer) is a
-//! second [`Mover`] still to be written.
+//! GB/s, see `shared/notes/cubecl-0.10-on-h200.md`) and stalls the kernels'
+//! queue meanwhile, so [`device_mover`] picks the asynchronous `CudaMover`
+//! there (feature `cuda`).
 
 use crate::mover::{MoveError, Mover, Ticket, Write};
 use cubecl::prelude::*;
@@ -26,6 +26,35 @@ fn copy_into<E: CubePrimitive>(src: &Array<E>, dst: &mut Array<E>, dst_off: u32,
     for i in range_stepped(ABSOLUTE_POS, len as usize, stride) {
         dst[dst_off as usize + i] = src[i];
     }
+}
+
+/// A [`Mover`] whose arenas are CubeCL buffers the kernels read: what a page table over a
+/// device needs, whichever way its copies travel.
+pub trait DeviceMover<R: Runtime>: Mover + Send {
+    /// The arenas and the committed descriptor table.
+    fn pool(&self) -> &CubePool<R>;
+}
+
+impl<R: Runtime> DeviceMover<R> for CubePool<R> {
+    fn pool(&self) -> &CubePool<R> {
+        self
+    }
+}
+
+/// The fastest mover for `client`'s runtime, with arenas of `plane_words` u32 words and
+/// `lut_entries` f16 entries: on CUDA (feature `cuda`) the `CudaMover` (asynchronous pinned
+/// copies on a stream of their own, ~55 GB/s on the H200, the kernels never wait for them),
+/// elsewhere a [`CubePool`] (copies ordered on the client's queue).
+pub fn device_mover<R: Runtime>(
+    client: &ComputeClient<R>,
+    plane_words: usize,
+    lut_entries: usize,
+) -> Result<Box<dyn DeviceMover<R>>, MoveError> {
+    #[cfg(feature = "cuda")]
+    if let Some(m) = crate::cuda::on_cuda(client, plane_words, lut_entries)? {
+        return Ok(m);
+    }
+    Ok(Box::new(CubePool::new(client.clone(), plane_words, lut_entries)))
 }
 
 /// Plane + LUT arenas on a CubeCL device, and the committed descriptor table.

@@ -15,7 +15,7 @@
 //! (lowering LUT swaps, descriptor tables) go through CubeCL as in
 //! [`CubePool`].
 
-use crate::cube::CubePool;
+use crate::cube::{CubePool, DeviceMover};
 use crate::mover::{MoveError, Mover, Ticket, Write};
 use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::*;
@@ -69,14 +69,20 @@ impl CudaMover {
         plane_words: usize,
         lut_entries: usize,
     ) -> Result<Self, MoveError> {
-        let pool = CubePool::new(client, plane_words, lut_entries);
+        Self::with_pool(CubePool::new(client, plane_words, lut_entries), Some(device))
+    }
+
+    /// [`Self::new`] on whichever device `client` drives (read from the arena's pointer).
+    pub fn for_client(
+        client: ComputeClient<CudaRuntime>,
+        plane_words: usize,
+        lut_entries: usize,
+    ) -> Result<Self, MoveError> {
+        Self::with_pool(CubePool::new(client, plane_words, lut_entries), None)
+    }
+
+    fn with_pool(pool: CubePool<CudaRuntime>, device: Option<usize>) -> Result<Self, MoveError> {
         cu::init().map_err(|e| err("init", e))?;
-        let dev = cu::device::get(device as i32).map_err(|e| err("device", e))?;
-        // SAFETY: `dev` is a valid device; CubeCL uses its primary context too.
-        let ctx = unsafe { cu::primary_ctx::retain(dev) }.map_err(|e| err("primary context", e))?;
-        // SAFETY: `ctx` was just retained.
-        unsafe { cu::ctx::set_current(ctx) }.map_err(|e| err("set context", e))?;
-        let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(|e| err("stream", e))?;
         let client = pool.client();
         // The arenas must exist on the device before their pointers are used.
         cubecl::future::block_on(client.sync()).map_err(|e| MoveError(format!("{e:?}")))?;
@@ -87,6 +93,30 @@ impl CudaMover {
             ptrs[i] = res.resource().ptr;
             resources.push(Box::new(res));
         }
+        let device = match device {
+            Some(d) => d as i32,
+            None => {
+                let mut ordinal = 0i32;
+                // SAFETY: `ptrs[0]` is a live device allocation of CubeCL's context (unified
+                // addressing); the attribute is an i32.
+                unsafe {
+                    sys::cuPointerGetAttribute(
+                        (&mut ordinal as *mut i32).cast(),
+                        sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                        ptrs[0],
+                    )
+                }
+                .result()
+                .map_err(|e| err("arena device", e))?;
+                ordinal
+            }
+        };
+        let dev = cu::device::get(device).map_err(|e| err("device", e))?;
+        // SAFETY: `dev` is a valid device; CubeCL uses its primary context too.
+        let ctx = unsafe { cu::primary_ctx::retain(dev) }.map_err(|e| err("primary context", e))?;
+        // SAFETY: `ctx` was just retained.
+        unsafe { cu::ctx::set_current(ctx) }.map_err(|e| err("set context", e))?;
+        let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(|e| err("stream", e))?;
         Ok(Self {
             pool,
             ctx,
@@ -138,6 +168,31 @@ impl CudaMover {
         // pinned source stays alive and untouched until the event completes.
         unsafe { cu::memcpy_htod_async(dst, staged, self.stream) }.map_err(|e| err("copy", e))
     }
+}
+
+impl DeviceMover<CudaRuntime> for CudaMover {
+    fn pool(&self) -> &CubePool<CudaRuntime> {
+        &self.pool
+    }
+}
+
+/// A [`CudaMover`] as the caller's `DeviceMover<R>` when `R` is the CUDA runtime, `None` for
+/// any other runtime (see [`crate::device_mover`]).
+pub(crate) fn on_cuda<R: Runtime>(
+    client: &ComputeClient<R>,
+    plane_words: usize,
+    lut_entries: usize,
+) -> Result<Option<Box<dyn DeviceMover<R>>>, MoveError> {
+    let Some(cuda) = (client as &dyn Any).downcast_ref::<ComputeClient<CudaRuntime>>() else {
+        return Ok(None);
+    };
+    let mover: Box<dyn DeviceMover<CudaRuntime>> =
+        Box::new(CudaMover::for_client(cuda.clone(), plane_words, lut_entries)?);
+    // `R` is `CudaRuntime` here (the downcast above), so this is the identity.
+    let any: Box<dyn Any> = Box::new(mover);
+    any.downcast::<Box<dyn DeviceMover<R>>>()
+        .map(|m| Some(*m))
+        .map_err(|_| MoveError("the CUDA mover does not match the client's runtime".into()))
 }
 
 impl Mover for CudaMover {

@@ -12,7 +12,7 @@
 //! - [`Mover`]: copies into the device arenas. [`CubePool`] on any CubeCL
 //!   runtime (copies ordered on the client's queue), `CudaMover` (feature
 //!   `cuda`: asynchronous pinned copies on a stream of their own, polled by
-//!   event), [`HostPool`] on the CPU, [`ManualMover`] finishing transfers only
+//!   event; [`device_mover`] picks it on CUDA), [`HostPool`] on the CPU, [`ManualMover`] finishing transfers only
 //!   when told (tests).
 
 //!
@@ -45,7 +45,7 @@ mod mover;
 mod table;
 
 pub use accountant::{Accountant, BudgetError, Lease, MemoryUsage, Use};
-pub use cube::CubePool;
+pub use cube::{CubePool, DeviceMover, device_mover};
 #[cfg(feature = "cuda")]
 pub use cuda::CudaMover;
 pub use extent::{Extent, ExtentAllocator};

@@ -100,6 +100,12 @@ pub trait Mover {
     /// a mover may page-lock it in place for direct asynchronous copies. Best
     /// effort: the default does nothing.
     fn pin_host(&mut self, _data: &[u8]) {}
+
+    /// [`Self::pin_host`] for a page's host LUTs (a mover that skips plane copies may still
+    /// copy LUTs). The default treats them like planes.
+    fn pin_host_luts(&mut self, data: &[u8]) {
+        self.pin_host(data)
+    }
 }
 
 /// A mover over host memory: the arenas are a [`PoolImage`] of fixed size, so
@@ -251,5 +257,9 @@ impl<M: Mover> Mover for ManualMover<M> {
 
     fn pin_host(&mut self, data: &[u8]) {
         self.inner.pin_host(data)
+    }
+
+    fn pin_host_luts(&mut self, data: &[u8]) {
+        self.inner.pin_host_luts(data)
     }
 }

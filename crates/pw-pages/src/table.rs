@@ -267,6 +267,9 @@ impl<M: Mover> PagedWeights<M> {
         let mut mover = mover;
         for p in &pages {
             mover.pin_host(bytes_of(&p.parent.planes));
+            for l in &p.parent.luts {
+                mover.pin_host_luts(lut_bytes(l));
+            }
         }
         let table = pages.iter().map(Page::slot).collect();
         Ok(Self {
@@ -830,6 +833,11 @@ impl<M: Mover> PagedWeights<M> {
 fn bytes_of(words: &[u32]) -> &[u8] {
     // SAFETY: u32 has no padding and every byte pattern is a valid u8.
     unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), std::mem::size_of_val(words)) }
+}
+
+fn lut_bytes(entries: &[half::f16]) -> &[u8] {
+    // SAFETY: f16 is a plain 2-byte value with no padding.
+    unsafe { std::slice::from_raw_parts(entries.as_ptr().cast::<u8>(), std::mem::size_of_val(entries)) }
 }
 
 fn check_bits(p: &Page, bits: u8) -> Result<(), PageError> {
