@@ -11,7 +11,7 @@
 use anyhow::{Context, Result};
 use cubecl::prelude::*;
 use kernels_cubecl::{Activation, sync};
-use pw_decode::{AttnLayer, DecodeConfig, Decoder, Family};
+use pw_decode::{AttnLayer, DecodeConfig, Decoder, ExpertAct, Family};
 use pw_pages::Accountant;
 use serde_json::{Value, json};
 use std::time::Instant;
@@ -66,10 +66,11 @@ pub struct BenchDecodeArgs {
     /// Override the rows of one GEMV warp unit (`GemmConfig::gemv_rows`).
     #[arg(long)]
     pub gemv_rows: Option<usize>,
-    /// Apply the routed experts' activation inside the down GEMV's input staging instead of
-    /// in a launch of its own, to compare the two.
-    #[arg(long)]
-    pub expert_act_in_down: bool,
+    /// Where the routed experts' activation is computed (comma-separated, each measured):
+    /// `epilogue` (the gate_up GEMV's, the default), `launch` (a launch of its own) or `down`
+    /// (the down GEMV's input staging).
+    #[arg(long, value_delimiter = ',', default_value = "epilogue")]
+    pub expert_act: Vec<String>,
 }
 
 fn inv_freq(theta: f64, head_dim: usize, rotating_pairs: usize) -> Vec<f32> {
@@ -228,6 +229,19 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
     let max_seq = max_ctx + a.steps + a.warmup + 1;
     let bits_list: Vec<(String, BitsFn)> =
         a.bits.iter().map(|b| Ok((b.clone(), bits_fn(b)?))).collect::<Result<_>>()?;
+    let acts: Vec<(String, ExpertAct)> = a
+        .expert_act
+        .iter()
+        .map(|m| {
+            let at = match m.as_str() {
+                "epilogue" => ExpertAct::GateUpEpilogue,
+                "launch" => ExpertAct::Launch,
+                "down" => ExpertAct::InDown,
+                x => anyhow::bail!("--expert-act {x}: expected epilogue, launch or down"),
+            };
+            Ok((m.clone(), at))
+        })
+        .collect::<Result<_>>()?;
 
     for model in &a.models {
         let cfg = shape(model)?;
@@ -246,7 +260,6 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
         g.gemv_rows = a.gemv_rows.unwrap_or(g.gemv_rows);
         g.check().context("--gemv-words / --gemv-rows / --warps")?;
         let fused_router = dec.set_fused_router(!a.router_gemm);
-        dec.set_expert_act_launch(!a.expert_act_in_down);
         sync(&client)?;
         let accountant = Accountant::new(u64::MAX / 2);
         let _weights =
@@ -259,62 +272,66 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
             t.elapsed().as_secs_f64()
         );
         let mut next_id = 0u64;
-        for (bits_name, bits) in &bits_list {
-            dec.recommit_synthetic(bits.as_ref())?;
-            let sparse_layers = cfg.sparse.iter().filter(|s| **s).count();
-            let mean_bits = (0..cfg.layers)
-                .filter(|&l| cfg.sparse[l])
-                .flat_map(|l| (0..cfg.experts).map(move |e| (l, e)))
-                .map(|(l, e)| bits(l, e) as f64)
-                .sum::<f64>()
-                / (sparse_layers * cfg.experts).max(1) as f64;
-            for &ctx in &a.ctx {
-                for &b in &a.batches {
-                    let ids: Vec<u64> = (next_id..next_id + b as u64).collect();
-                    next_id += b as u64;
-                    for &id in &ids {
-                        dec.add_sequence(id)?;
-                        dec.fill_synthetic(id, ctx)?;
-                    }
-                    let mut toks = vec![1u32; b];
-                    let mut host = 0.0f64;
-                    let mut wall = 0.0f64;
-                    let mut launches = 0;
-                    for s in 0..a.warmup + a.steps {
-                        let batch: Vec<(u64, u32)> = ids.iter().copied().zip(toks.iter().copied()).collect();
-                        let t0 = Instant::now();
-                        dec.enqueue_greedy(&batch)?;
-                        let t1 = Instant::now();
-                        toks = dec.read_greedy(b)?;
-                        if s >= a.warmup {
-                            host += (t1 - t0).as_secs_f64();
-                            wall += t0.elapsed().as_secs_f64();
+        for (act_name, act) in &acts {
+            dec.set_expert_act(*act);
+            for (bits_name, bits) in &bits_list {
+                dec.recommit_synthetic(bits.as_ref())?;
+                let sparse_layers = cfg.sparse.iter().filter(|s| **s).count();
+                let mean_bits = (0..cfg.layers)
+                    .filter(|&l| cfg.sparse[l])
+                    .flat_map(|l| (0..cfg.experts).map(move |e| (l, e)))
+                    .map(|(l, e)| bits(l, e) as f64)
+                    .sum::<f64>()
+                    / (sparse_layers * cfg.experts).max(1) as f64;
+                for &ctx in &a.ctx {
+                    for &b in &a.batches {
+                        let ids: Vec<u64> = (next_id..next_id + b as u64).collect();
+                        next_id += b as u64;
+                        for &id in &ids {
+                            dec.add_sequence(id)?;
+                            dec.fill_synthetic(id, ctx)?;
                         }
-                        launches = dec.last_launches();
+                        let mut toks = vec![1u32; b];
+                        let mut host = 0.0f64;
+                        let mut wall = 0.0f64;
+                        let mut launches = 0;
+                        for s in 0..a.warmup + a.steps {
+                            let batch: Vec<(u64, u32)> =
+                                ids.iter().copied().zip(toks.iter().copied()).collect();
+                            let t0 = Instant::now();
+                            dec.enqueue_greedy(&batch)?;
+                            let t1 = Instant::now();
+                            toks = dec.read_greedy(b)?;
+                            if s >= a.warmup {
+                                host += (t1 - t0).as_secs_f64();
+                                wall += t0.elapsed().as_secs_f64();
+                            }
+                            launches = dec.last_launches();
+                        }
+                        for &id in &ids {
+                            dec.free_sequence(id)?;
+                        }
+                        let secs = wall / a.steps as f64;
+                        let bytes = step_bytes(&dec, &cfg, b, ctx + a.warmup + a.steps / 2);
+                        let bound = bytes.total() / (gbps * 1e9);
+                        let rec = json!({
+                            "model": model, "batch": b, "ctx": ctx, "bits": bits_name,
+                            "tpot_ms": secs * 1e3, "host_ms": host / a.steps as f64 * 1e3,
+                            "launches": launches, "tok_s": b as f64 / secs, "bound_tok_s": b as f64 / bound,
+                            "fraction_of_bound": bound / secs, "mean_expert_bits": mean_bits,
+                            "bytes_per_step": bytes.total(), "dense_bytes": bytes.dense,
+                            "expert_bytes_touched": bytes.experts, "kv_bytes": bytes.kv,
+                            "stream_gbps": gbps, "chunks": b.div_ceil(kernels_cubecl::MAX_TOKENS),
+                            "gemv_min_items": dec.gemm_config_mut().gemv_min_items,
+                            "gemv_words": dec.gemm_config_mut().gemv_words_per_lane,
+                            "warps": dec.gemm_config_mut().warps,
+                            "gemv_rows": dec.gemm_config_mut().gemv_rows,
+                            "fused_router": fused_router,
+                            "expert_act": act_name,
+                        });
+                        eprintln!("{rec}");
+                        records.push(rec);
                     }
-                    for &id in &ids {
-                        dec.free_sequence(id)?;
-                    }
-                    let secs = wall / a.steps as f64;
-                    let bytes = step_bytes(&dec, &cfg, b, ctx + a.warmup + a.steps / 2);
-                    let bound = bytes.total() / (gbps * 1e9);
-                    let rec = json!({
-                        "model": model, "batch": b, "ctx": ctx, "bits": bits_name,
-                        "tpot_ms": secs * 1e3, "host_ms": host / a.steps as f64 * 1e3,
-                        "launches": launches, "tok_s": b as f64 / secs, "bound_tok_s": b as f64 / bound,
-                        "fraction_of_bound": bound / secs, "mean_expert_bits": mean_bits,
-                        "bytes_per_step": bytes.total(), "dense_bytes": bytes.dense,
-                        "expert_bytes_touched": bytes.experts, "kv_bytes": bytes.kv,
-                        "stream_gbps": gbps, "chunks": b.div_ceil(kernels_cubecl::MAX_TOKENS),
-                        "gemv_min_items": dec.gemm_config_mut().gemv_min_items,
-                        "gemv_words": dec.gemm_config_mut().gemv_words_per_lane,
-                        "warps": dec.gemm_config_mut().warps,
-                        "gemv_rows": dec.gemm_config_mut().gemv_rows,
-                        "fused_router": fused_router,
-                        "expert_act_launch": !a.expert_act_in_down,
-                    });
-                    eprintln!("{rec}");
-                    records.push(rec);
                 }
             }
         }

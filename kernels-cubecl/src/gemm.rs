@@ -246,9 +246,10 @@ fn lane_lut(lr: &Array<f32>, r: usize, src: u32, #[comptime] shuffle: u32) -> f3
     }
 }
 
-/// Loads this lane's entries of the lane-held LUTs of `rows` rows from `row0` (`lut_len`
-/// entries per row from `lut_off`) into `lr` (see the `LUT_LANES_*` modes); rows at or past
-/// `n` get zeros.
+/// Loads this lane's entries of the lane-held LUTs of `rows` rows into `lr` (see the
+/// `LUT_LANES_*` modes; `lut_len` entries per row from `lut_off`): row `r` is
+/// [`unit_row`]`(row0, r, half, up)`, and rows with `row0 + r mod half` at or past `n_live` get
+/// zeros.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn load_lane_luts(
@@ -256,10 +257,12 @@ pub(crate) fn load_lane_luts(
     lut_off: usize,
     lut_len: usize,
     row0: usize,
-    n: usize,
+    n_live: usize,
+    up: usize,
     lane: usize,
     lr: &mut Array<f32>,
     #[comptime] rows: usize,
+    #[comptime] half: usize,
     #[comptime] shuffle: u32,
 ) {
     let regs = comptime![lane_lut_regs(shuffle)];
@@ -268,13 +271,21 @@ pub(crate) fn load_lane_luts(
         #[unroll]
         for i in 0..regs {
             let mut v = 0.0f32;
-            if row0 + r < n {
+            if row0 + r % half < n_live {
                 let e = (lane + 8usize * i) & (lut_len - 1usize);
-                v = f32::cast_from(luts[lut_off + (row0 + r) * lut_len + e]);
+                v = f32::cast_from(luts[lut_off + unit_row(row0, r, half, up) * lut_len + e]);
             }
             lr[r * regs + i] = v;
         }
     }
+}
+
+/// Row `r` of a warp unit starting at `row0`: `row0 + r` for a plain unit (`half` = its row
+/// count); for a gated unit (gate rows then the matching up rows, `half` each) the up rows lie
+/// `up` rows further.
+#[cube]
+pub(crate) fn unit_row(row0: usize, r: usize, #[comptime] half: usize, up: usize) -> usize {
+    row0 + (r / half) * up + r % half
 }
 
 /// Adds one lane's plane word (32 columns) of `rows` rows at `bits` bits to
@@ -677,7 +688,19 @@ fn gemm_item(
     let mut lr = Array::<f32>::new(rows_per_warp * comptime![lane_lut_regs(shuffle)]);
     if comptime![shuffle != LUT_SHARED] && bits <= 4u32 {
         let lut_len = 1usize << bits as usize;
-        load_lane_luts(luts, lut_off, lut_len, wrow0, n, lane, &mut lr, rows_per_warp, shuffle);
+        load_lane_luts(
+            luts,
+            lut_off,
+            lut_len,
+            wrow0,
+            n,
+            0,
+            lane,
+            &mut lr,
+            rows_per_warp,
+            rows_per_warp,
+            shuffle,
+        );
     }
 
     let mut acc = Array::<f32>::new(tb * rows_per_warp);

@@ -18,7 +18,7 @@ use half::f16;
 
 use crate::gemm::{
     DESC_WORDS, LUT_SHARED, X4, XV_PER_WORD, lane_lut_regs, load_lane_luts, stage_words, store_rows,
-    word_rows,
+    unit_row, warp_sum, word_rows,
 };
 
 /// The kernel. Grid: any number of cubes (a few per SM); cube: `warps · plane_size` units.
@@ -45,7 +45,11 @@ pub fn ap_gemv_kernel(
     #[comptime] lut_slots: usize,
     #[comptime] unrolled: bool,
     #[comptime] shuffle: u32,
+    #[comptime] glu: u32,
 ) {
+    // A gated unit (`glu` = the activation's code) holds `rows / 2` gate rows and the matching
+    // up rows `n / 2` further; a plain one `rows` consecutive rows.
+    let half = comptime![if glu > 0 { rows / 2 } else { rows }];
     let unit = UNIT_POS as usize;
     let lane = unit % plane_size;
     let warp = unit / plane_size;
@@ -65,7 +69,8 @@ pub fn ap_gemv_kernel(
         if i < items {
             let d = i * DESC_WORDS;
             if desc[d + 7] > 0u32 {
-                c = (desc[d + 2] + comptime![rows as u32 - 1]) / comptime![rows as u32];
+                let live = if comptime![glu > 0] { desc[d + 2] / 2u32 } else { desc[d + 2] };
+                c = (live + comptime![half as u32 - 1]) / comptime![half as u32];
             }
         }
         let s = plane_inclusive_sum(c);
@@ -170,6 +175,7 @@ pub fn ap_gemv_kernel(
                 lut_slots,
                 unrolled,
                 shuffle,
+                glu,
             );
         } else if bits == 4u32 {
             gemv_units(
@@ -199,6 +205,7 @@ pub fn ap_gemv_kernel(
                 lut_slots,
                 unrolled,
                 shuffle,
+                glu,
             );
         } else if bits == 5u32 {
             gemv_units(
@@ -228,6 +235,7 @@ pub fn ap_gemv_kernel(
                 lut_slots,
                 unrolled,
                 shuffle,
+                glu,
             );
         } else if bits == 6u32 {
             gemv_units(
@@ -257,6 +265,7 @@ pub fn ap_gemv_kernel(
                 lut_slots,
                 unrolled,
                 shuffle,
+                glu,
             );
         } else if bits == 7u32 {
             gemv_units(
@@ -286,6 +295,7 @@ pub fn ap_gemv_kernel(
                 lut_slots,
                 unrolled,
                 shuffle,
+                glu,
             );
         } else {
             gemv_units(
@@ -315,6 +325,7 @@ pub fn ap_gemv_kernel(
                 lut_slots,
                 unrolled,
                 shuffle,
+                glu,
             );
         }
         cur = seg_end;
@@ -351,7 +362,12 @@ fn gemv_units(
     #[comptime] lut_slots: usize,
     #[comptime] unrolled: bool,
     #[comptime] shuffle: u32,
+    #[comptime] glu: u32,
 ) {
+    let half = comptime![if glu > 0 { rows / 2 } else { rows }];
+    // Rows a unit may use (gated: the gate half) and the distance of the up rows.
+    let n_live = if comptime![glu > 0] { n / 2 } else { n };
+    let up = n_live;
     let lut_len = comptime![1usize << bits];
     let step_words = comptime![plane_size * wpl];
     let steps = words.div_ceil(step_words);
@@ -364,18 +380,18 @@ fn gemv_units(
     }
     let mut lr = Array::<f32>::new(rows * comptime![lane_lut_regs(shuffle)]);
     for u in range_stepped(u0, seg_end, warps) {
-        let row0 = (u - first) * rows;
+        let row0 = (u - first) * half;
         if comptime![shuffle != LUT_SHARED && bits <= 4] {
-            load_lane_luts(luts, lut_off, lut_len, row0, n, lane, &mut lr, rows, shuffle);
+            load_lane_luts(luts, lut_off, lut_len, row0, n_live, up, lane, &mut lr, rows, half, shuffle);
         } else {
             // This warp's LUT region is free once every lane left the previous unit.
             sync_plane();
             for i in range_stepped(lane, rows * lut_len, plane_size) {
                 let r = i / lut_len;
                 let e = i % lut_len;
-                if row0 + r < n {
+                if row0 + r % half < n_live {
                     lut_s[lbase + r * lut_slots + e] =
-                        f32::cast_from(luts[lut_off + (row0 + r) * lut_len + e]);
+                        f32::cast_from(luts[lut_off + unit_row(row0, r, half, up) * lut_len + e]);
                 }
             }
             sync_plane();
@@ -388,7 +404,10 @@ fn gemv_units(
             // Every plane word of the step first, so they are all in flight together. (Loading
             // step s + 1's words during step s's arithmetic was slower on the H200: 24.0 →
             // 29.6 µs for Mixtral's w1 at 4 bits, registers against occupancy.)
-            load_step(planes, &mut pw, plane_off, n, words, row0, s, lane, plane_size, rows, wpl, bits);
+            load_step(
+                planes, &mut pw, plane_off, n, n_live, up, words, row0, s, lane, plane_size, rows, half, wpl,
+                bits,
+            );
             #[unroll(unrolled)]
             for j in 0..wpl {
                 let wi = s * step_words + j * plane_size + lane;
@@ -411,12 +430,49 @@ fn gemv_units(
                 );
             }
         }
-        store_rows(&acc, y, y_off, n, row0, tokens, lane, rows, tb, plane_size);
+        if comptime![glu > 0] {
+            store_gated(&acc, y, y_off, n, row0, tokens, lane, half, tb, plane_size, glu);
+        } else {
+            store_rows(&acc, y, y_off, n, row0, tokens, lane, rows, tb, plane_size);
+        }
     }
 }
 
-/// Loads step `s`'s plane words of rows `row0 ..< row0 + rows` (`wpl` words per lane and row,
-/// all unrolled so they are in flight together) into `pw`; words past the item are zero.
+/// [`store_rows`] of a gated unit: lane 0 stores `act(gate) · up` of gate rows `row0 ..< row0 +
+/// half` (below `n / 2`) at those rows of `y` (row stride `n`, the gate half of gate|up-shaped
+/// rows, what [`crate::Activation::Applied`] reads).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn store_gated(
+    acc: &Array<f32>,
+    y: &mut Array<f32>,
+    y_off: usize,
+    n: usize,
+    row0: usize,
+    tokens: usize,
+    lane: usize,
+    #[comptime] half: usize,
+    #[comptime] tb: usize,
+    #[comptime] plane_size: usize,
+    #[comptime] act: u32,
+) {
+    #[unroll]
+    for r in 0..half {
+        #[unroll]
+        for t in 0..tb {
+            let g = warp_sum(acc[r * tb + t], plane_size);
+            let u = warp_sum(acc[(r + half) * tb + t], plane_size);
+            let row = row0 + r;
+            if lane == 0 && row < n / 2 && t < tokens {
+                y[y_off + t * n + row] = crate::families::act_fn(g, act) * u;
+            }
+        }
+    }
+}
+
+/// Loads step `s`'s plane words of the unit's rows ([`unit_row`]`(row0, r, half, up)`; `wpl`
+/// words per lane and row, all unrolled so they are in flight together) into `pw`; words past
+/// the item (or of rows with `row0 + r mod half` at or past `n_live`) are zero.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn load_step(
@@ -424,23 +480,26 @@ fn load_step(
     pw: &mut Array<u32>,
     plane_off: usize,
     n: usize,
+    n_live: usize,
+    up: usize,
     words: usize,
     row0: usize,
     s: usize,
     lane: usize,
     #[comptime] plane_size: usize,
     #[comptime] rows: usize,
+    #[comptime] half: usize,
     #[comptime] wpl: usize,
     #[comptime] bits: usize,
 ) {
     let step_words = comptime![plane_size * wpl];
     #[unroll]
     for r in 0..rows {
-        let row = row0 + r;
+        let row = unit_row(row0, r, half, up);
         #[unroll]
         for j in 0..wpl {
             let wi = s * step_words + j * plane_size + lane;
-            let live = row < n && wi < words;
+            let live = row0 + r % half < n_live && wi < words;
             #[unroll]
             for p in 0..bits {
                 let mut v = 0u32;

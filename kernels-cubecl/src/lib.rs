@@ -303,11 +303,20 @@ pub(crate) fn launch_gemv<R: Runtime>(
     tokens: usize,
     act: Activation,
     lut_slots: usize,
+    glu: Option<Activation>,
 ) -> bool {
     let tb = token_bucket(tokens);
     if !cfg.gemv || !cfg.specialized || tb > GEMV_MAX_TOKENS || n_items < cfg.gemv_min_items.max(1) {
         return false;
     }
+    // A gated unit pairs gate rows with up rows, half of its rows each.
+    let glu = match glu {
+        None => 0,
+        Some(a @ (Activation::SiluMul | Activation::GeluTanhMul)) if cfg.gemv_rows.is_multiple_of(2) => {
+            a.code()
+        }
+        Some(_) => return false,
+    };
     let ps = cfg.plane_size;
     let step = ps * cfg.gemv_words_per_lane;
     let x_words = cols.div_ceil(32).div_ceil(step) * step;
@@ -358,6 +367,7 @@ pub(crate) fn launch_gemv<R: Runtime>(
             lut_slots,
             cfg.unrolled,
             cfg.lut_mode(),
+            glu,
         )
     };
     true
@@ -446,7 +456,7 @@ pub fn ap_gemm<R: Runtime>(
     // compiled: launches of ≤ 4-bit blocks keep their shared memory small.
     let lut_slots = if items.iter().all(|i| i.bits <= 4) { 16 } else { gemm::LUT_SLOTS };
     let bufs = [planes, luts, desc, x, y];
-    if launch_gemv(client, cfg, bufs, items.len(), max_cols, most_tokens, act, lut_slots) {
+    if launch_gemv(client, cfg, bufs, items.len(), max_cols, most_tokens, act, lut_slots, None) {
         return Ok(());
     }
     let max_tokens = token_bucket(most_tokens);

@@ -1060,7 +1060,7 @@ pub fn ap_gemm_routed<R: Runtime>(
     // Bit-widths live in device descriptors: room for the widest LUT.
     let bufs = [planes, luts, desc, x, y];
     let item_tokens = tokens.min(ROUTE_CHUNK);
-    if crate::launch_gemv(client, cfg, bufs, items, cols, item_tokens, act, gemm::LUT_SLOTS) {
+    if crate::launch_gemv(client, cfg, bufs, items, cols, item_tokens, act, gemm::LUT_SLOTS, None) {
         return Ok(());
     }
     let tiles = max_rows.div_ceil(cfg.warps * cfg.rows_per_warp) as u32;
@@ -1088,4 +1088,47 @@ pub fn ap_gemm_routed<R: Runtime>(
         )
     };
     Ok(())
+}
+
+/// The routed experts' gate_up GEMV with their activation in its epilogue: each warp unit holds
+/// gate rows and the matching up rows, and stores `act(gate) · up` into the gate half of the
+/// item's gate|up-shaped output rows (row stride `max_rows` = 2·inter, what
+/// [`crate::Activation::Applied`] reads), so no launch of its own applies it. `act` is
+/// [`crate::Activation::SiluMul`] or [`crate::Activation::GeluTanhMul`]. Returns false, having
+/// launched nothing, where the launch shape has no GEMV (too many tokens, shared memory, an odd
+/// `GemmConfig::gemv_rows`): then run [`ap_gemm_routed`] and [`crate::families::gated_act`].
+///
+/// # Shapes
+/// - as [`ap_gemm_routed`]; the up half of `y`'s rows is left unwritten.
+#[allow(clippy::too_many_arguments)]
+pub fn ap_gemm_routed_gated<R: Runtime>(
+    client: &ComputeClient<R>,
+    cfg: crate::GemmConfig,
+    planes: &DeviceArray,
+    luts: &DeviceArray,
+    desc: &DeviceArray,
+    experts: usize,
+    max_rows: usize,
+    cols: usize,
+    tokens: usize,
+    x: &DeviceArray,
+    y: &DeviceArray,
+    act: crate::Activation,
+) -> Result<bool, KernelError> {
+    let items = experts * ROUTE_CHUNKS;
+    cfg.check()?;
+    need("routed gemm descriptors", desc, items * gemm::DESC_WORDS)?;
+    if !matches!(act, crate::Activation::SiluMul | crate::Activation::GeluTanhMul) {
+        return Err(bad(format!("ap_gemm_routed_gated: {act:?} is not a gated activation")));
+    }
+    if !max_rows.is_multiple_of(2) {
+        return Err(bad(format!("ap_gemm_routed_gated: {max_rows} gate|up rows")));
+    }
+    if tokens == 0 {
+        return Ok(true);
+    }
+    let bufs = [planes, luts, desc, x, y];
+    let item_tokens = tokens.min(ROUTE_CHUNK);
+    let none = crate::Activation::None;
+    Ok(crate::launch_gemv(client, cfg, bufs, items, cols, item_tokens, none, gemm::LUT_SLOTS, Some(act)))
 }

@@ -859,6 +859,43 @@ fn check_routed_moe(
             FUSED_ACT_TOL,
             &format!("down over applied rows, {tokens} tokens"),
         );
+        // The gate_up GEMV with the activation in its epilogue writes the gate halves that
+        // `gated_act` writes, bit for bit (the same row sums, the same activation code).
+        for act in [Activation::SiluMul, Activation::GeluTanhMul] {
+            let (fused, split) = (
+                DeviceArray::empty::<WgpuRuntime, f32>(client, rows * 2 * i),
+                DeviceArray::empty::<WgpuRuntime, f32>(client, rows * 2 * i),
+            );
+            let (e, desc) = (shape.experts, &bufs.desc_gate_up);
+            assert!(
+                ap_gemm_routed_gated(
+                    client,
+                    cfg,
+                    &planes,
+                    &luts,
+                    desc,
+                    e,
+                    2 * i,
+                    h,
+                    tokens,
+                    &xg,
+                    &fused,
+                    act
+                )
+                .unwrap(),
+                "the routed GEMV takes gated units"
+            );
+            let a = GatedInput { act, stride: 2 * i, gated: false };
+            kernels_cubecl::families::gated_act(client, rows, i, a, &gu, (&split, 2 * i)).unwrap();
+            let (f, w) = (read_f32(client, &fused).unwrap(), read_f32(client, &split).unwrap());
+            for r in 0..rows {
+                assert_eq!(
+                    f[r * 2 * i..][..i],
+                    w[r * 2 * i..][..i],
+                    "{act:?} epilogue, row {r}, {tokens} tokens"
+                );
+            }
+        }
         moe_combine(client, tokens, shape.k, h, &dn, &bufs.pos, &bufs.weights, &hd).unwrap();
 
         let (sel, wts) = route_reference(shape, &logits);

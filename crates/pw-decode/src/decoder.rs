@@ -11,8 +11,8 @@ use kernels_cubecl::families::{
 };
 use kernels_cubecl::step::{
     DenseGemm, FUSED_ACT_MAX_TOKENS, GatedInput, LogitsLayout, RouteBuffers, RowNorm, ap_gemm_routed,
-    dense_gemm, dense_gemm_act, dense_gemm_normed, embed, moe_combine, moe_route_gather,
-    moe_route_gather_router, router_fusable,
+    ap_gemm_routed_gated, dense_gemm, dense_gemm_act, dense_gemm_normed, embed, moe_combine,
+    moe_route_gather, moe_route_gather_router, router_fusable,
 };
 use kernels_cubecl::{
     Activation, DeviceArray, GemmConfig, MAX_TOKENS, RowLayout, paged_decode_attention_strided, read_f32,
@@ -101,9 +101,8 @@ pub struct Decoder<R: Runtime, KV: Float + CubeElement> {
     /// Router logits computed inside the routing launch (`moe_route_gather_router`) instead of
     /// a GEMM of their own: routers small enough to recompute in every routing cube.
     fused_router: bool,
-    /// The routed experts' activation `act(gate) · up` as a launch of its own between their
-    /// gate_up and down GEMVs, instead of inside the down GEMV's staging of its input.
-    expert_act_launch: bool,
+    /// Where the routed experts' activation `act(gate) · up` is computed.
+    expert_act: ExpertAct,
     kv: DevicePools<R>,
     tables: BlockTables,
     s: Scratch,
@@ -211,6 +210,19 @@ impl<R: Runtime> Weights<R> for SyntheticWeights<'_, R> {
         let n: usize = parts.iter().map(|p| p.1).sum();
         Ok(Some(DeviceArray::from_slice(self.client, &vec![0.01f32; n])))
     }
+}
+
+/// Where the decode step computes the routed experts' activation `act(gate) · up`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExpertAct {
+    /// In the gate_up GEMV's epilogue: a warp unit holds gate and up rows of the same outputs
+    /// (no launch of its own; where the launch shape has no GEMV, [`Self::Launch`]).
+    GateUpEpilogue,
+    /// A launch of its own between the gate_up and down GEMVs.
+    Launch,
+    /// Inside the down GEMV's staging of its input: every cube recomputes it for every column
+    /// (for Mixtral 39 % of that kernel's stall samples at batch 1, ncu on the H200).
+    InDown,
 }
 
 /// Elements per row of layer `l`'s dense MLP gate|up output: its rows, padded to a multiple
@@ -539,7 +551,7 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
             experts,
             gemm: GemmConfig::for_client(client),
             fused_router: cfg.experts > 0 && router_fusable(client, cfg.moe_shape()),
-            expert_act_launch: true,
+            expert_act: ExpertAct::GateUpEpilogue,
             kv: DevicePools::new::<KV>(client, &geometry, kv_blocks),
             tables: BlockTables::new(&geometry, kv_blocks),
             s,
@@ -648,11 +660,10 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
         self.fused_router
     }
 
-    /// Applies the routed experts' activation in a launch of its own (`on`, the default) or
-    /// inside the down GEMV's staging of its input, where every cube recomputes it for every
-    /// column (for benchmarks comparing the two; see `experts` in the step).
-    pub fn set_expert_act_launch(&mut self, on: bool) {
-        self.expert_act_launch = on;
+    /// Where the routed experts' activation is computed (default
+    /// [`ExpertAct::GateUpEpilogue`]; the others for benchmarks comparing them).
+    pub fn set_expert_act(&mut self, at: ExpertAct) {
+        self.expert_act = at;
     }
 
     /// Kernel launches of the last step (all chunks).
@@ -836,45 +847,42 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
             dense_gemm(c, d, t, &meta, &s.mlp_act, dn, &s.none, out)?;
             Ok::<usize, DecodeError>(2)
         };
-        // The routed experts of the gathered rows `s.xg` up to their outputs in `s.down`. Their
-        // activation is a launch of its own: inside the down GEMV every cube (264 for Mixtral)
-        // recomputed it for all 14336 columns while staging its input, 39 % of that kernel's
-        // stall samples at batch 1 (ncu on the H200).
-        let expert_act = self.expert_act_launch;
+        // The routed experts of the gathered rows `s.xg` up to their outputs in `s.down`, with
+        // their activation where `self.expert_act` says.
+        let expert_act = self.expert_act;
         let experts = |ex: &LayerPool<'_>| {
-            ap_gemm_routed(
-                c,
-                self.gemm,
-                ex.planes,
-                ex.luts,
-                &s.route.desc_gate_up,
-                e,
-                2 * i,
-                h,
-                t,
-                &s.xg,
-                &s.gate_up,
-                Activation::None,
-            )?;
-            if expert_act {
-                let a = GatedInput { act: cfg.act, stride: 2 * i, gated: false };
-                gated_act(c, t * cfg.top_k, i, a, &s.gate_up, (&s.expert_act, 2 * i))?;
+            let (gu, dn) = (&s.route.desc_gate_up, &s.route.desc_down);
+            let routed = |desc, n, k, x, y, act| {
+                ap_gemm_routed(c, self.gemm, ex.planes, ex.luts, desc, e, n, k, t, x, y, act)
+            };
+            let fused = expert_act == ExpertAct::GateUpEpilogue
+                && ap_gemm_routed_gated(
+                    c,
+                    self.gemm,
+                    ex.planes,
+                    ex.luts,
+                    gu,
+                    e,
+                    2 * i,
+                    h,
+                    t,
+                    &s.xg,
+                    &s.gate_up,
+                    cfg.act,
+                )?;
+            if fused {
+                routed(dn, h, i, &s.gate_up, &s.down, Activation::Applied)?;
+                return Ok::<usize, DecodeError>(2);
             }
-            ap_gemm_routed(
-                c,
-                self.gemm,
-                ex.planes,
-                ex.luts,
-                &s.route.desc_down,
-                e,
-                h,
-                i,
-                t,
-                if expert_act { &s.expert_act } else { &s.gate_up },
-                &s.down,
-                if expert_act { Activation::Applied } else { cfg.act },
-            )?;
-            Ok::<usize, DecodeError>(2 + expert_act as usize)
+            routed(gu, 2 * i, h, &s.xg, &s.gate_up, Activation::None)?;
+            if expert_act == ExpertAct::InDown {
+                routed(dn, h, i, &s.gate_up, &s.down, cfg.act)?;
+                return Ok(2);
+            }
+            let a = GatedInput { act: cfg.act, stride: 2 * i, gated: false };
+            gated_act(c, t * cfg.top_k, i, a, &s.gate_up, (&s.expert_act, 2 * i))?;
+            routed(dn, h, i, &s.expert_act, &s.down, Activation::Applied)?;
+            Ok(3)
         };
 
         launch!(embed(c, t, h, &ids, &self.embed, &s.embed_scale, &s.h));

@@ -37,7 +37,7 @@ mod paged;
 mod route_stats;
 
 pub use config::{AttnLayer, DecodeConfig, Family};
-pub use decoder::{Decoder, MixtralDecoder};
+pub use decoder::{Decoder, ExpertAct, MixtralDecoder};
 pub use experts::{ExpertBlocks, expert_weights};
 pub use paged::{ExpertCommit, ExpertMover, ExpertPage, PagedExperts, synthetic_block, synthetic_luts};
 pub use route_stats::{RouteStats, RoutingCounts, route_stats_reference};

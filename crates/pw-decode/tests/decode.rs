@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use burn_ndarray::NdArray;
 use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
-use pw_decode::{DecodeConfig, Decoder, ExpertBlocks};
+use pw_decode::{DecodeConfig, Decoder, ExpertAct, ExpertBlocks};
 use pw_hf::{Checkpoint, ModelConfig};
 use pw_models::generate::{argmax, ids_tensor, last_logits};
 use pw_models::{AnyModel, CausalLm, HfSource};
@@ -350,10 +350,10 @@ fn gemma4_fixture_chunked_prefill_past_the_window() {
 
 /// Launches of one layer of the fast path, by kind (the RMSNorms are folded into the GEMMs and
 /// the experts' gather, so none is a launch): QKV GEMM, RoPE + append, attention, O GEMM,
-/// routing (+ statistics) with the gather, gate_up, the experts' activation, down, combine. A
-/// small router (Mixtral's, see `router_fusable`) is computed in the routing launch; a larger
-/// one adds its GEMM.
-const MOE_LAYER_LAUNCHES: usize = 9;
+/// routing (+ statistics) with the gather, gate_up (the experts' activation in its epilogue),
+/// down, combine. A small router (Mixtral's, see `router_fusable`) is computed in the routing
+/// launch; a larger one adds its GEMM.
+const MOE_LAYER_LAUNCHES: usize = 8;
 /// A router GEMM of its own (Gemma-4's 128 × 2816 router, too big to recompute per cube).
 const ROUTER_GEMM_LAUNCHES: usize = 1;
 /// Qwen2-MoE's shared expert beside the routed ones: its gate|up GEMM (with the router's rows
@@ -412,15 +412,15 @@ fn launches_per_layer() {
         dec.add_sequence(3).unwrap();
         assert_eq!(dec.step_greedy(&[(3, 1), (3, 2)]).unwrap(), ids, "same tokens either way");
         assert_eq!(dec.last_launches(), want + 1, "fused router");
-        // The experts' activation back inside the down GEMV's staging: one launch fewer per
-        // sparse layer, the same greedy tokens.
-        dec.set_expert_act_launch(false);
-        dec.add_sequence(4).unwrap();
-        assert_eq!(
-            dec.step_greedy(&[(4, 1), (4, 2)]).unwrap(),
-            ids,
-            "same tokens, activation in the down GEMV"
-        );
-        assert_eq!(dec.last_launches(), want + 1 - sparse_layers, "activation in the down GEMV");
+        // The experts' activation in a launch of its own: one more per sparse layer; inside the
+        // down GEMV's staging: as many as in the epilogue. The same greedy tokens each way.
+        let modes = [(ExpertAct::Launch, sparse_layers, "own launch"), (ExpertAct::InDown, 0, "in down")];
+        for (id, (at, extra, what)) in (4u64..).zip(modes) {
+            dec.set_expert_act(at);
+            dec.add_sequence(id).unwrap();
+            assert_eq!(dec.step_greedy(&[(id, 1), (id, 2)]).unwrap(), ids, "same tokens, activation {what}");
+            assert_eq!(dec.last_launches(), want + 1 + extra, "activation {what}");
+        }
+        dec.set_expert_act(ExpertAct::GateUpEpilogue);
     }
 }
