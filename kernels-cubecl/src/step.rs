@@ -1090,13 +1090,20 @@ pub fn ap_gemm_routed<R: Runtime>(
     Ok(())
 }
 
+/// Most tokens per routed item for which [`ap_gemm_routed_gated`] runs: at two, the gated GEMV
+/// took up to 100 registers per thread against the plain one's 80 (ncu on the H200), so one
+/// cube fewer fits per SM, and Qwen1.5-MoE's batch-8 step went from 7.27–7.31 to 7.79–7.95 ms;
+/// at one token it saves the activation's launch (Gemma-4 b1 6.74 → 6.62 ms).
+pub const GATED_MAX_TOKENS: usize = 1;
+
 /// The routed experts' gate_up GEMV with their activation in its epilogue: each warp unit holds
 /// gate rows and the matching up rows, and stores `act(gate) · up` into the gate half of the
 /// item's gate|up-shaped output rows (row stride `max_rows` = 2·inter, what
 /// [`crate::Activation::Applied`] reads), so no launch of its own applies it. `act` is
 /// [`crate::Activation::SiluMul`] or [`crate::Activation::GeluTanhMul`]. Returns false, having
-/// launched nothing, where the launch shape has no GEMV (too many tokens, shared memory, an odd
-/// `GemmConfig::gemv_rows`): then run [`ap_gemm_routed`] and [`crate::families::gated_act`].
+/// launched nothing, where the launch shape has no gated GEMV (more than [`GATED_MAX_TOKENS`]
+/// tokens per item, shared memory, an odd `GemmConfig::gemv_rows`): then run
+/// [`ap_gemm_routed`] and [`crate::families::gated_act`].
 ///
 /// # Shapes
 /// - as [`ap_gemm_routed`]; the up half of `y`'s rows is left unwritten.
@@ -1127,8 +1134,11 @@ pub fn ap_gemm_routed_gated<R: Runtime>(
     if tokens == 0 {
         return Ok(true);
     }
-    let bufs = [planes, luts, desc, x, y];
     let item_tokens = tokens.min(ROUTE_CHUNK);
+    if item_tokens > GATED_MAX_TOKENS {
+        return Ok(false);
+    }
+    let bufs = [planes, luts, desc, x, y];
     let none = crate::Activation::None;
     Ok(crate::launch_gemv(client, cfg, bufs, items, cols, item_tokens, none, gemm::LUT_SLOTS, Some(act)))
 }

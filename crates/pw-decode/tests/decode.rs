@@ -400,25 +400,29 @@ fn launches_per_layer() {
         if dir != fixture("mixtral") {
             continue;
         }
-        // Mixtral's router back in a GEMM of its own: one more launch per sparse layer, the
-        // same greedy tokens as with the router in the routing launch.
-        assert!(!dec.set_fused_router(false), "the fused router switched off");
+        // Two tokens per routed item: the experts' activation is a launch of its own
+        // (`GATED_MAX_TOKENS`). Mixtral's router back in a GEMM of its own: one more launch per
+        // sparse layer, the same greedy tokens as with the router in the routing launch.
         let sparse_layers = cfg.sparse.iter().filter(|&&s| s).count();
+        assert!(!dec.set_fused_router(false), "the fused router switched off");
         dec.add_sequence(2).unwrap();
         let ids = dec.step_greedy(&[(2, 1), (2, 2)]).unwrap();
         let router_gemms = sparse_layers * ROUTER_GEMM_LAUNCHES;
-        assert_eq!(dec.last_launches(), want + 1 + router_gemms, "router GEMM");
+        assert_eq!(dec.last_launches(), want + 1 + sparse_layers + router_gemms, "router GEMM");
         assert!(dec.set_fused_router(true), "Mixtral's router fusable");
         dec.add_sequence(3).unwrap();
         assert_eq!(dec.step_greedy(&[(3, 1), (3, 2)]).unwrap(), ids, "same tokens either way");
-        assert_eq!(dec.last_launches(), want + 1, "fused router");
-        // The experts' activation in a launch of its own: one more per sparse layer; inside the
-        // down GEMV's staging: as many as in the epilogue. The same greedy tokens each way.
+        assert_eq!(dec.last_launches(), want + 1 + sparse_layers, "fused router");
+        // One token: the activation in the gate_up GEMV's epilogue; in a launch of its own one
+        // more per sparse layer; inside the down GEMV's staging as many. The same token each way.
+        dec.add_sequence(4).unwrap();
+        let one = dec.step_greedy(&[(4, 1)]).unwrap();
+        assert_eq!(dec.last_launches(), want + 1, "activation in the epilogue");
         let modes = [(ExpertAct::Launch, sparse_layers, "own launch"), (ExpertAct::InDown, 0, "in down")];
-        for (id, (at, extra, what)) in (4u64..).zip(modes) {
+        for (id, (at, extra, what)) in (5u64..).zip(modes) {
             dec.set_expert_act(at);
             dec.add_sequence(id).unwrap();
-            assert_eq!(dec.step_greedy(&[(id, 1), (id, 2)]).unwrap(), ids, "same tokens, activation {what}");
+            assert_eq!(dec.step_greedy(&[(id, 1)]).unwrap(), one, "same token, activation {what}");
             assert_eq!(dec.last_launches(), want + 1 + extra, "activation {what}");
         }
         dec.set_expert_act(ExpertAct::GateUpEpilogue);
