@@ -3,7 +3,7 @@
 //! of CubeCL launches per layer, straight on the compute client (no Burn tensor ops, no host
 //! round trip inside a layer). No RMSNorm is a launch of its own: each is folded into the
 //! GEMMs or the gather that read its output (a per-token scale after the row reduction). The
-//! Mixtral wiring, 9 launches per layer:
+//! Mixtral wiring, 8 launches per layer at one token per routed expert (9 above):
 //!
 //! 1. fused QKV projection of norm(h) (one f16 GEMM) → RoPE on Q and K + K/V append into the
 //!    paged cache → paged decode attention;
@@ -13,21 +13,24 @@
 //!    e.g. Gemma-4's 128 × 2816, keeps its own GEMM, one more launch), on-device softmax/top-k
 //!    that writes the grouped kernel's descriptors (and the planner's routing counts when
 //!    armed), and the gather of the normed rows →
-//!    grouped bit-plane GEMM for gate_up → the experts' SiLU(gate)·up in one launch (inside the
-//!    down GEMM every cube recomputed it for every column) → grouped GEMM for down → weighted
-//!    combine into the residual.
+//!    grouped bit-plane GEMV for gate_up with the experts' SiLU(gate)·up in its epilogue (warp
+//!    units of gate rows and their up rows; at two tokens per expert those took 100 registers
+//!    per thread, so there the activation is a launch of its own, see [`ExpertAct`]) → grouped
+//!    GEMV for down → weighted combine into the residual.
 //!
-//! Qwen2-MoE (11 per sparse layer, 6 per dense one) adds the q/k/v biases to the projection,
+//! Qwen2-MoE (10 per sparse layer, 6 per dense one) adds the q/k/v biases to the projection,
 //! and its gated shared expert (or a dense layer's MLP) as gate|up GEMM (the router's rows in
 //! the same GEMM: both read the same norm) → down GEMM reading act(gate)·up × sigmoid gate into
-//! the residual. Gemma-4 (13: its router GEMM of its own) adds per-head Q/K/V norms (K = V
+//! the residual. Gemma-4 (12: its router GEMM of its own) adds per-head Q/K/V norms (K = V
 //! on full layers) in the RoPE + append launch, its sandwich norm on the attention output, a dense
 //! GeGLU branch beside the experts, and one epilogue kernel (routing weights × per-expert
 //! scale, combine, three norms, residual, layer scalar).
 //!
 //! The host uploads the step's ids, positions and block tables once, and reads back the logits
 //! (or, sampling greedily on the device, only the new ids) once. A new sequence's prompt goes
-//! through the same kernels token by token (prefill).
+//! through the same kernels 16 tokens per step, each attending up to its own position
+//! ([`Decoder::prefill`]). The experts' pages move through `pw_pages::device_mover` (on CUDA
+//! asynchronous pinned copies: a step never waits for a raising).
 //! The Burn-ops models in `pw-models` stay the reference the tests compare against.
 
 mod config;

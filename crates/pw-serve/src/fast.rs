@@ -1,6 +1,6 @@
 //! [`StepModel`] over the fast decode path (`pw-decode`): each engine step is one batched
 //! decode step of fused CubeCL launches over the paged KV cache; new prompts go through the same
-//! kernels, all new sequences together, one position per launch sequence. The experts live in a
+//! kernels, all new sequences together, 16 prompt tokens per launch sequence. The experts live in a
 //! page table whose budget the KV cache shares; the planner moves their bit-widths between
 //! steps ([`crate::MemoryOptions`]).
 
