@@ -21,8 +21,8 @@ use crate::DecodeError;
 /// The decoder's mover: [`pw_pages::device_mover`] (on CUDA asynchronous pinned copies, the
 /// kernels never wait for a raising; elsewhere copies on the client's queue). A synthetic model
 /// (random weights for speed measurements) fills its plane arena once with hashed words on the
-/// device and skips plane copies: any extent already holds random planes, and full-size host
-/// parents need never be touched (nor page-locked).
+/// device, skips plane copies (any extent already holds random planes, and full-size host
+/// parents need never be touched) and copies its LUTs on the client's queue ([`CubePool`]).
 pub struct ExpertMover<R: Runtime> {
     inner: Box<dyn DeviceMover<R>>,
     skip_planes: bool,
@@ -77,7 +77,7 @@ impl<R: Runtime> Mover for ExpertMover<R> {
 /// at 8 bits take ~1 s at the pinned copy's 55 GB/s, minutes through CubeCL's own uploads).
 const SETTLE_LIMIT: std::time::Duration = std::time::Duration::from_secs(1800);
 /// How long [`PagedExperts::settle`] waits with no transfer in flight and no page moving.
-const STALL_LIMIT: std::time::Duration = std::time::Duration::from_secs(2);
+const STALL_LIMIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// What one [`PagedExperts::boundary`] did, over all layers.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -92,6 +92,8 @@ pub struct ExpertCommit {
     pub deferred: usize,
     /// Layers whose slot table changed.
     pub published: usize,
+    /// Relocations (against arena fragmentation) started or committed.
+    pub relocations: usize,
 }
 
 impl ExpertCommit {
@@ -101,6 +103,7 @@ impl ExpertCommit {
         self.started += r.started.len();
         self.deferred += r.deferred.len();
         self.published += r.published as usize;
+        self.relocations += r.relocating.len() + r.relocated.len();
     }
 }
 
@@ -193,8 +196,15 @@ impl<R: Runtime> PagedExperts<R> {
             }
             // Slack: a raising that cannot grow in place copies the page beside its old
             // extent, and every raising holds its new LUT beside the committed one.
-            let inner = pw_pages::device_mover(client, words + max_words, luts + 2 * max_lut)
-                .map_err(pw_pages::PageError::from)?;
+            let (plane_words, lut_entries) = (words + max_words, luts + 2 * max_lut);
+            // A synthetic model copies only LUTs, which CubeCL's queue takes at once; raising a
+            // full-size one 3 → 8 bits through the CUDA mover needed thousands of boundaries
+            // (relocations against fragmentation, each committed a boundary later) for Mixtral.
+            let inner: Box<dyn DeviceMover<R>> = if synthetic {
+                Box::new(CubePool::new(client.clone(), plane_words, lut_entries))
+            } else {
+                pw_pages::device_mover(client, plane_words, lut_entries).map_err(pw_pages::PageError::from)?
+            };
             if synthetic {
                 kernels_cubecl::fill_hash(client, inner.pool().planes(), l as u32);
             }
@@ -259,7 +269,7 @@ impl<R: Runtime> PagedExperts<R> {
                 return Ok(());
             }
             let now = std::time::Instant::now();
-            if r.raised + r.started + r.lowered > 0 {
+            if r.raised + r.started + r.lowered + r.relocations > 0 {
                 last_progress = now;
             }
             let in_flight = self
