@@ -11,7 +11,10 @@
 //! - a cube stages `x` (all columns, all tokens, activation applied) once per item it visits;
 //! - each warp then walks its units with no cube barrier: it stages its rows' LUTs in a
 //!   warp-private region, loads `J` plane words per lane and row (all in flight), rebuilds
-//!   four indices per shift/mask step and reduces with `plane_sum`.
+//!   four indices per shift/mask step and reduces with `plane_sum`;
+//! - gated units (`glu`, for the routed experts' gate_up): a unit's rows are gate rows and the
+//!   up rows `n / 2` further, and it stores `act(gate) · up` in the gate half of its output rows,
+//!   so the activation needs no launch of its own.
 
 use cubecl::prelude::*;
 use half::f16;
@@ -24,7 +27,8 @@ use crate::gemm::{
 /// The kernel. Grid: any number of cubes (a few per SM); cube: `warps · plane_size` units.
 /// `n_items` descriptors of [`DESC_WORDS`] words (see [`crate::gemm::ap_gemm_kernel`]); items
 /// with zero tokens take no work. `x_words` (comptime) bounds `ceil(cols / 32)` over the items,
-/// rounded up to a multiple of `plane_size · J`.
+/// rounded up to a multiple of `plane_size · J`. `glu`: 0 for plain units, else the code of the
+/// gated activation (`rows` even; see [`crate::step::ap_gemm_routed_gated`]).
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub fn ap_gemv_kernel(
