@@ -1033,6 +1033,15 @@ pub fn moe_combine<R: Runtime>(
     Ok(())
 }
 
+/// Work items of a routed launch over `experts` (`experts · ROUTE_CHUNKS`), with the launch
+/// configuration and the descriptor table's length checked.
+fn routed_items(cfg: crate::GemmConfig, desc: &DeviceArray, experts: usize) -> Result<usize, KernelError> {
+    let items = experts * ROUTE_CHUNKS;
+    cfg.check()?;
+    need("routed gemm descriptors", desc, items * gemm::DESC_WORDS)?;
+    Ok(items)
+}
+
 /// The grouped expert GEMM over a descriptor table built on the device by [`moe_route`]
 /// (`experts · ROUTE_CHUNKS` items, each at most `min(tokens, ROUTE_CHUNK)` tokens and
 /// `max_rows` rows of `cols` columns).
@@ -1051,9 +1060,7 @@ pub fn ap_gemm_routed<R: Runtime>(
     y: &DeviceArray,
     act: crate::Activation,
 ) -> Result<(), KernelError> {
-    let items = experts * ROUTE_CHUNKS;
-    cfg.check()?;
-    need("routed gemm descriptors", desc, items * gemm::DESC_WORDS)?;
+    let items = routed_items(cfg, desc, experts)?;
     if tokens == 0 {
         return Ok(());
     }
@@ -1122,9 +1129,7 @@ pub fn ap_gemm_routed_gated<R: Runtime>(
     y: &DeviceArray,
     act: crate::Activation,
 ) -> Result<bool, KernelError> {
-    let items = experts * ROUTE_CHUNKS;
-    cfg.check()?;
-    need("routed gemm descriptors", desc, items * gemm::DESC_WORDS)?;
+    let items = routed_items(cfg, desc, experts)?;
     if !matches!(act, crate::Activation::SiluMul | crate::Activation::GeluTanhMul) {
         return Err(bad(format!("ap_gemm_routed_gated: {act:?} is not a gated activation")));
     }
