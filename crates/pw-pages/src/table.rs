@@ -4,6 +4,7 @@ use crate::PageError;
 use crate::accountant::{Accountant, BudgetError, Lease, MemoryUsage, Use};
 use crate::extent::{Extent, ExtentAllocator};
 use crate::mover::{Mover, Ticket, Write};
+use cubecl::prelude::CubeElement;
 use kernels_cubecl::{PoolSlot, WorkItem};
 use pw_format::{ApBlock, BlockKind, Checkpoint};
 use std::collections::HashMap;
@@ -266,9 +267,9 @@ impl<M: Mover> PagedWeights<M> {
         }
         let mut mover = mover;
         for p in &pages {
-            mover.pin_host(bytes_of(&p.parent.planes));
+            mover.pin_host(u32::as_bytes(&p.parent.planes));
             for l in &p.parent.luts {
-                mover.pin_host_luts(lut_bytes(l));
+                mover.pin_host_luts(half::f16::as_bytes(l));
             }
         }
         let table = pages.iter().map(Page::slot).collect();
@@ -828,16 +829,6 @@ impl<M: Mover> PagedWeights<M> {
         }
         Ok(())
     }
-}
-
-fn bytes_of(words: &[u32]) -> &[u8] {
-    // SAFETY: u32 has no padding and every byte pattern is a valid u8.
-    unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), std::mem::size_of_val(words)) }
-}
-
-fn lut_bytes(entries: &[half::f16]) -> &[u8] {
-    // SAFETY: f16 is a plain 2-byte value with no padding.
-    unsafe { std::slice::from_raw_parts(entries.as_ptr().cast::<u8>(), std::mem::size_of_val(entries)) }
 }
 
 fn check_bits(p: &Page, bits: u8) -> Result<(), PageError> {
