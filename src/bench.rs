@@ -166,12 +166,13 @@ fn check_block<R: Runtime>(
 
 /// The kernel variants to time: the current choice ("specialized": the persistent GEMV for
 /// launches of many items of ≤ 2 tokens, the tiled kernel otherwise), and when asked the GEMV
-/// wherever it applies, the tiled kernel alone, the first kernel, and ≤ 4-bit LUTs from shared
+/// wherever it applies (at one token with `x` in registers, and staged), the tiled kernel alone, the first kernel, and ≤ 4-bit LUTs from shared
 /// memory instead of the lanes' registers.
 fn variants(cfg: GemmConfig, compare_v1: bool) -> Vec<(&'static str, GemmConfig)> {
     let mut v = vec![("specialized", cfg)];
     if compare_v1 {
         v.push(("gemv", GemmConfig { gemv_min_items: 1, ..cfg }));
+        v.push(("gemv_x_shared", GemmConfig { gemv_min_items: 1, gemv_x_regs: false, ..cfg }));
         v.push(("tiled", GemmConfig { gemv: false, ..cfg }));
         v.push(("v1", GemmConfig { specialized: false, ..cfg }));
         if cfg.lut_in_lanes {
@@ -283,10 +284,13 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchKernelsArgs) -> Result<Vec<Value
                     })
                     .collect();
                 if a.check {
-                    // The launch's own choice (the tiled kernel for one block) and the GEMV.
-                    for (variant, vcfg) in
-                        [("specialized", cfg), ("gemv", GemmConfig { gemv_min_items: 1, ..cfg })]
-                    {
+                    // The launch's own choice (the tiled kernel for one block) and the GEMVs (at one
+                    // token with `x` in registers or staged).
+                    for (variant, vcfg) in [
+                        ("specialized", cfg),
+                        ("gemv", GemmConfig { gemv_min_items: 1, ..cfg }),
+                        ("gemv_x_shared", GemmConfig { gemv_min_items: 1, gemv_x_regs: false, ..cfg }),
+                    ] {
                         let err = check_block(&client, vcfg, &block, bits, tokens)?;
                         eprintln!(
                             "check {variant} {model} {block_name} {rows}x{cols} t{tokens} b{bits}: relative error {err:.2e}"

@@ -71,6 +71,10 @@ pub struct BenchDecodeArgs {
     /// (the down GEMV's input staging).
     #[arg(long, value_delimiter = ',', default_value = "epilogue")]
     pub expert_act: Vec<String>,
+    /// Where the one-token expert GEMV keeps `x` (comma-separated, each measured): `regs` (each
+    /// lane's slice in registers, the default) or `shared` (staged, read per plane word).
+    #[arg(long, value_delimiter = ',', default_value = "regs")]
+    pub gemv_x: Vec<String>,
 }
 
 fn inv_freq(theta: f64, head_dim: usize, rotating_pairs: usize) -> Vec<f32> {
@@ -242,6 +246,17 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
             Ok((m.clone(), at))
         })
         .collect::<Result<_>>()?;
+    let x_modes: Vec<(String, bool)> = a
+        .gemv_x
+        .iter()
+        .map(|m| match m.as_str() {
+            "regs" => Ok((m.clone(), true)),
+            "shared" => Ok((m.clone(), false)),
+            x => anyhow::bail!("--gemv-x {x}: expected regs or shared"),
+        })
+        .collect::<Result<_>>()?;
+    let modes: Vec<(&(String, ExpertAct), &(String, bool))> =
+        acts.iter().flat_map(|a| x_modes.iter().map(move |x| (a, x))).collect();
 
     for model in &a.models {
         let cfg = shape(model)?;
@@ -272,8 +287,9 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
             t.elapsed().as_secs_f64()
         );
         let mut next_id = 0u64;
-        for (act_name, act) in &acts {
+        for ((act_name, act), (x_name, x_regs)) in &modes {
             dec.set_expert_act(*act);
+            dec.gemm_config_mut().gemv_x_regs = *x_regs;
             for (bits_name, bits) in &bits_list {
                 dec.recommit_synthetic(bits.as_ref())?;
                 let sparse_layers = cfg.sparse.iter().filter(|s| **s).count();
@@ -328,6 +344,7 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
                             "gemv_rows": dec.gemm_config_mut().gemv_rows,
                             "fused_router": fused_router,
                             "expert_act": act_name,
+                            "gemv_x": x_name,
                         });
                         eprintln!("{rec}");
                         records.push(rec);

@@ -28,6 +28,8 @@ pub mod gemm;
 #[allow(missing_docs)]
 pub mod gemv;
 #[allow(missing_docs)]
+pub mod gemv_xr;
+#[allow(missing_docs)]
 pub mod prefill;
 pub mod step;
 
@@ -207,6 +209,10 @@ pub struct GemmConfig {
     /// (4 rows: Mixtral's batch-1 decode step 6.78 → 7.19 ms on the H200, see
     /// `benches/results/h200-kernels.md`).
     pub gemv_rows: usize,
+    /// `true` (the default): launches whose items hold one token go to [`gemv_xr`], where each
+    /// lane keeps its plane word position of every row and so its `x` in registers, instead of
+    /// reading `x` from shared memory for every word ([`gemv`]).
+    pub gemv_x_regs: bool,
     /// The GEMM and GEMV kernels' inner loops fully unrolled (constant shifts; the GPU's
     /// choice) or compact (CPU shader compilers such as lavapipe's take minutes on the unrolled
     /// bodies).
@@ -257,6 +263,7 @@ impl GemmConfig {
             gemv_min_items: GEMV_MIN_ITEMS,
             gemv_words_per_lane: 2,
             gemv_rows: GEMV_ROWS,
+            gemv_x_regs: true,
             unrolled,
             lut_in_lanes: plane_size == 8 || plane_size >= 16,
             shuffle_wraps: R::name(client) == "cuda" && plane_size == 32,
@@ -317,13 +324,57 @@ pub(crate) fn launch_gemv<R: Runtime>(
         }
         Some(_) => return false,
     };
+    let hw = &client.properties().hardware;
     let ps = cfg.plane_size;
+    if tb == 1 && cfg.gemv_x_regs {
+        // Groups of warps span a row's plane words (up to `cfg.warps` warps, then chunks).
+        let words = cols.div_ceil(32);
+        let group = words.div_ceil(ps).clamp(1, cfg.warps);
+        let groups = (cfg.warps / group).max(1);
+        let warps = group * groups;
+        let chunks = words.div_ceil(group * ps);
+        let shared = 4
+            * (warps * cfg.gemv_rows * lut_slots
+                + gemv_xr::XR_BLOCK * cfg.gemv_rows * group
+                + n_items
+                + 5
+                + warps);
+        if shared <= hw.max_shared_memory_size {
+            let per_sm = (hw.max_shared_memory_size / shared).min(GEMV_WARPS_PER_SM / warps).max(1);
+            let cubes = hw.num_streaming_multiprocessors.unwrap_or(4) as usize * per_sm;
+            // SAFETY: as below.
+            unsafe {
+                gemv_xr::ap_gemv_xr_kernel::launch_unchecked::<R>(
+                    client,
+                    CubeCount::Static(cubes as u32, 1, 1),
+                    CubeDim::new_1d((warps * ps) as u32),
+                    planes.arg(),
+                    luts.arg(),
+                    desc.arg(),
+                    x.arg(),
+                    y.arg(),
+                    n_items as u32,
+                    chunks as u32,
+                    n_items,
+                    ps,
+                    group,
+                    groups,
+                    cfg.gemv_rows,
+                    act.code(),
+                    lut_slots,
+                    cfg.unrolled,
+                    cfg.lut_mode(),
+                    glu,
+                )
+            };
+            return true;
+        }
+    }
     let step = ps * cfg.gemv_words_per_lane;
     let x_words = cols.div_ceil(32).div_ceil(step) * step;
     let shared = |warps: usize| {
         4 * (tb * x_words * 4 * gemm::XV_PER_WORD + warps * cfg.gemv_rows * lut_slots + n_items + 1 + warps)
     };
-    let hw = &client.properties().hardware;
     if shared(cfg.warps) > hw.max_shared_memory_size {
         return false;
     }
