@@ -327,9 +327,14 @@ pub(crate) fn launch_gemv<R: Runtime>(
     let hw = &client.properties().hardware;
     let ps = cfg.plane_size;
     if tb == 1 && cfg.gemv_x_regs {
-        // Groups of warps span a row's plane words (up to `cfg.warps` warps, then chunks).
+        // Groups of warps span a row's plane words (up to `cfg.warps` warps, then chunks): the
+        // group size with the fewest warp slices per row (idle lanes past the row's words),
+        // then the widest (fewer reloads of `x`). Mixtral's 448-word down rows: 7 warps × 2
+        // chunks rather than 8 warps whose second chunk leaves 2 warps idle.
         let words = cols.div_ceil(32);
-        let group = words.div_ceil(ps).clamp(1, cfg.warps);
+        let group = (1..=cfg.warps)
+            .min_by_key(|&g| (words.div_ceil(g * ps) * g, std::cmp::Reverse(g)))
+            .unwrap_or(1);
         let groups = (cfg.warps / group).max(1);
         let warps = group * groups;
         let chunks = words.div_ceil(group * ps);
