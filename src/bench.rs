@@ -62,6 +62,17 @@ pub struct BenchKernelsArgs {
     /// Skip the prefill comparison (dequantize + Burn matmul vs Burn's f16 matmul; CUDA only).
     #[arg(long)]
     pub no_prefill: bool,
+    /// Skip the whole-layer runs.
+    #[arg(long)]
+    pub no_layers: bool,
+    /// Time only these variants (comma-separated names of `--compare-v1`'s list; default: all
+    /// that the other options select).
+    #[arg(long, value_delimiter = ',')]
+    pub variants: Vec<String>,
+    /// Override the resident warps per SM that the one-token GEMV with `x` in registers sizes
+    /// its grid for (`GemmConfig::gemv_xr_warps_per_sm`).
+    #[arg(long)]
+    pub xr_warps_per_sm: Option<usize>,
     /// Also check each single block's result against the CPU reference on random `x` (fails
     /// the run past the error budget).
     #[arg(long)]
@@ -243,6 +254,7 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchKernelsArgs) -> Result<Vec<Value
     cfg.rows_per_warp = a.rows_per_warp.unwrap_or(cfg.rows_per_warp);
     cfg.gemv_words_per_lane = a.gemv_words.unwrap_or(cfg.gemv_words_per_lane);
     cfg.gemv_rows = a.gemv_rows.unwrap_or(cfg.gemv_rows);
+    cfg.gemv_xr_warps_per_sm = a.xr_warps_per_sm.unwrap_or(cfg.gemv_xr_warps_per_sm);
     cfg.check().context("--warps / --rows-per-warp / --gemv-rows")?;
     eprintln!("config: {cfg:?}");
     let wanted = |m: &str| a.models.is_empty() || a.models.iter().any(|w| w == m);
@@ -300,7 +312,10 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchKernelsArgs) -> Result<Vec<Value
                             "max_rel_err": err}));
                     }
                 }
-                for (variant, vcfg) in variants(cfg, a.compare_v1) {
+                for (variant, vcfg) in variants(cfg, a.compare_v1)
+                    .into_iter()
+                    .filter(|(v, _)| a.variants.is_empty() || a.variants.iter().any(|w| w == v))
+                {
                     let t = time_batches(&client, a.launches, |i| {
                         let (it, d) = &descs[i % descs.len()];
                         ap_gemm(
@@ -332,7 +347,13 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchKernelsArgs) -> Result<Vec<Value
         }
     }
 
-    let layers: &[_] = if a.quick { &LAYERS[1..2] } else { &LAYERS };
+    let layers: &[_] = if a.no_layers {
+        &[]
+    } else if a.quick {
+        &LAYERS[1..2]
+    } else {
+        &LAYERS
+    };
     for &(model, experts, hidden, inter, tokens, top_k, act) in layers.iter().filter(|l| wanted(l.0)) {
         let gu = gaussian_block(2 * inter, hidden, 1)?;
         let dn = gaussian_block(hidden, inter, 2)?;

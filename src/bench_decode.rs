@@ -71,6 +71,10 @@ pub struct BenchDecodeArgs {
     /// (the down GEMV's input staging).
     #[arg(long, value_delimiter = ',', default_value = "epilogue")]
     pub expert_act: Vec<String>,
+    /// Override the resident warps per SM that the one-token GEMV with `x` in registers sizes
+    /// its grid for (`GemmConfig::gemv_xr_warps_per_sm`).
+    #[arg(long)]
+    pub xr_warps_per_sm: Option<usize>,
     /// Where the one-token expert GEMV keeps `x` (comma-separated, each measured): `regs` (each
     /// lane's slice in registers, the default) or `shared` (staged, read per plane word).
     #[arg(long, value_delimiter = ',', default_value = "regs")]
@@ -273,6 +277,7 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
         g.gemv_words_per_lane = a.gemv_words.unwrap_or(g.gemv_words_per_lane);
         g.warps = a.warps.unwrap_or(g.warps);
         g.gemv_rows = a.gemv_rows.unwrap_or(g.gemv_rows);
+        g.gemv_xr_warps_per_sm = a.xr_warps_per_sm.unwrap_or(g.gemv_xr_warps_per_sm);
         g.check().context("--gemv-words / --gemv-rows / --warps")?;
         let fused_router = dec.set_fused_router(!a.router_gemm);
         sync(&client)?;
@@ -342,6 +347,7 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
                             "gemv_words": dec.gemm_config_mut().gemv_words_per_lane,
                             "warps": dec.gemm_config_mut().warps,
                             "gemv_rows": dec.gemm_config_mut().gemv_rows,
+                            "xr_warps_per_sm": dec.gemm_config_mut().gemv_xr_warps_per_sm,
                             "fused_router": fused_router,
                             "expert_act": act_name,
                             "gemv_x": x_name,

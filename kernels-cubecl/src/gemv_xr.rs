@@ -20,7 +20,7 @@
 use cubecl::prelude::*;
 use half::f16;
 
-use crate::gemm::{DESC_WORDS, X4, lane_lut_regs, staged_vec, warp_sum, word_rows};
+use crate::gemm::{DESC_WORDS, X4, lane_lut_regs, staged_vec, word_rows};
 use crate::gemv::{find_item, load_step, stage_luts, unit_prefix};
 
 /// Units per block between the cube's barriers (the partial sums of a block stay in shared
@@ -93,25 +93,34 @@ pub fn ap_gemv_xr_kernel(
         for ch in 0..chunks as usize {
             // This lane's plane word of every row: s · plane_size + lane.
             let s = ch * group + wg;
-            let mut held = items;
+            // The item of the units being walked (units only grow): its descriptor, unit range
+            // and `x` slice stay in registers until a unit lies past it.
+            let mut it_end = 0usize;
+            let mut first = 0usize;
+            let mut plane_off = 0usize;
+            let mut lut_off = 0usize;
+            let mut n = 0usize;
+            let mut k = 0usize;
+            let mut bits = 0u32;
             for u in range_stepped(b0 + g, b1, groups) {
-                let it = find_item(&pref, items, u);
-                let d = it * DESC_WORDS;
-                let plane_off = desc[d] as usize;
-                let lut_off = desc[d + 1] as usize;
-                let n = desc[d + 2] as usize;
-                let k = desc[d + 3] as usize;
-                let bits = desc[d + 4];
-                if it != held {
+                if u >= it_end {
+                    let it = find_item(&pref, items, u);
+                    first = pref[it] as usize;
+                    it_end = pref[it + 1] as usize;
+                    let d = it * DESC_WORDS;
+                    plane_off = desc[d] as usize;
+                    lut_off = desc[d + 1] as usize;
+                    n = desc[d + 2] as usize;
+                    k = desc[d + 3] as usize;
+                    bits = desc[d + 4];
                     let x_off = desc[d + 5] as usize;
                     let col0 = 32usize * (s * plane_size + lane);
                     #[unroll]
                     for v in 0..8usize {
                         xr[v] = staged_vec(x, x_off, k, col0, v, act);
                     }
-                    held = it;
                 }
-                let row0 = (u - pref[it] as usize) * half;
+                let row0 = (u - first) * half;
                 let words = k.div_ceil(32usize);
                 if bits == 3u32 {
                     unit_slice(
@@ -150,16 +159,14 @@ pub fn ap_gemv_xr_kernel(
                         glu,
                     );
                 }
-                #[unroll]
-                for r in 0..rows {
-                    let sum = warp_sum(acc[r], plane_size);
-                    if lane == 0 {
-                        let slot = ((u - b0) * rows + r) * group + wg;
-                        if ch == 0 {
-                            part[slot] = sum;
-                        } else {
-                            part[slot] += sum;
-                        }
+                // Lane r < rows holds row r's sum of the warp's slice.
+                let sum = warp_sum_rows(&acc, lane, rows, plane_size);
+                if lane < rows {
+                    let slot = ((u - b0) * rows + lane) * group + wg;
+                    if ch == 0 {
+                        part[slot] = sum;
+                    } else {
+                        part[slot] += sum;
                     }
                 }
             }
@@ -247,4 +254,47 @@ fn unit_slice(
         &pw, 0usize, rb, lr, lut_s, x_s, 0usize, 0usize, xr, acc, bits, bits, 1usize, rows, unrolled,
         shuffle, true,
     );
+}
+
+/// The warp sums of `rows` values per lane (`rows` a power of two, at most the plane size), lane
+/// `r < rows` getting row `r`'s: the first `log2(rows)` butterfly steps halve the values each
+/// lane holds (a lane keeps the half its lane bit selects and adds its partner's share of it),
+/// so `rows − 1 + log2(plane_size / rows)` shuffles instead of `rows · log2(plane_size)` (5
+/// instead of 10 for two rows of 32 lanes). Every row is summed over the same butterfly tree,
+/// whichever slot holds it, so a row's value does not depend on its slot (IEEE addition
+/// commutes).
+#[cube]
+fn warp_sum_rows(
+    acc: &Array<f32>,
+    lane: usize,
+    #[comptime] rows: usize,
+    #[comptime] plane_size: usize,
+) -> f32 {
+    let mut w = Array::<f32>::new(rows);
+    #[unroll]
+    for r in 0..rows {
+        w[r] = acc[r];
+    }
+    let steps = comptime![rows.trailing_zeros() as usize];
+    #[unroll]
+    for st in 0..steps {
+        let c = comptime![rows >> (st + 1)];
+        let upper = ((lane >> st) & 1usize) == 1usize;
+        #[unroll]
+        for i in 0..c {
+            let lo = w[2usize * i];
+            let hi = w[2usize * i + 1usize];
+            let send = select(upper, lo, hi);
+            let keep = select(upper, hi, lo);
+            w[i] = keep + plane_shuffle_xor(send, comptime![1u32 << st as u32]);
+        }
+    }
+    let mut v = w[0];
+    let mut m = comptime![rows as u32];
+    #[unroll]
+    for _ in 0..comptime![(plane_size / rows).trailing_zeros() as usize] {
+        v += plane_shuffle_xor(v, m);
+        m *= 2u32;
+    }
+    v
 }
