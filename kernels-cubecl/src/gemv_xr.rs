@@ -290,11 +290,9 @@ fn warp_sum_rows(
         }
     }
     let mut v = w[0];
-    let mut m = comptime![rows as u32];
     #[unroll]
-    for _ in 0..comptime![(plane_size / rows).trailing_zeros() as usize] {
-        v += plane_shuffle_xor(v, m);
-        m *= 2u32;
+    for st in 0..comptime![(plane_size / rows).trailing_zeros() as usize] {
+        v += plane_shuffle_xor(v, comptime![(rows << st) as u32]);
     }
     v
 }

@@ -56,9 +56,11 @@ fn check(
     if few {
         cfgs.push(GemmConfig { gemv: false, ..base });
     }
-    // One-token items go to the GEMV with `x` in registers; the one staging `x` stays checked.
+    // One-token items go to the GEMV with `x` in registers (also with 4 rows per unit, summed
+    // together across lanes); the one staging `x` stays checked.
     if items.iter().all(|i| i.tokens <= 1) {
         cfgs.push(GemmConfig { gemv_x_regs: false, ..base });
+        cfgs.push(GemmConfig { gemv_rows: 4, warps: 4, ..base });
     }
     for cfg in cfgs {
         ap_gemm(client, cfg, &planes, &luts, items, &desc, &xd, &yd, act).unwrap();
