@@ -69,10 +69,6 @@ pub struct BenchKernelsArgs {
     /// that the other options select).
     #[arg(long, value_delimiter = ',')]
     pub variants: Vec<String>,
-    /// Override the resident warps per SM that the one-token GEMV with `x` in registers sizes
-    /// its grid for (`GemmConfig::gemv_xr_warps_per_sm`).
-    #[arg(long)]
-    pub xr_warps_per_sm: Option<usize>,
     /// Also check each single block's result against the CPU reference on random `x` (fails
     /// the run past the error budget).
     #[arg(long)]
@@ -177,13 +173,12 @@ fn check_block<R: Runtime>(
 
 /// The kernel variants to time: the current choice ("specialized": the persistent GEMV for
 /// launches of many items of ≤ 2 tokens, the tiled kernel otherwise), and when asked the GEMV
-/// wherever it applies (at one token with `x` in registers, and staged), the tiled kernel alone, the first kernel, and ≤ 4-bit LUTs from shared
+/// wherever it applies, the tiled kernel alone, the first kernel, and ≤ 4-bit LUTs from shared
 /// memory instead of the lanes' registers.
 fn variants(cfg: GemmConfig, compare_v1: bool) -> Vec<(&'static str, GemmConfig)> {
     let mut v = vec![("specialized", cfg)];
     if compare_v1 {
         v.push(("gemv", GemmConfig { gemv_min_items: 1, ..cfg }));
-        v.push(("gemv_x_shared", GemmConfig { gemv_min_items: 1, gemv_x_regs: false, ..cfg }));
         v.push(("tiled", GemmConfig { gemv: false, ..cfg }));
         v.push(("v1", GemmConfig { specialized: false, ..cfg }));
         if cfg.lut_in_lanes {
@@ -254,7 +249,6 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchKernelsArgs) -> Result<Vec<Value
     cfg.rows_per_warp = a.rows_per_warp.unwrap_or(cfg.rows_per_warp);
     cfg.gemv_words_per_lane = a.gemv_words.unwrap_or(cfg.gemv_words_per_lane);
     cfg.gemv_rows = a.gemv_rows.unwrap_or(cfg.gemv_rows);
-    cfg.gemv_xr_warps_per_sm = a.xr_warps_per_sm.unwrap_or(cfg.gemv_xr_warps_per_sm);
     cfg.check().context("--warps / --rows-per-warp / --gemv-rows")?;
     eprintln!("config: {cfg:?}");
     let wanted = |m: &str| a.models.is_empty() || a.models.iter().any(|w| w == m);
@@ -296,13 +290,10 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchKernelsArgs) -> Result<Vec<Value
                     })
                     .collect();
                 if a.check {
-                    // The launch's own choice (the tiled kernel for one block) and the GEMVs (at one
-                    // token with `x` in registers or staged).
-                    for (variant, vcfg) in [
-                        ("specialized", cfg),
-                        ("gemv", GemmConfig { gemv_min_items: 1, ..cfg }),
-                        ("gemv_x_shared", GemmConfig { gemv_min_items: 1, gemv_x_regs: false, ..cfg }),
-                    ] {
+                    // The launch's own choice (the tiled kernel for one block) and the GEMV.
+                    for (variant, vcfg) in
+                        [("specialized", cfg), ("gemv", GemmConfig { gemv_min_items: 1, ..cfg })]
+                    {
                         let err = check_block(&client, vcfg, &block, bits, tokens)?;
                         eprintln!(
                             "check {variant} {model} {block_name} {rows}x{cols} t{tokens} b{bits}: relative error {err:.2e}"

@@ -71,14 +71,6 @@ pub struct BenchDecodeArgs {
     /// (the down GEMV's input staging).
     #[arg(long, value_delimiter = ',', default_value = "epilogue")]
     pub expert_act: Vec<String>,
-    /// Override the resident warps per SM that the one-token GEMV with `x` in registers sizes
-    /// its grid for (`GemmConfig::gemv_xr_warps_per_sm`).
-    #[arg(long)]
-    pub xr_warps_per_sm: Option<usize>,
-    /// Where the one-token expert GEMV keeps `x` (comma-separated, each measured): `regs` (each
-    /// lane's slice in registers, the default) or `shared` (staged, read per plane word).
-    #[arg(long, value_delimiter = ',', default_value = "regs")]
-    pub gemv_x: Vec<String>,
 }
 
 fn inv_freq(theta: f64, head_dim: usize, rotating_pairs: usize) -> Vec<f32> {
@@ -250,17 +242,6 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
             Ok((m.clone(), at))
         })
         .collect::<Result<_>>()?;
-    let x_modes: Vec<(String, bool)> = a
-        .gemv_x
-        .iter()
-        .map(|m| match m.as_str() {
-            "regs" => Ok((m.clone(), true)),
-            "shared" => Ok((m.clone(), false)),
-            x => anyhow::bail!("--gemv-x {x}: expected regs or shared"),
-        })
-        .collect::<Result<_>>()?;
-    let modes: Vec<(&(String, ExpertAct), &(String, bool))> =
-        acts.iter().flat_map(|a| x_modes.iter().map(move |x| (a, x))).collect();
 
     for model in &a.models {
         let cfg = shape(model)?;
@@ -277,7 +258,6 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
         g.gemv_words_per_lane = a.gemv_words.unwrap_or(g.gemv_words_per_lane);
         g.warps = a.warps.unwrap_or(g.warps);
         g.gemv_rows = a.gemv_rows.unwrap_or(g.gemv_rows);
-        g.gemv_xr_warps_per_sm = a.xr_warps_per_sm.unwrap_or(g.gemv_xr_warps_per_sm);
         g.check().context("--gemv-words / --gemv-rows / --warps")?;
         let fused_router = dec.set_fused_router(!a.router_gemm);
         sync(&client)?;
@@ -292,9 +272,8 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
             t.elapsed().as_secs_f64()
         );
         let mut next_id = 0u64;
-        for ((act_name, act), (x_name, x_regs)) in &modes {
+        for (act_name, act) in &acts {
             dec.set_expert_act(*act);
-            dec.gemm_config_mut().gemv_x_regs = *x_regs;
             for (bits_name, bits) in &bits_list {
                 dec.recommit_synthetic(bits.as_ref())?;
                 let sparse_layers = cfg.sparse.iter().filter(|s| **s).count();
@@ -347,10 +326,8 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
                             "gemv_words": dec.gemm_config_mut().gemv_words_per_lane,
                             "warps": dec.gemm_config_mut().warps,
                             "gemv_rows": dec.gemm_config_mut().gemv_rows,
-                            "xr_warps_per_sm": dec.gemm_config_mut().gemv_xr_warps_per_sm,
                             "fused_router": fused_router,
                             "expert_act": act_name,
-                            "gemv_x": x_name,
                         });
                         eprintln!("{rec}");
                         records.push(rec);

@@ -291,8 +291,7 @@ pub(crate) fn unit_row(row0: usize, r: usize, #[comptime] half: usize, up: usize
 /// Adds one lane's plane word (32 columns) of `rows` rows at `bits` bits to
 /// `acc[r · tb + t]`. `pw[pw0 + r · row_stride + p]` is plane `p`'s word of row `r`; `rb[r]` is
 /// row `r`'s LUT base in `lut_s` (a multiple of `2^bits` rounded up to 16, below 16384);
-/// `x_s[xv0 + t · xs_stride ..][..8]` is the word's staged `x` (see [`staged_vec`]), or with
-/// `x_regs` (one token) `xr[..8]`, the same vectors in the lane's registers.
+/// `x_s[xv0 + t · xs_stride ..][..8]` is the word's staged `x` (see [`staged_vec`]).
 ///
 /// The row's plane words are transposed as bit matrices (plane `bits − 1 − k` into row `k`,
 /// missing planes zero), so every index comes out whole, MSB first as the format defines it:
@@ -314,7 +313,6 @@ pub(crate) fn word_rows(
     x_s: &SharedMemory<X4>,
     xv0: usize,
     xs_stride: usize,
-    xr: &Array<X4>,
     acc: &mut Array<f32>,
     #[comptime] row_stride: usize,
     #[comptime] bits: usize,
@@ -322,7 +320,6 @@ pub(crate) fn word_rows(
     #[comptime] rows: usize,
     #[comptime] unrolled: bool,
     #[comptime] shuffle: u32,
-    #[comptime] x_regs: bool,
 ) {
     let nib = comptime![bits <= 4];
     let lanes = comptime![nib && shuffle != LUT_SHARED];
@@ -374,12 +371,7 @@ pub(crate) fn word_rows(
             for t in 0..tb {
                 #[unroll]
                 for e in 0..xw {
-                    if comptime![x_regs] {
-                        // One token, the lane's word of `x` held in registers (the same order).
-                        xv[t * xw + e] = xr[2usize * q + hv + e];
-                    } else {
-                        xv[t * xw + e] = x_s[xv0 + t * xs_stride + 2usize * q + hv + e];
-                    }
+                    xv[t * xw + e] = x_s[xv0 + t * xs_stride + 2usize * q + hv + e];
                 }
             }
             #[unroll(unrolled)]
@@ -905,7 +897,6 @@ fn chunk_rows(
         x_s,
         lane * XV_PER_WORD,
         xs_stride,
-        &Array::<X4>::new(1usize),
         acc,
         bits,
         bits,
@@ -913,6 +904,5 @@ fn chunk_rows(
         rows_per_warp,
         unrolled,
         shuffle,
-        false,
     );
 }

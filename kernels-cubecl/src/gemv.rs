@@ -60,10 +60,44 @@ pub fn ap_gemv_kernel(
     let cube_units = warps * plane_size;
     let items = n_items as usize;
 
+    // pref[i] = warp units of items before i (an item of n rows has ceil(n / rows) units).
     let mut pref = SharedMemory::<u32>::new(max_items + 1);
     let mut wsum = SharedMemory::<u32>::new(warps);
-    let units_total =
-        unit_prefix(desc, items, &mut pref, &mut wsum, unit, lane, warp, plane_size, warps, half, glu);
+    if unit == 0 {
+        pref[0] = 0u32;
+    }
+    let mut carry = 0u32;
+    for base in range_stepped(0usize, items, cube_units) {
+        let i = base + unit;
+        let mut c = 0u32;
+        if i < items {
+            let d = i * DESC_WORDS;
+            if desc[d + 7] > 0u32 {
+                let live = if comptime![glu > 0] { desc[d + 2] / 2u32 } else { desc[d + 2] };
+                c = (live + comptime![half as u32 - 1]) / comptime![half as u32];
+            }
+        }
+        let s = plane_inclusive_sum(c);
+        if lane == plane_size - 1 {
+            wsum[warp] = s;
+        }
+        sync_cube();
+        let mut before = carry;
+        let mut total = carry;
+        for w in 0..warps {
+            let v = wsum[w];
+            if w < warp {
+                before += v;
+            }
+            total += v;
+        }
+        if i < items {
+            pref[i + 1] = before + s;
+        }
+        carry = total;
+        sync_cube();
+    }
+    let units_total = carry as usize;
 
     // This cube's contiguous range of units.
     let cubes = CUBE_COUNT;
@@ -83,7 +117,21 @@ pub fn ap_gemv_kernel(
         if cur >= end {
             break;
         }
-        let it = find_item(&pref, items, cur);
+        // The item holding unit `cur`: largest i with pref[i] <= cur.
+        let mut lo = 0usize;
+        let mut hi = items;
+        loop {
+            if hi - lo <= 1 {
+                break;
+            }
+            let mid = (lo + hi) / 2;
+            if (pref[mid] as usize) <= cur {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        let it = lo;
         let first = pref[it] as usize;
         let seg_end = min(end, pref[it + 1] as usize);
         let d = it * DESC_WORDS;
@@ -288,121 +336,6 @@ pub fn ap_gemv_kernel(
     }
 }
 
-/// Warp units of the items before each item, `pref[i]` for `i ≤ items` (an item of `n` live rows
-/// has `ceil(n / half)` units, an item of zero tokens none); returns the total. Every unit of the
-/// cube takes part (cube barriers).
-#[cube]
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn unit_prefix(
-    desc: &Array<u32>,
-    items: usize,
-    pref: &mut SharedMemory<u32>,
-    wsum: &mut SharedMemory<u32>,
-    unit: usize,
-    lane: usize,
-    warp: usize,
-    #[comptime] plane_size: usize,
-    #[comptime] warps: usize,
-    #[comptime] half: usize,
-    #[comptime] glu: u32,
-) -> usize {
-    let cube_units = warps * plane_size;
-    if unit == 0 {
-        pref[0] = 0u32;
-    }
-    let mut carry = 0u32;
-    for base in range_stepped(0usize, items, cube_units) {
-        let i = base + unit;
-        let mut c = 0u32;
-        if i < items {
-            let d = i * DESC_WORDS;
-            if desc[d + 7] > 0u32 {
-                let live = if comptime![glu > 0] { desc[d + 2] / 2u32 } else { desc[d + 2] };
-                c = (live + comptime![half as u32 - 1]) / comptime![half as u32];
-            }
-        }
-        let s = plane_inclusive_sum(c);
-        if lane == plane_size - 1 {
-            wsum[warp] = s;
-        }
-        sync_cube();
-        let mut before = carry;
-        let mut total = carry;
-        for w in 0..warps {
-            let v = wsum[w];
-            if w < warp {
-                before += v;
-            }
-            total += v;
-        }
-        if i < items {
-            pref[i + 1] = before + s;
-        }
-        carry = total;
-        sync_cube();
-    }
-    carry as usize
-}
-
-/// The item holding unit `cur`: the largest `i` with `pref[i] <= cur`.
-#[cube]
-pub(crate) fn find_item(pref: &SharedMemory<u32>, items: usize, cur: usize) -> usize {
-    let mut lo = 0usize;
-    let mut hi = items;
-    loop {
-        if hi - lo <= 1 {
-            break;
-        }
-        let mid = (lo + hi) / 2;
-        if (pref[mid] as usize) <= cur {
-            lo = mid;
-        } else {
-            hi = mid;
-        }
-    }
-    lo
-}
-
-/// Puts the LUTs of a unit's rows where [`word_rows`] looks them up: ≤ 4-bit LUTs in the lanes'
-/// registers `lr` (the `LUT_LANES_*` modes), others in the warp's shared-memory region at
-/// `lbase` (`lut_slots` per row).
-#[cube]
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn stage_luts(
-    luts: &Array<f16>,
-    lut_off: usize,
-    lut_len: usize,
-    lut_s: &mut SharedMemory<f32>,
-    lbase: usize,
-    row0: usize,
-    n_live: usize,
-    up: usize,
-    lane: usize,
-    lr: &mut Array<f32>,
-    #[comptime] bits: usize,
-    #[comptime] rows: usize,
-    #[comptime] half: usize,
-    #[comptime] lut_slots: usize,
-    #[comptime] plane_size: usize,
-    #[comptime] shuffle: u32,
-) {
-    if comptime![shuffle != LUT_SHARED && bits <= 4] {
-        load_lane_luts(luts, lut_off, lut_len, row0, n_live, up, lane, lr, rows, half, shuffle);
-    } else {
-        // This warp's LUT region is free once every lane left the previous unit.
-        sync_plane();
-        for i in range_stepped(lane, rows * lut_len, plane_size) {
-            let r = i / lut_len;
-            let e = i % lut_len;
-            if row0 + r % half < n_live {
-                lut_s[lbase + r * lut_slots + e] =
-                    f32::cast_from(luts[lut_off + unit_row(row0, r, half, up) * lut_len + e]);
-            }
-        }
-        sync_plane();
-    }
-}
-
 /// One warp's units `u0, u0 + warps, … < seg_end` of an item at `bits` bits.
 #[cube]
 #[allow(clippy::too_many_arguments)]
@@ -452,10 +385,21 @@ fn gemv_units(
     let mut lr = Array::<f32>::new(rows * comptime![lane_lut_regs(shuffle)]);
     for u in range_stepped(u0, seg_end, warps) {
         let row0 = (u - first) * half;
-        stage_luts(
-            luts, lut_off, lut_len, lut_s, lbase, row0, n_live, up, lane, &mut lr, bits, rows, half,
-            lut_slots, plane_size, shuffle,
-        );
+        if comptime![shuffle != LUT_SHARED && bits <= 4] {
+            load_lane_luts(luts, lut_off, lut_len, row0, n_live, up, lane, &mut lr, rows, half, shuffle);
+        } else {
+            // This warp's LUT region is free once every lane left the previous unit.
+            sync_plane();
+            for i in range_stepped(lane, rows * lut_len, plane_size) {
+                let r = i / lut_len;
+                let e = i % lut_len;
+                if row0 + r % half < n_live {
+                    lut_s[lbase + r * lut_slots + e] =
+                        f32::cast_from(luts[lut_off + unit_row(row0, r, half, up) * lut_len + e]);
+                }
+            }
+            sync_plane();
+        }
         #[unroll]
         for a in 0..rows * tb {
             acc[a] = 0.0;
@@ -480,7 +424,6 @@ fn gemv_units(
                     x_s,
                     wi * XV_PER_WORD,
                     xs_stride,
-                    &Array::<X4>::new(1usize),
                     &mut acc,
                     wpl * bits,
                     bits,
@@ -488,7 +431,6 @@ fn gemv_units(
                     rows,
                     unrolled,
                     shuffle,
-                    false,
                 );
             }
         }
@@ -537,7 +479,7 @@ fn store_gated(
 /// the item (or of rows with `row0 + r mod half` at or past `n_live`) are zero.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn load_step(
+fn load_step(
     planes: &Array<u32>,
     pw: &mut Array<u32>,
     plane_off: usize,

@@ -28,8 +28,6 @@ pub mod gemm;
 #[allow(missing_docs)]
 pub mod gemv;
 #[allow(missing_docs)]
-pub mod gemv_xr;
-#[allow(missing_docs)]
 pub mod prefill;
 pub mod step;
 
@@ -209,13 +207,6 @@ pub struct GemmConfig {
     /// (4 rows: Mixtral's batch-1 decode step 6.78 → 7.19 ms on the H200, see
     /// `benches/results/h200-kernels.md`).
     pub gemv_rows: usize,
-    /// `true` (the default): launches whose items hold one token go to [`gemv_xr`], where each
-    /// lane keeps its plane word position of every row and so its `x` in registers, instead of
-    /// reading `x` from shared memory for every word ([`gemv`]).
-    pub gemv_x_regs: bool,
-    /// Warps of [`gemv_xr`] resident per SM, for its grid (one wave of cubes): its registers'
-    /// limit, [`GEMV_XR_WARPS_PER_SM`] by default.
-    pub gemv_xr_warps_per_sm: usize,
     /// The GEMM and GEMV kernels' inner loops fully unrolled (constant shifts; the GPU's
     /// choice) or compact (CPU shader compilers such as lavapipe's take minutes on the unrolled
     /// bodies).
@@ -266,8 +257,6 @@ impl GemmConfig {
             gemv_min_items: GEMV_MIN_ITEMS,
             gemv_words_per_lane: 2,
             gemv_rows: GEMV_ROWS,
-            gemv_x_regs: true,
-            gemv_xr_warps_per_sm: GEMV_XR_WARPS_PER_SM,
             unrolled,
             lut_in_lanes: plane_size == 8 || plane_size >= 16,
             shuffle_wraps: R::name(client) == "cuda" && plane_size == 32,
@@ -301,10 +290,6 @@ pub const GEMV_MIN_ITEMS: usize = 16;
 pub const GEMV_ROWS: usize = 2;
 /// Warps of the GEMV kernel resident per SM (its registers' limit on the H200).
 const GEMV_WARPS_PER_SM: usize = 24;
-/// Default [`GemmConfig::gemv_xr_warps_per_sm`]: 96 registers per thread (ncu on the H200, git
-/// `fa218b8`) leave room for 21 warps. A grid sized for more (3 cubes of 8 warps per SM) ran
-/// in 1.5 waves.
-pub const GEMV_XR_WARPS_PER_SM: usize = 21;
 
 /// Launches [`gemv::ap_gemv_kernel`] over `n_items` descriptors when it applies (see
 /// [`GemmConfig::gemv`]; `x` of `cols` columns fits in shared memory); `false` when it does not.
@@ -332,67 +317,13 @@ pub(crate) fn launch_gemv<R: Runtime>(
         }
         Some(_) => return false,
     };
-    let hw = &client.properties().hardware;
     let ps = cfg.plane_size;
-    // `gemv_xr` sums a unit's rows across lanes together (a power of two of them, ≤ the lanes).
-    let xr_rows = cfg.gemv_rows.is_power_of_two() && cfg.gemv_rows <= ps;
-    if tb == 1 && cfg.gemv_x_regs && xr_rows {
-        // Groups of warps span a row's plane words (up to `cfg.warps` warps, then chunks): the
-        // group size with the fewest warp slices per row (idle lanes past the row's words),
-        // then the widest (fewer reloads of `x`). Mixtral's 448-word down rows: 7 warps × 2
-        // chunks rather than 8 warps whose second chunk leaves 2 warps idle.
-        let words = cols.div_ceil(32);
-        let group =
-            (1..=cfg.warps).min_by_key(|&g| (words.div_ceil(g * ps) * g, std::cmp::Reverse(g))).unwrap_or(1);
-        // As many groups per cube as keep the most warps resident (cubes are whole).
-        let fit = cfg.gemv_xr_warps_per_sm.max(1);
-        let groups = (1..=(cfg.warps / group).max(1))
-            .max_by_key(|&n| ((fit / (group * n)).max(1) * group * n, std::cmp::Reverse(n)))
-            .unwrap_or(1);
-        let warps = group * groups;
-        let chunks = words.div_ceil(group * ps);
-        let shared = 4
-            * (warps * cfg.gemv_rows * lut_slots
-                + gemv_xr::XR_BLOCK * cfg.gemv_rows * group
-                + n_items
-                + 5
-                + warps);
-        if shared <= hw.max_shared_memory_size {
-            let per_sm = (hw.max_shared_memory_size / shared).min(fit / warps).max(1);
-            let cubes = hw.num_streaming_multiprocessors.unwrap_or(4) as usize * per_sm;
-            // SAFETY: as below.
-            unsafe {
-                gemv_xr::ap_gemv_xr_kernel::launch_unchecked::<R>(
-                    client,
-                    CubeCount::Static(cubes as u32, 1, 1),
-                    CubeDim::new_1d((warps * ps) as u32),
-                    planes.arg(),
-                    luts.arg(),
-                    desc.arg(),
-                    x.arg(),
-                    y.arg(),
-                    n_items as u32,
-                    chunks as u32,
-                    n_items,
-                    ps,
-                    group,
-                    groups,
-                    cfg.gemv_rows,
-                    act.code(),
-                    lut_slots,
-                    cfg.unrolled,
-                    cfg.lut_mode(),
-                    glu,
-                )
-            };
-            return true;
-        }
-    }
     let step = ps * cfg.gemv_words_per_lane;
     let x_words = cols.div_ceil(32).div_ceil(step) * step;
     let shared = |warps: usize| {
         4 * (tb * x_words * 4 * gemm::XV_PER_WORD + warps * cfg.gemv_rows * lut_slots + n_items + 1 + warps)
     };
+    let hw = &client.properties().hardware;
     if shared(cfg.warps) > hw.max_shared_memory_size {
         return false;
     }
