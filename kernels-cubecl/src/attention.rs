@@ -284,6 +284,38 @@ pub fn paged_decode_combine_kernel(
     }
 }
 
+/// Rotates the pair `(x1, x2)` (columns `i` and `i + half` of head `hd`) by the angle `a`
+/// (rotate-half RoPE) and stores it: a query head (`hd < heads`) at `q[qo]` and `q[qo + half]`,
+/// a key head into the K pool row at `kb` (its head `hd − heads`, column `i` and `i + half`).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn rope_store<KV: Float>(
+    x1: f32,
+    x2: f32,
+    a: f32,
+    hd: usize,
+    i: usize,
+    q: &mut Array<f32>,
+    qo: usize,
+    k_pool: &mut Array<KV>,
+    kb: usize,
+    #[comptime] heads: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] half: usize,
+) {
+    let (s, c) = (a.sin(), a.cos());
+    let y1 = x1 * c - x2 * s;
+    let y2 = x2 * c + x1 * s;
+    if hd < heads {
+        q[qo] = y1;
+        q[qo + half] = y2;
+    } else {
+        let d = kb + (hd - heads) * head_dim + i;
+        k_pool[d] = KV::cast_from(y1);
+        k_pool[d + half] = KV::cast_from(y2);
+    }
+}
+
 /// RoPE and the K/V append of a decode step in one launch (grid `(tokens, cubes)`, the cubes of
 /// a row sharing its work: one cube per row took ~10 µs for Mixtral's 40 heads at batch 1,
 /// ncu on the H200): the query heads of
@@ -318,21 +350,9 @@ pub fn rope_append_kernel<KV: Float>(
     for u in range_stepped(first, comptime![(heads + kv_heads) * half], step) {
         let hd = u / half;
         let i = u % half;
-        let a = p * inv_freq[i];
-        let (s, c) = (a.sin(), a.cos());
         let b = row + hd * head_dim + i;
-        let x1 = qkv[b];
-        let x2 = qkv[b + half];
-        let y1 = x1 * c - x2 * s;
-        let y2 = x2 * c + x1 * s;
-        if hd < heads {
-            qkv[b] = y1;
-            qkv[b + half] = y2;
-        } else {
-            let d = dst + (hd - heads) * head_dim + i;
-            k_pool[d] = KV::cast_from(y1);
-            k_pool[d + half] = KV::cast_from(y2);
-        }
+        let (x1, x2) = (qkv[b], qkv[b + half]);
+        rope_store(x1, x2, p * inv_freq[i], hd, i, qkv, b, k_pool, dst, heads, head_dim, half);
     }
     let tail = comptime![head_dim - rot_dim];
     if comptime![tail > 0] {

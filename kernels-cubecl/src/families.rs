@@ -8,6 +8,7 @@
 
 use cubecl::prelude::*;
 
+use crate::attention::rope_store;
 use crate::decode::{cube_sum, load_row};
 use crate::step::{bad, need, row_units};
 use crate::{DeviceArray, KernelError, gemm};
@@ -869,22 +870,11 @@ pub fn head_norm_rope_append_kernel<KV: Float>(
         let hd = x / half;
         let i = x % half;
         let woff = select(hd >= heads, head_dim, 0usize);
-        let a = p * inv_freq[i];
-        let (s, c) = (a.sin(), a.cos());
         let b = row + hd * head_dim + i;
         let x1 = src[b] * inv[hd] * w[woff + i];
         let x2 = src[b + half] * inv[hd] * w[woff + i + half];
-        let y1 = x1 * c - x2 * s;
-        let y2 = x2 * c + x1 * s;
-        if hd < heads {
-            let o = t * q_stride + hd * head_dim + i;
-            q[o] = y1;
-            q[o + half] = y2;
-        } else {
-            let d = dst + (hd - heads) * head_dim + i;
-            k_pool[d] = KV::cast_from(y1);
-            k_pool[d + half] = KV::cast_from(y2);
-        }
+        let qo = t * q_stride + hd * head_dim + i;
+        rope_store(x1, x2, p * inv_freq[i], hd, i, q, qo, k_pool, dst, heads, head_dim, half);
     }
     let tail = comptime![head_dim - rot_dim];
     if comptime![tail > 0] {
