@@ -250,6 +250,11 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchKernelsArgs) -> Result<Vec<Value
     cfg.gemv_words_per_lane = a.gemv_words.unwrap_or(cfg.gemv_words_per_lane);
     cfg.gemv_rows = a.gemv_rows.unwrap_or(cfg.gemv_rows);
     cfg.check().context("--warps / --rows-per-warp / --gemv-rows")?;
+    let known: Vec<&str> =
+        variants(GemmConfig { lut_in_lanes: true, ..cfg }, true).iter().map(|v| v.0).collect();
+    if let Some(v) = a.variants.iter().find(|v| !known.contains(&v.as_str())) {
+        anyhow::bail!("--variants {v}: expected some of {}", known.join(", "));
+    }
     eprintln!("config: {cfg:?}");
     let wanted = |m: &str| a.models.is_empty() || a.models.iter().any(|w| w == m);
     let mut records = Vec::new();
