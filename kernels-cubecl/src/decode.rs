@@ -398,6 +398,72 @@ pub fn moe_route_kernel(
     );
 }
 
+/// Softmax and top-k of one token's logits `logits[base ..][..experts]` by one plane, lane `l`
+/// holding experts `l + j · plane_size`: every lane gets the selected experts `ge[jj]` (the k
+/// largest, ties to the lower expert) and their softmax probabilities `pv[jj]`. A unit scanning
+/// all experts k times took ~10 µs for Qwen1.5-MoE's 60 experts (ncu on the H200), and Gemma-4
+/// has 128 experts and k = 8.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn plane_top_k(
+    logits: &Slice<f32>,
+    base: usize,
+    lane: usize,
+    ge: &mut Array<u32>,
+    pv: &mut Array<f32>,
+    #[comptime] experts: usize,
+    #[comptime] k: usize,
+    #[comptime] plane_size: usize,
+) {
+    let per = comptime![experts.div_ceil(plane_size)];
+    let lowest = f32::new(-3.0e38);
+    let mut v = Array::<f32>::new(per);
+    let mut m = lowest;
+    #[unroll]
+    for j in 0..per {
+        let e = lane + j * plane_size;
+        let mut x = lowest;
+        if e < experts {
+            x = logits[base + e];
+        }
+        v[j] = x;
+        m = max(m, x);
+    }
+    m = plane_max(m);
+    let mut z = 0.0f32;
+    #[unroll]
+    for j in 0..per {
+        if lane + j * plane_size < experts {
+            z += (v[j] - m).exp();
+        }
+    }
+    z = plane_sum(z);
+    // Each lane's best (its experts ascending, strict >), then the plane's maximum and the
+    // lowest expert holding it.
+    #[unroll]
+    for jj in 0..k {
+        let mut bv = lowest;
+        let mut be = 0xFFFF_FFFFu32;
+        #[unroll]
+        for j in 0..per {
+            if lane + j * plane_size < experts && v[j] > bv {
+                bv = v[j];
+                be = (lane + j * plane_size) as u32;
+            }
+        }
+        let gm = plane_max(bv);
+        let g = plane_min(select(bv == gm, be, 0xFFFF_FFFFu32));
+        #[unroll]
+        for j in 0..per {
+            if (lane + j * plane_size) as u32 == g {
+                v[j] = lowest;
+            }
+        }
+        ge[jj] = g;
+        pv[jj] = (gm - m).exp() / z;
+    }
+}
+
 /// The body of [`moe_route_kernel`] for the cube that runs it, token `t`'s logits at
 /// `logits[t · lstride + loff]`: writes the outputs when `write`, and returns the source token of gathered row `wanted` (any value when no row is
 /// wanted, e.g. `wanted = tokens · k`) to every unit.
@@ -438,64 +504,19 @@ fn route_cube(
     // be visible after a cube barrier on every backend).
     let mut wsh = SharedMemory::<f32>::new(max_tokens * k);
     let mut src = SharedMemory::<u32>::new(1usize);
-    // Softmax and top-k of a token by one plane, lane `l` holding experts `l + j · plane_size`:
-    // a unit per token scanning all experts k times took ~10 µs for Qwen1.5-MoE's 60 experts
-    // (ncu on the H200), and Gemma-4 has 128 experts and k = 8.
+    // Softmax and top-k of a token by one plane (`plane_top_k`).
     let lane = u % plane_size;
-    let per = comptime![experts.div_ceil(plane_size)];
-    let lowest = f32::new(-3.0e38);
     for t in range_stepped(u / plane_size, tokens, comptime![units / plane_size]) {
-        let base = t * lstride + loff;
-        let mut v = Array::<f32>::new(per);
-        let mut m = lowest;
-        #[unroll]
-        for j in 0..per {
-            let e = lane + j * plane_size;
-            let mut x = lowest;
-            if e < experts {
-                x = logits[base + e];
-            }
-            v[j] = x;
-            m = max(m, x);
-        }
-        m = plane_max(m);
-        let mut z = 0.0f32;
-        #[unroll]
-        for j in 0..per {
-            if lane + j * plane_size < experts {
-                z += (v[j] - m).exp();
-            }
-        }
-        z = plane_sum(z);
-        // The k largest, ties to the lower expert: each lane's best (its experts ascending,
-        // strict >), then the plane's maximum and the lowest expert holding it.
+        let mut ge = Array::<u32>::new(k);
         let mut pv = Array::<f32>::new(k);
+        plane_top_k(logits, t * lstride + loff, lane, &mut ge, &mut pv, experts, k, plane_size);
         let mut sum = 0.0f32;
         #[unroll]
         for jj in 0..k {
-            let mut bv = lowest;
-            let mut be = 0xFFFF_FFFFu32;
-            #[unroll]
-            for j in 0..per {
-                if lane + j * plane_size < experts && v[j] > bv {
-                    bv = v[j];
-                    be = (lane + j * plane_size) as u32;
-                }
-            }
-            let gm = plane_max(bv);
-            let ge = plane_min(select(bv == gm, be, 0xFFFF_FFFFu32));
-            #[unroll]
-            for j in 0..per {
-                if (lane + j * plane_size) as u32 == ge {
-                    v[j] = lowest;
-                }
-            }
             if lane == 0 {
-                sel[t * k + jj] = ge;
+                sel[t * k + jj] = ge[jj];
             }
-            let p = (gm - m).exp() / z;
-            pv[jj] = p;
-            sum += p;
+            sum += pv[jj];
         }
         if lane == 0 {
             #[unroll]
