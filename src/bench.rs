@@ -65,8 +65,8 @@ pub struct BenchKernelsArgs {
     /// Skip the whole-layer runs.
     #[arg(long)]
     pub no_layers: bool,
-    /// Time only these variants (comma-separated names of `--compare-v1`'s list; default: all
-    /// that the other options select).
+    /// Time only these variants (comma-separated names from `--compare-v1`'s list, which they
+    /// imply; default: all that the other options select).
     #[arg(long, value_delimiter = ',')]
     pub variants: Vec<String>,
     /// Also check each single block's result against the CPU reference on random `x` (fails
@@ -308,7 +308,8 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchKernelsArgs) -> Result<Vec<Value
                             "max_rel_err": err}));
                     }
                 }
-                for (variant, vcfg) in variants(cfg, a.compare_v1)
+                // Named variants are picked from the whole list, `--compare-v1` or not.
+                for (variant, vcfg) in variants(cfg, a.compare_v1 || !a.variants.is_empty())
                     .into_iter()
                     .filter(|(v, _)| a.variants.is_empty() || a.variants.iter().any(|w| w == v))
                 {

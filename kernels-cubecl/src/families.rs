@@ -108,8 +108,9 @@ pub fn add_rms_norm_kernel(
 /// Gemma-4's feed-forward epilogue for token `t` (grid `(tokens)`, cube: `units` units, unit
 /// `u` owning columns `u + i · units` in registers): routing recomputed from `logits[t]` by
 /// each plane with the routing's own selection ([`crate::decode::plane_top_k`]: softmax, top-k
-/// with lower expert first on ties), renormalised, times `per_expert_scale[e]`; `y = Σ_j w_j · down[pos[t, j]]`; then
-/// `h = (h + norm(norm(m)·post1 + norm(y)·post2)·post) · scalar[0]`.
+/// with lower expert first on ties), renormalised, times `per_expert_scale[e]`;
+/// `y = Σ_j w_j · down[pos[t, j]]`; then `h = (h + norm(norm(m)·post1 + norm(y)·post2)·post) ·
+/// scalar[0]`.
 /// `norms = [post1 | post2 | post]` (`3·hidden`), `params = [eps]`.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
