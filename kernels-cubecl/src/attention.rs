@@ -18,7 +18,7 @@
 
 use cubecl::prelude::*;
 
-use crate::gemm::warp_sum;
+use crate::gemm::{warp_max, warp_sum};
 
 /// Writes the new token of each sequence into its slot. Grid: `(sequences)`; each cube copies
 /// one `[kv_heads · head_dim]` row of K and of V (read at `s · src_stride + k_off` / `v_off`,
@@ -240,13 +240,13 @@ pub fn paged_decode_combine_kernel(
     for z in range_stepped(lane, splits as usize, plane_size) {
         mm = max(mm, part[base + z * row + head_dim]);
     }
-    mm = plane_max(mm);
+    mm = warp_max(mm, plane_size);
     let mut ll = 0.0f32;
     for z in range_stepped(lane, splits as usize, plane_size) {
         let at = base + z * row;
         ll += part[at + head_dim + 1] * (part[at + head_dim] - mm).exp();
     }
-    ll = plane_sum(ll);
+    ll = warp_sum(ll, plane_size);
     let mut acc = Array::<f32>::new(per);
     #[unroll]
     for j in 0..per {

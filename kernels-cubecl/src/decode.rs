@@ -10,7 +10,7 @@
 use cubecl::prelude::*;
 use half::f16;
 
-use crate::gemm::warp_sum;
+use crate::gemm::{warp_max, warp_sum};
 
 /// `h[t] = table[ids[t]]` widened to f32 (times `scale`, e.g. Gemma's √hidden). Grid `(tokens)`.
 #[cube(launch_unchecked)]
@@ -33,7 +33,7 @@ pub fn embed_kernel(
 /// then the planes' partial sums through shared memory.
 #[cube]
 pub fn cube_sum(v: f32, #[comptime] units: usize, #[comptime] plane_size: usize) -> f32 {
-    let mut total = plane_sum(v);
+    let mut total = warp_sum(v, plane_size);
     if comptime![units > plane_size] {
         let planes = comptime![units / plane_size];
         let mut sh = SharedMemory::<f32>::new(planes);
@@ -429,7 +429,7 @@ pub(crate) fn plane_top_k(
         v[j] = x;
         m = max(m, x);
     }
-    m = plane_max(m);
+    m = warp_max(m, plane_size);
     let mut z = 0.0f32;
     #[unroll]
     for j in 0..per {
@@ -437,9 +437,11 @@ pub(crate) fn plane_top_k(
             z += (v[j] - m).exp();
         }
     }
-    z = plane_sum(z);
-    // Each lane's best (its experts ascending, strict >), then the plane's maximum and the
-    // lowest expert holding it.
+    z = warp_sum(z, plane_size);
+    // Each lane's best (its experts ascending, strict >), then the plane's best pair by one
+    // butterfly over (value, expert), the lower expert on ties: the same choice as a maximum
+    // then a minimum over the lanes holding it, in one chain of shuffles instead of two
+    // (CubeCL's `plane_max` / `plane_min` are loops with a branch around each shuffle on CUDA).
     #[unroll]
     for jj in 0..k {
         let mut bv = lowest;
@@ -451,8 +453,18 @@ pub(crate) fn plane_top_k(
                 be = (lane + j * plane_size) as u32;
             }
         }
-        let gm = plane_max(bv);
-        let g = plane_min(select(bv == gm, be, 0xFFFF_FFFFu32));
+        let mut mask = 1u32;
+        #[unroll]
+        for _ in 0..comptime![plane_size.trailing_zeros() as usize] {
+            let ov = plane_shuffle_xor(bv, mask);
+            let oe = plane_shuffle_xor(be, mask);
+            let take = ov > bv || (ov == bv && oe < be);
+            bv = select(take, ov, bv);
+            be = select(take, oe, be);
+            mask *= 2u32;
+        }
+        let gm = bv;
+        let g = be;
         #[unroll]
         for j in 0..per {
             if (lane + j * plane_size) as u32 == g {
@@ -949,13 +961,21 @@ fn gather_row(
     let mut xv = Array::<f32>::new(per);
     let ss = load_row(x, src * width, &mut xv, width, units);
     if comptime![norm] {
-        let inv = 1.0 / (cube_sum(ss, units, plane_size) / f32::cast_from(width) + norm_p[0]).sqrt();
+        // The norm's weights before any store: loaded between the stores, each column waited
+        // out a round trip (ncu on the H200).
+        let eps = norm_p[0];
         let off = norm_p[1];
+        let mut wv = Array::<f32>::new(per);
+        #[unroll]
+        for i in 0..per {
+            wv[i] = norm_w[min(u + i * units, width - 1)] + off;
+        }
+        let inv = 1.0 / (cube_sum(ss, units, plane_size) / f32::cast_from(width) + eps).sqrt();
         #[unroll]
         for i in 0..per {
             let c = u + i * units;
             if c < width {
-                out[row * width + c] = xv[i] * inv * (norm_w[c] + off);
+                out[row * width + c] = xv[i] * inv * wv[i];
             }
         }
     } else {

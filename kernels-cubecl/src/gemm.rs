@@ -73,6 +73,19 @@ pub(crate) fn warp_sum(v: f32, #[comptime] plane_size: usize) -> f32 {
     s
 }
 
+/// `plane_max` as the unrolled XOR butterfly of [`warp_sum`] (every lane gets the maximum).
+#[cube]
+pub(crate) fn warp_max(v: f32, #[comptime] plane_size: usize) -> f32 {
+    let mut s = v;
+    let mut m = 1u32;
+    #[unroll]
+    for _ in 0..comptime![plane_size.trailing_zeros() as usize] {
+        s = max(s, plane_shuffle_xor(s, m));
+        m *= 2u32;
+    }
+    s
+}
+
 /// Reduces each lane's partial sums `acc[r · tb + t]` across the warp and lets lane 0 store the
 /// rows `row0 + r` below `n` of the `tokens` real tokens.
 #[cube]
