@@ -382,6 +382,8 @@ pub fn moe_route_kernel(
         base,
         tokens * k,
         true,
+        0usize,
+        1usize,
         experts,
         0usize,
         experts,
@@ -496,6 +498,8 @@ fn route_cube(
     base: u32,
     wanted: usize,
     write: bool,
+    wcube: usize,
+    wcubes: usize,
     #[comptime] lstride: usize,
     #[comptime] loff: usize,
     #[comptime] experts: usize,
@@ -516,6 +520,9 @@ fn route_cube(
     // be visible after a cube barrier on every backend).
     let mut wsh = SharedMemory::<f32>::new(max_tokens * k);
     let mut src = SharedMemory::<u32>::new(1usize);
+    // Each expert's first gathered row and token count, for the work items.
+    let mut esh = SharedMemory::<u32>::new(experts);
+    let mut csh = SharedMemory::<u32>::new(experts);
     // Softmax and top-k of a token by one plane (`plane_top_k`).
     let lane = u % plane_size;
     for t in range_stepped(u / plane_size, tokens, comptime![units / plane_size]) {
@@ -578,65 +585,88 @@ fn route_cube(
                 mass[base as usize + u] += m;
             }
         }
-        // Items of at most `chunk` tokens each, so the grouped GEMM's token bucket (and its
-        // accumulators) stays small when a batch spreads over the experts.
-        let s = u * 6usize;
-        if write {
-            write_items(slots, s, u, before, count, desc_gate_up, desc_down, hidden, inter, chunk, chunks);
-        }
+        esh[u] = before;
+        csh[u] = count;
     }
     sync_cube();
+    // Items of at most `chunk` tokens each, so the grouped GEMM's token bucket (and its
+    // accumulators) stays small when a batch spreads over the experts.
+    write_items(
+        slots,
+        &esh,
+        &csh,
+        desc_gate_up,
+        desc_down,
+        wcube,
+        wcubes,
+        experts,
+        hidden,
+        inter,
+        chunk,
+        chunks,
+        units,
+    );
     src[0] as usize
 }
 
-/// Expert `u`'s work items (see [`moe_route_kernel`]): its `count` rows from row `before`, in
-/// items of at most `chunk` tokens, with its slot words from `slots[s..s + 6]`.
+/// The work items (see [`moe_route_kernel`]) of every expert `e` (its rows from `esh[e]`,
+/// `csh[e]` of them, in items of at most `chunk` tokens, its slot words from `slots[6e ..]`),
+/// word by word: cube `wcube` of `wcubes` writes words `(wcube + i · wcubes) · units + unit`
+/// of both tables, so a warp's stores are 32 consecutive words. Written per expert (one unit
+/// per expert, its items' 16 words each), the stores of a plane were 64 words apart: 32
+/// sectors per store, and the launch waited on its store queue (ncu on the H200: a third of
+/// Gemma-4's route + gather launch at batch 1, in its one writing cube).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn write_items(
     slots: &Array<u32>,
-    s: usize,
-    u: usize,
-    before: u32,
-    count: u32,
+    esh: &SharedMemory<u32>,
+    csh: &SharedMemory<u32>,
     desc_gate_up: &mut Array<u32>,
     desc_down: &mut Array<u32>,
+    wcube: usize,
+    wcubes: usize,
+    #[comptime] experts: usize,
     #[comptime] hidden: usize,
     #[comptime] inter: usize,
     #[comptime] chunk: usize,
     #[comptime] chunks: usize,
+    #[comptime] units: usize,
 ) {
-    // The slot words once, before any store: loads after the stores would be repeated per
-    // chunk (the descriptor arrays may alias `slots` for the compiler), a chain of round trips.
-    let mut sw = Array::<u32>::new(6usize);
-    #[unroll]
-    for i in 0..6usize {
-        sw[i] = slots[s + i];
-    }
-    #[unroll]
-    for c in 0..chunks {
-        let d = (u * chunks + c) * 8usize;
-        let first = before + (c * chunk) as u32;
+    let per_e = comptime![chunks * 8];
+    for i in range_stepped(wcube * units + UNIT_POS as usize, comptime![experts * chunks * 8], wcubes * units)
+    {
+        let e = i / per_e;
+        let c = (i / 8usize) % chunks;
+        let f = (i % 8usize) as u32;
+        let first = esh[e] + (c * chunk) as u32;
+        let count = csh[e];
         let mut n = 0u32;
         if count > (c * chunk) as u32 {
             n = min(count - (c * chunk) as u32, chunk as u32);
         }
-        desc_gate_up[d] = sw[0];
-        desc_gate_up[d + 1] = sw[1];
-        desc_gate_up[d + 2] = comptime![2 * inter] as u32;
-        desc_gate_up[d + 3] = hidden as u32;
-        desc_gate_up[d + 4] = sw[2];
-        desc_gate_up[d + 5] = first * hidden as u32;
-        desc_gate_up[d + 6] = first * comptime![2 * inter] as u32;
-        desc_gate_up[d + 7] = n;
-        desc_down[d] = sw[3];
-        desc_down[d + 1] = sw[4];
-        desc_down[d + 2] = hidden as u32;
-        desc_down[d + 3] = inter as u32;
-        desc_down[d + 4] = sw[5];
-        desc_down[d + 5] = first * comptime![2 * inter] as u32;
-        desc_down[d + 6] = first * hidden as u32;
-        desc_down[d + 7] = n;
+        // Slot words 0, 1, 2 (gate_up) and 3, 4, 5 (down) go to fields 0, 1 and 4.
+        let sf = select(f == 0u32, 0usize, select(f == 1u32, 1usize, 2usize));
+        let sg = slots[e * 6usize + sf];
+        let sd = slots[e * 6usize + 3usize + sf];
+        let slot_field = f == 0u32 || f == 1u32 || f == 4u32;
+        let mut g = n;
+        let mut d = n;
+        if f == 2u32 {
+            g = comptime![2 * inter] as u32;
+            d = hidden as u32;
+        } else if f == 3u32 {
+            g = hidden as u32;
+            d = inter as u32;
+        } else if f == 5u32 {
+            g = first * hidden as u32;
+            d = first * comptime![2 * inter] as u32;
+        } else if f == 6u32 {
+            g = first * comptime![2 * inter] as u32;
+            d = first * hidden as u32;
+        }
+        desc_gate_up[i] = select(slot_field, sg, g);
+        desc_down[i] = select(slot_field, sd, d);
     }
 }
 
@@ -699,6 +729,8 @@ pub fn route_gather_kernel(
         base,
         row,
         row == 0,
+        row,
+        tokens * k,
         lstride,
         loff,
         experts,
@@ -894,6 +926,8 @@ pub fn route_gather_router_kernel<N: Size>(
         base,
         row,
         row == 0,
+        row,
+        tokens * k,
         experts,
         0usize,
         experts,

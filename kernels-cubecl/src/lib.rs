@@ -1002,13 +1002,14 @@ pub fn paged_decode_attention_strided<R: Runtime, KV: Float + CubeElement>(
             attention::paged_decode_combine_kernel::launch_unchecked::<R>(
                 client,
                 CubeCount::Static(shape.n_heads as u32, seqs as u32, 1),
-                CubeDim::new_1d(plane_size as u32),
+                CubeDim::new_1d((attention::COMBINE_PLANES * plane_size) as u32),
                 part.arg(),
                 out.arg(),
                 sp.splits as u32,
                 shape.head_dim,
                 shape.n_heads,
                 plane_size,
+                attention::COMBINE_PLANES,
             );
         }
     };

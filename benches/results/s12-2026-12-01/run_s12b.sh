@@ -1,0 +1,22 @@
+#!/bin/bash
+# Session 12, GPU run 2 (binary of the small-kernel change): decode steps of the three models at
+# 4 bits, b1 / b8, ctx 512, and every kernel's time of a batch-1 step (ncu, caches not flushed).
+set -u
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+python3 -c "import lzma,shutil;shutil.copyfileobj(lzma.open('.carry/pagedweight.xz'),open('/tmp/pw','wb'))" && chmod +x /tmp/pw
+R=$OUT/r; mkdir -p $R
+NCU=/usr/local/cuda/bin/ncu
+D="/tmp/pw bench-decode --device cuda --bits 4 --ctx 512 --steps 16 --warmup 2 --batches 1,8"
+for m in gemma-4-26b-a4b qwen1.5-moe-a2.7b mixtral-8x7b; do
+  s=$(date +%s)
+  timeout 100 $D --models $m --out $R/decode-$m.json > $R/decode-$m.log 2>&1
+  echo "$m rc=$? $(( $(date +%s) - s )) s"
+done
+for m in gemma-4-26b-a4b qwen1.5-moe-a2.7b mixtral-8x7b; do
+  s=$(date +%s)
+  timeout 100 $NCU --metrics gpu__time_duration.sum,launch__registers_per_thread --clock-control none \
+    --cache-control none --print-summary per-kernel /tmp/pw bench-decode --device cuda --models $m --bits 4 \
+    --batches 1 --ctx 512 --steps 2 --warmup 1 --out /tmp/d.json > $R/ncu-decode-$m-b1.txt 2>&1
+  echo "ncu $m b1 rc=$? $(( $(date +%s) - s )) s"
+done
+cd $OUT && tar -cJf r.tar.xz r && rm -rf r
