@@ -18,7 +18,7 @@
 
 use cubecl::prelude::*;
 
-use crate::gemm::{warp_max, warp_sum};
+use crate::gemm::warp_sum;
 
 /// Writes the new token of each sequence into its slot. Grid: `(sequences)`; each cube copies
 /// one `[kv_heads · head_dim]` row of K and of V (read at `s · src_stride + k_off` / `v_off`,
