@@ -10,6 +10,7 @@
 
 use anyhow::{Context, Result};
 use cubecl::prelude::*;
+use kernels_cubecl::step::FUSED_ACT_MAX_TOKENS;
 use kernels_cubecl::{Activation, sync};
 use pw_decode::{AttnLayer, DecodeConfig, Decoder, ExpertAct, Family};
 use pw_pages::Accountant;
@@ -71,6 +72,11 @@ pub struct BenchDecodeArgs {
     /// (the down GEMV's input staging).
     #[arg(long, value_delimiter = ',', default_value = "epilogue")]
     pub expert_act: Vec<String>,
+    /// Most tokens for which a dense MLP's down GEMM applies the activation in its loads
+    /// (comma-separated, each measured; default `FUSED_ACT_MAX_TOKENS`); above it the
+    /// activation is a launch of its own.
+    #[arg(long, value_delimiter = ',')]
+    pub mlp_act_fused_max: Vec<usize>,
 }
 
 fn inv_freq(theta: f64, head_dim: usize, rotating_pairs: usize) -> Vec<f32> {
@@ -272,8 +278,15 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
             t.elapsed().as_secs_f64()
         );
         let mut next_id = 0u64;
-        for (act_name, act) in &acts {
+        let fused_maxes = if a.mlp_act_fused_max.is_empty() {
+            vec![FUSED_ACT_MAX_TOKENS]
+        } else {
+            a.mlp_act_fused_max.clone()
+        };
+        for ((act_name, act), &fused_max) in acts.iter().flat_map(|x| fused_maxes.iter().map(move |f| (x, f)))
+        {
             dec.set_expert_act(*act);
+            dec.set_mlp_act_fused_max(fused_max);
             for (bits_name, bits) in &bits_list {
                 dec.recommit_synthetic(bits.as_ref())?;
                 let sparse_layers = cfg.sparse.iter().filter(|s| **s).count();
@@ -328,6 +341,7 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
                             "gemv_rows": dec.gemm_config_mut().gemv_rows,
                             "fused_router": fused_router,
                             "expert_act": act_name,
+                            "mlp_act_fused_max": fused_max,
                         });
                         eprintln!("{rec}");
                         records.push(rec);

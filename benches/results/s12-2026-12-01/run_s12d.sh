@@ -1,7 +1,9 @@
 #!/bin/bash
 # Session 12, GPU run 4 (binary of the coalesced work-item writes + the multi-plane attention
 # combine): decode steps at 4 bits b1 / b8 ctx 512, every kernel's time of Gemma-4 and Qwen
-# batch-1 steps, and SASS stall sampling of Gemma-4's expert GEMV at batch 1.
+# batch-1 steps, SASS stall sampling of Gemma-4's expert GEMV at batch 1, and Gemma-4 / Qwen
+# batch 1 with 1 and 3 plane words per lane in the expert GEMV (default 2), and with the dense
+# MLP's activation fused into its down GEMM's loads (2, the default) or a launch of its own (0).
 set -u
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 python3 -c "import lzma,shutil;shutil.copyfileobj(lzma.open('.carry/pagedweight.xz'),open('/tmp/pw','wb'))" && chmod +x /tmp/pw
@@ -19,6 +21,20 @@ for m in gemma-4-26b-a4b qwen1.5-moe-a2.7b; do
     --cache-control none --print-summary per-kernel /tmp/pw bench-decode --device cuda --models $m --bits 4 \
     --batches 1 --ctx 512 --steps 2 --warmup 1 --out /tmp/d.json > $R/ncu-decode-$m-b1.txt 2>&1
   echo "ncu $m b1 rc=$? $(( $(date +%s) - s )) s"
+done
+for m in gemma-4-26b-a4b qwen1.5-moe-a2.7b; do
+  for w in 1 3; do
+    s=$(date +%s)
+    timeout 60 /tmp/pw bench-decode --device cuda --bits 4 --ctx 512 --steps 16 --warmup 2 --batches 1 --models $m \
+      --gemv-words $w --out $R/decode-$m-words$w.json > $R/decode-$m-words$w.log 2>&1
+    echo "$m words $w rc=$? $(( $(date +%s) - s )) s"
+  done
+done
+for m in gemma-4-26b-a4b qwen1.5-moe-a2.7b; do
+  s=$(date +%s)
+  timeout 80 /tmp/pw bench-decode --device cuda --bits 4 --ctx 512 --steps 16 --warmup 2 --batches 1 --models $m \
+    --mlp-act-fused-max 2,0,2,0 --out $R/decode-$m-mlpact.json > $R/decode-$m-mlpact.log 2>&1
+  echo "$m mlp act rc=$? $(( $(date +%s) - s )) s"
 done
 SECS="--section SourceCounters --section WarpStateStats --section SpeedOfLight --section LaunchStats --section Occupancy --warp-sampling-interval 0 --cache-control none --clock-control none"
 s=$(date +%s)

@@ -103,6 +103,8 @@ pub struct Decoder<R: Runtime, KV: Float + CubeElement> {
     fused_router: bool,
     /// Where the routed experts' activation `act(gate) · up` is computed.
     expert_act: ExpertAct,
+    /// Most tokens for which a dense MLP's down GEMM applies the activation in its loads.
+    mlp_act_fused_max: usize,
     kv: DevicePools<R>,
     tables: BlockTables,
     s: Scratch,
@@ -552,6 +554,7 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
             gemm: GemmConfig::for_client(client),
             fused_router: cfg.experts > 0 && router_fusable(client, cfg.moe_shape()),
             expert_act: ExpertAct::GateUpEpilogue,
+            mlp_act_fused_max: FUSED_ACT_MAX_TOKENS,
             kv: DevicePools::new::<KV>(client, &geometry, kv_blocks),
             tables: BlockTables::new(&geometry, kv_blocks),
             s,
@@ -664,6 +667,13 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
     /// [`ExpertAct::GateUpEpilogue`]; the others for benchmarks comparing them).
     pub fn set_expert_act(&mut self, at: ExpertAct) {
         self.expert_act = at;
+    }
+
+    /// Most tokens for which a dense MLP's down GEMM applies the activation in its loads
+    /// (default [`FUSED_ACT_MAX_TOKENS`]); above it the activation is a launch of its own. For
+    /// benchmarks comparing the two.
+    pub fn set_mlp_act_fused_max(&mut self, tokens: usize) {
+        self.mlp_act_fused_max = tokens;
     }
 
     /// Kernel launches of the last step (all chunks).
@@ -834,12 +844,13 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
         };
         // Second half: the down GEMM over act(gate)·up (· sigmoid of the shared expert's gate
         // row) into `out` (added when `acc`): the activation fused into its loads for a token
-        // or two, a launch of its own for more (see `FUSED_ACT_MAX_TOKENS`).
+        // or two, a launch of its own for more (see `FUSED_ACT_MAX_TOKENS`, `mlp_act_fused_max`).
+        let fused_max = self.mlp_act_fused_max;
         let mlp_down = |l: usize, (_, dn): &(DeviceArray, DeviceArray), out: &DeviceArray, acc: bool| {
             let inter = cfg.mlp_inter(l);
             let a = GatedInput { act: cfg.act, stride: gu_width(cfg, l), gated: cfg.mlp_rows(l) > 2 * inter };
             let d = DenseGemm { n: h, k: inter, bias: false, accumulate: acc };
-            if t <= FUSED_ACT_MAX_TOKENS {
+            if t <= fused_max {
                 dense_gemm_act(c, d, t, &meta, &s.mlp_gu, a, dn, &s.none, out)?;
                 return Ok::<usize, DecodeError>(1);
             }
