@@ -214,8 +214,9 @@ pub fn paged_decode_split_kernel<KV: Float>(
 }
 
 /// Splits [`paged_decode_combine_kernel`] loads per round and plane.
-const COMBINE_ROUND: usize = 8;
-/// Planes of a [`paged_decode_combine_kernel`] cube.
+pub(crate) const COMBINE_ROUND: usize = 8;
+/// Most planes of a [`paged_decode_combine_kernel`] cube (the host gives it one per round of
+/// [`COMBINE_ROUND`] splits: 8 planes for Qwen1.5-MoE's 17 splits were slower than one).
 pub(crate) const COMBINE_PLANES: usize = 8;
 
 /// Split-context decode attention, second pass: merges the `splits` partials of each

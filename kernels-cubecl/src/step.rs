@@ -159,10 +159,12 @@ pub fn dense_gemm_normed<R: Runtime>(
 
 /// Most tokens for which a dense MLP's down projection should apply the activation in its
 /// loads ([`dense_gemm_act`]): each plane recomputes it for its rows, so the cost grows with
-/// tokens × rows / 2; above this run [`crate::families::gated_act`] then [`dense_gemm`]
-/// (ncu on the H200, git `b4cf179`: Qwen1.5-MoE's shared-expert down took up to 195 µs at
-/// batch 8 with the activation fused, for 23 MB of weights).
-pub const FUSED_ACT_MAX_TOKENS: usize = 2;
+/// tokens × rows / 2; above this run [`crate::families::gated_act`] then [`dense_gemm`].
+/// None: even at batch 1 the fused loads cost more than the activation's own launch (H200,
+/// same process: Qwen1.5-MoE's step 3.21 → 2.96–3.00 ms, the shared-expert down 25 µs with
+/// its 77 registers per thread; Gemma-4 5.01–5.09 → 4.96–4.99 ms); at batch 8 it took up to
+/// 195 µs for Qwen's 23 MB (ncu, git `b4cf179`).
+pub const FUSED_ACT_MAX_TOKENS: usize = 0;
 
 /// How a dense MLP's down projection reads its gate|up rows (see [`dense_gemm_act`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

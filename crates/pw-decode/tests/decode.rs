@@ -357,8 +357,9 @@ const MOE_LAYER_LAUNCHES: usize = 8;
 /// A router GEMM of its own (Gemma-4's 128 × 2816 router, too big to recompute per cube).
 const ROUTER_GEMM_LAUNCHES: usize = 1;
 /// Qwen2-MoE's shared expert beside the routed ones: its gate|up GEMM (with the router's rows
-/// after them) and the down GEMM that reads act(gate)·up (· its sigmoid gate).
-const MLP_LAUNCHES: usize = 2;
+/// after them), the activation act(gate)·up (· its sigmoid gate) in a launch of its own
+/// (`FUSED_ACT_MAX_TOKENS` is 0), and the down GEMM.
+const MLP_LAUNCHES: usize = 3;
 /// A dense layer: the attention's four launches and the MLP.
 const DENSE_LAYER_LAUNCHES: usize = 4 + MLP_LAUNCHES;
 /// Gemma-4: the MoE layer with its router GEMM and its combine replaced by the FFN epilogue
