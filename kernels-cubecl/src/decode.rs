@@ -183,6 +183,7 @@ pub fn dense_gemm_kernel<N: Size>(
                 q,
                 rv,
                 v0 + q * plane_size,
+                true,
                 kv,
                 tokens,
                 &mut acc,
@@ -193,19 +194,49 @@ pub fn dense_gemm_kernel<N: Size>(
                 norm,
                 act,
                 xs,
+                false,
             );
         }
     }
-    for v in range_stepped(full * comptime![rv * plane_size] + lane, kv, plane_size) {
-        let mut wv = Array::<Vector<f16, N>>::new(rows);
+    // The remaining vectors as one more round, all loads in flight together: vectors past the
+    // row read its last one and count zero. One at a time they were a round trip each (three
+    // for Gemma-4's 2816 columns, six for Qwen1.5-MoE's 5632-column shared-expert down).
+    let tail = comptime![(kv - full * rv * plane_size).div_ceil(plane_size)];
+    if comptime![tail > 0] {
+        let v0 = full * comptime![rv * plane_size] + lane;
+        let mut wv = Array::<Vector<f16, N>>::new(tail * rows);
         #[unroll]
         for r in 0..rows {
-            wv[r] = w[wrow[r] + v];
+            #[unroll]
+            for q in 0..tail {
+                wv[r * tail + q] = w[wrow[r] + min(v0 + q * plane_size, kv - 1)];
+            }
         }
-        dense_fma(
-            x, &wv, norm_w, off, 0usize, 1usize, v, kv, tokens, &mut acc, &mut ss, max_tokens, rows, vec,
-            norm, act, xs,
-        );
+        #[unroll]
+        for q in 0..tail {
+            let v = v0 + q * plane_size;
+            dense_fma(
+                x,
+                &wv,
+                norm_w,
+                off,
+                q,
+                tail,
+                min(v, kv - 1),
+                v < kv,
+                kv,
+                tokens,
+                &mut acc,
+                &mut ss,
+                max_tokens,
+                rows,
+                vec,
+                norm,
+                act,
+                xs,
+                true,
+            );
+        }
     }
     let mut eps = 0.0f32;
     if comptime![norm] {
@@ -248,7 +279,8 @@ pub fn dense_gemm_kernel<N: Size>(
 
 /// `acc[r · max_tokens + t] += W vector · x vector` for the weight vectors `wv[r · per_row + q]`
 /// of each row and `x`'s vector `v` of each real token. With `norm` the weights are first
-/// scaled by the norm weight `g[v] + off` and `ss[t]` gains the squares of `x`'s vector.
+/// scaled by the norm weight `g[v] + off` and `ss[t]` gains the squares of `x`'s vector. With
+/// `masked`, `x`'s vector counts zero unless `live` (a tail round's vectors past the row).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn dense_fma<N: Size>(
@@ -259,6 +291,7 @@ fn dense_fma<N: Size>(
     q: usize,
     #[comptime] per_row: usize,
     v: usize,
+    live: bool,
     kv: usize,
     tokens: usize,
     acc: &mut Array<f32>,
@@ -269,6 +302,7 @@ fn dense_fma<N: Size>(
     #[comptime] norm: bool,
     #[comptime] act: u32,
     #[comptime] xs: usize,
+    #[comptime] masked: bool,
 ) {
     // The row's weights in f32 once, whatever the token count.
     let mut wf = Array::<f32>::new(rows * vec);
@@ -311,6 +345,12 @@ fn dense_fma<N: Size>(
             #[unroll]
             for i in 0..vec {
                 xf[i] = crate::families::act_fn(xv[i], act) * uv[i];
+            }
+        }
+        if comptime![masked] {
+            #[unroll]
+            for i in 0..vec {
+                xf[i] = select(live, xf[i], 0.0f32);
             }
         }
         if comptime![norm] {
@@ -523,6 +563,9 @@ fn route_cube(
     // Each expert's first gathered row and token count, for the work items.
     let mut esh = SharedMemory::<u32>::new(experts);
     let mut csh = SharedMemory::<u32>::new(experts);
+    // Each expert's first work item, and the planes' item totals.
+    let mut ish = SharedMemory::<u32>::new(experts);
+    let mut wtot = SharedMemory::<u32>::new(comptime![units / plane_size]);
     // Softmax and top-k of a token by one plane (`plane_top_k`).
     let lane = u % plane_size;
     for t in range_stepped(u / plane_size, tokens, comptime![units / plane_size]) {
@@ -590,11 +633,37 @@ fn route_cube(
     }
     sync_cube();
     // Items of at most `chunk` tokens each, so the grouped GEMM's token bucket (and its
-    // accumulators) stays small when a batch spreads over the experts.
+    // accumulators) stays small when a batch spreads over the experts; the live ones packed at
+    // the front of the tables in expert order, from each expert's exclusive prefix.
+    let mut ic = 0u32;
+    if u < experts {
+        ic = (csh[u] + comptime![chunk as u32 - 1]) / comptime![chunk as u32];
+    }
+    let incl = plane_inclusive_sum(ic);
+    if lane == plane_size - 1 {
+        wtot[u / plane_size] = incl;
+    }
+    sync_cube();
+    let mut items_before = 0u32;
+    let mut live = 0u32;
+    #[unroll]
+    for w in 0..comptime![units / plane_size] {
+        let v = wtot[w];
+        if w < u / plane_size {
+            items_before += v;
+        }
+        live += v;
+    }
+    if u < experts {
+        ish[u] = items_before + incl - ic;
+    }
+    sync_cube();
     write_items(
         slots,
         &esh,
         &csh,
+        &ish,
+        live,
         desc_gate_up,
         desc_down,
         wcube,
@@ -610,18 +679,22 @@ fn route_cube(
 }
 
 /// The work items (see [`moe_route_kernel`]) of every expert `e` (its rows from `esh[e]`,
-/// `csh[e]` of them, in items of at most `chunk` tokens, its slot words from `slots[6e ..]`),
-/// word by word: cube `wcube` of `wcubes` writes words `(wcube + i · wcubes) · units + unit`
-/// of both tables, so a warp's stores are 32 consecutive words. Written per expert (one unit
-/// per expert, its items' 16 words each), the stores of a plane were 64 words apart: 32
-/// sectors per store, and the launch waited on its store queue (ncu on the H200: a third of
-/// Gemma-4's route + gather launch at batch 1, in its one writing cube).
+/// `csh[e]` of them, in items of at most `chunk` tokens, its slot words from `slots[6e ..]`):
+/// the live ones at item `ish[e] + c`, then empty items (all zero) up to `experts · chunks`,
+/// then the header slot whose word 0 counts the `live` ones (what the GEMV reads instead of
+/// scanning every item: 1024 for Gemma-4). Word by word: cube `wcube` of `wcubes` takes words
+/// `(wcube + i · wcubes) · units + unit`, so a warp's stores are consecutive words. Written per
+/// expert (one unit per expert, its items' 16 words each), the stores of a plane were 64 words
+/// apart: 32 sectors per store, and the launch waited on its store queue (ncu on the H200: a
+/// third of Gemma-4's route + gather launch at batch 1, in its one writing cube).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn write_items(
     slots: &Array<u32>,
     esh: &SharedMemory<u32>,
     csh: &SharedMemory<u32>,
+    ish: &SharedMemory<u32>,
+    live: u32,
     desc_gate_up: &mut Array<u32>,
     desc_down: &mut Array<u32>,
     wcube: usize,
@@ -634,39 +707,48 @@ fn write_items(
     #[comptime] units: usize,
 ) {
     let per_e = comptime![chunks * 8];
-    for i in range_stepped(wcube * units + UNIT_POS as usize, comptime![experts * chunks * 8], wcubes * units)
-    {
+    let words = comptime![experts * chunks * 8];
+    let first_unit = wcube * units + UNIT_POS as usize;
+    for i in range_stepped(first_unit, words, wcubes * units) {
         let e = i / per_e;
         let c = (i / 8usize) % chunks;
-        let f = (i % 8usize) as u32;
-        let first = esh[e] + (c * chunk) as u32;
         let count = csh[e];
-        let mut n = 0u32;
         if count > (c * chunk) as u32 {
-            n = min(count - (c * chunk) as u32, chunk as u32);
+            let f = (i % 8usize) as u32;
+            let first = esh[e] + (c * chunk) as u32;
+            let n = min(count - (c * chunk) as u32, chunk as u32);
+            // Slot words 0, 1, 2 (gate_up) and 3, 4, 5 (down) go to fields 0, 1 and 4.
+            let sf = select(f == 0u32, 0usize, select(f == 1u32, 1usize, 2usize));
+            let sg = slots[e * 6usize + sf];
+            let sd = slots[e * 6usize + 3usize + sf];
+            let slot_field = f == 0u32 || f == 1u32 || f == 4u32;
+            let mut g = n;
+            let mut d = n;
+            if f == 2u32 {
+                g = comptime![2 * inter] as u32;
+                d = hidden as u32;
+            } else if f == 3u32 {
+                g = hidden as u32;
+                d = inter as u32;
+            } else if f == 5u32 {
+                g = first * hidden as u32;
+                d = first * comptime![2 * inter] as u32;
+            } else if f == 6u32 {
+                g = first * comptime![2 * inter] as u32;
+                d = first * hidden as u32;
+            }
+            let j = (ish[e] as usize + c) * 8usize + f as usize;
+            desc_gate_up[j] = select(slot_field, sg, g);
+            desc_down[j] = select(slot_field, sd, d);
         }
-        // Slot words 0, 1, 2 (gate_up) and 3, 4, 5 (down) go to fields 0, 1 and 4.
-        let sf = select(f == 0u32, 0usize, select(f == 1u32, 1usize, 2usize));
-        let sg = slots[e * 6usize + sf];
-        let sd = slots[e * 6usize + 3usize + sf];
-        let slot_field = f == 0u32 || f == 1u32 || f == 4u32;
-        let mut g = n;
-        let mut d = n;
-        if f == 2u32 {
-            g = comptime![2 * inter] as u32;
-            d = hidden as u32;
-        } else if f == 3u32 {
-            g = hidden as u32;
-            d = inter as u32;
-        } else if f == 5u32 {
-            g = first * hidden as u32;
-            d = first * comptime![2 * inter] as u32;
-        } else if f == 6u32 {
-            g = first * comptime![2 * inter] as u32;
-            d = first * hidden as u32;
-        }
-        desc_gate_up[i] = select(slot_field, sg, g);
-        desc_down[i] = select(slot_field, sd, d);
+    }
+    for i in range_stepped(live as usize * 8usize + first_unit, words, wcubes * units) {
+        desc_gate_up[i] = 0u32;
+        desc_down[i] = 0u32;
+    }
+    if first_unit == 0 {
+        desc_gate_up[words] = live;
+        desc_down[words] = live;
     }
 }
 

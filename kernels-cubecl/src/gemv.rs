@@ -26,7 +26,8 @@ use crate::gemm::{
 
 /// The kernel. Grid: any number of cubes (a few per SM); cube: `warps · plane_size` units.
 /// `n_items` descriptors of [`DESC_WORDS`] words (see [`crate::gemm::ap_gemm_kernel`]); items
-/// with zero tokens take no work. `x_words` (comptime) bounds `ceil(cols / 32)` over the items,
+/// with zero tokens take no work (with `counted`, see [`crate::launch_gemv`], only the live
+/// items at the front are read). `x_words` (comptime) bounds `ceil(cols / 32)` over the items,
 /// rounded up to a multiple of `plane_size · J`. `glu`: 0 for plain units, else the code of the
 /// gated activation (`rows` even; see [`crate::step::ap_gemm_routed_gated`]).
 #[cube(launch_unchecked)]
@@ -50,6 +51,7 @@ pub fn ap_gemv_kernel(
     #[comptime] unrolled: bool,
     #[comptime] shuffle: u32,
     #[comptime] glu: u32,
+    #[comptime] counted: bool,
 ) {
     // A gated unit (`glu` = the activation's code) holds `rows / 2` gate rows and the matching
     // up rows `n / 2` further; a plain one `rows` consecutive rows.
@@ -58,7 +60,12 @@ pub fn ap_gemv_kernel(
     let lane = unit % plane_size;
     let warp = unit / plane_size;
     let cube_units = warps * plane_size;
-    let items = n_items as usize;
+    // With `counted`, only the live items at the front of the table (the routing counts them
+    // in its header slot): at batch 1 Gemma-4's table holds 8 live items of 1024.
+    let mut items = n_items as usize;
+    if comptime![counted] {
+        items = min(desc[max_items * DESC_WORDS] as usize, items);
+    }
 
     // pref[i] = warp units of items before i (an item of n rows has ceil(n / rows) units).
     // Every round's descriptor loads first (unconditional: items past the last read item 0 and

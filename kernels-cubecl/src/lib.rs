@@ -293,12 +293,15 @@ const GEMV_WARPS_PER_SM: usize = 24;
 
 /// Launches [`gemv::ap_gemv_kernel`] over `n_items` descriptors when it applies (see
 /// [`GemmConfig::gemv`]; `x` of `cols` columns fits in shared memory); `false` when it does not.
+/// `counted`: the table has a header slot after its `n_items` items whose word 0 counts the
+/// live items, which come first (the routing's tables); the kernel reads only those.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn launch_gemv<R: Runtime>(
     client: &ComputeClient<R>,
     cfg: GemmConfig,
     [planes, luts, desc, x, y]: [&DeviceArray; 5],
     n_items: usize,
+    counted: bool,
     cols: usize,
     tokens: usize,
     act: Activation,
@@ -368,6 +371,7 @@ pub(crate) fn launch_gemv<R: Runtime>(
             cfg.unrolled,
             cfg.lut_mode(),
             glu,
+            counted,
         )
     };
     true
@@ -456,7 +460,7 @@ pub fn ap_gemm<R: Runtime>(
     // compiled: launches of ≤ 4-bit blocks keep their shared memory small.
     let lut_slots = if items.iter().all(|i| i.bits <= 4) { 16 } else { gemm::LUT_SLOTS };
     let bufs = [planes, luts, desc, x, y];
-    if launch_gemv(client, cfg, bufs, items.len(), max_cols, most_tokens, act, lut_slots, None) {
+    if launch_gemv(client, cfg, bufs, items.len(), false, max_cols, most_tokens, act, lut_slots, None) {
         return Ok(());
     }
     let max_tokens = token_bucket(most_tokens);

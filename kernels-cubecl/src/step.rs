@@ -464,9 +464,10 @@ pub struct RouteBuffers {
     pub gather: DeviceArray,
     /// `[tokens, k]` gathered row of each choice.
     pub pos: DeviceArray,
-    /// `[experts · ROUTE_CHUNKS · 8]` gate_up work items.
+    /// `[experts · ROUTE_CHUNKS + 1, 8]` gate_up work items: the live ones first (expert
+    /// order), then empty ones; word 0 of the last (header) slot counts the live ones.
     pub desc_gate_up: DeviceArray,
-    /// `[experts · ROUTE_CHUNKS · 8]` down work items.
+    /// `[experts · ROUTE_CHUNKS + 1, 8]` down work items, laid out as `desc_gate_up`.
     pub desc_down: DeviceArray,
     /// One-element stand-ins for the statistics' buffers when none are kept (never written).
     no_counts: DeviceArray,
@@ -483,9 +484,12 @@ impl RouteBuffers {
             pos: DeviceArray::empty::<R, u32>(client, n),
             desc_gate_up: DeviceArray::empty::<R, u32>(
                 client,
-                shape.experts * ROUTE_CHUNKS * gemm::DESC_WORDS,
+                (shape.experts * ROUTE_CHUNKS + 1) * gemm::DESC_WORDS,
             ),
-            desc_down: DeviceArray::empty::<R, u32>(client, shape.experts * ROUTE_CHUNKS * gemm::DESC_WORDS),
+            desc_down: DeviceArray::empty::<R, u32>(
+                client,
+                (shape.experts * ROUTE_CHUNKS + 1) * gemm::DESC_WORDS,
+            ),
             no_counts: DeviceArray::empty::<R, u32>(client, 1),
             no_mass: DeviceArray::empty::<R, f32>(client, 1),
         }
@@ -1036,11 +1040,11 @@ pub fn moe_combine<R: Runtime>(
 }
 
 /// Work items of a routed launch over `experts` (`experts · ROUTE_CHUNKS`), with the launch
-/// configuration and the descriptor table's length checked.
+/// configuration and the descriptor table's length (with its header slot) checked.
 fn routed_items(cfg: crate::GemmConfig, desc: &DeviceArray, experts: usize) -> Result<usize, KernelError> {
     let items = experts * ROUTE_CHUNKS;
     cfg.check()?;
-    need("routed gemm descriptors", desc, items * gemm::DESC_WORDS)?;
+    need("routed gemm descriptors", desc, (items + 1) * gemm::DESC_WORDS)?;
     Ok(items)
 }
 
@@ -1069,7 +1073,7 @@ pub fn ap_gemm_routed<R: Runtime>(
     // Bit-widths live in device descriptors: room for the widest LUT.
     let bufs = [planes, luts, desc, x, y];
     let item_tokens = tokens.min(ROUTE_CHUNK);
-    if crate::launch_gemv(client, cfg, bufs, items, cols, item_tokens, act, gemm::LUT_SLOTS, None) {
+    if crate::launch_gemv(client, cfg, bufs, items, true, cols, item_tokens, act, gemm::LUT_SLOTS, None) {
         return Ok(());
     }
     let tiles = max_rows.div_ceil(cfg.warps * cfg.rows_per_warp) as u32;
@@ -1147,5 +1151,16 @@ pub fn ap_gemm_routed_gated<R: Runtime>(
     }
     let bufs = [planes, luts, desc, x, y];
     let none = crate::Activation::None;
-    Ok(crate::launch_gemv(client, cfg, bufs, items, cols, item_tokens, none, gemm::LUT_SLOTS, Some(act)))
+    Ok(crate::launch_gemv(
+        client,
+        cfg,
+        bufs,
+        items,
+        true,
+        cols,
+        item_tokens,
+        none,
+        gemm::LUT_SLOTS,
+        Some(act),
+    ))
 }

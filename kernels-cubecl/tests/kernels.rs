@@ -651,7 +651,7 @@ fn moe_route_gather_matches_reference() {
                         "{what}"
                     );
                 }
-                let d = shape.experts * ROUTE_CHUNKS * kernels_cubecl::gemm::DESC_WORDS;
+                let d = shape.experts * ROUTE_CHUNKS * kernels_cubecl::gemm::DESC_WORDS + 1;
                 for (a, b) in
                     [(&want_bufs.desc_gate_up, &bufs.desc_gate_up), (&want_bufs.desc_down, &bufs.desc_down)]
                 {
@@ -757,7 +757,7 @@ fn moe_route_gather_router_matches_reference() {
                         "{w}: {what}"
                     );
                 }
-                let d = shape.experts * ROUTE_CHUNKS * kernels_cubecl::gemm::DESC_WORDS;
+                let d = shape.experts * ROUTE_CHUNKS * kernels_cubecl::gemm::DESC_WORDS + 1;
                 for (a, b) in
                     [(&want_bufs.desc_gate_up, &bufs.desc_gate_up), (&want_bufs.desc_down, &bufs.desc_down)]
                 {
