@@ -18,7 +18,7 @@
 
 use cubecl::prelude::*;
 
-use crate::gemm::warp_sum;
+use crate::gemm::{warp_max, warp_sum};
 
 /// Writes the new token of each sequence into its slot. Grid: `(sequences)`; each cube copies
 /// one `[kv_heads · head_dim]` row of K and of V (read at `s · src_stride + k_off` / `v_off`,
@@ -213,20 +213,11 @@ pub fn paged_decode_split_kernel<KV: Float>(
     }
 }
 
-/// Splits [`paged_decode_combine_kernel`] loads per round and plane.
-pub(crate) const COMBINE_ROUND: usize = 8;
-/// Most planes of a [`paged_decode_combine_kernel`] cube (the host gives it one per round of
-/// [`COMBINE_ROUND`] splits: 8 planes for Qwen1.5-MoE's 17 splits were slower than one).
-pub(crate) const COMBINE_PLANES: usize = 8;
+/// Splits [`paged_decode_combine_kernel`] loads per round.
+const COMBINE_ROUND: usize = 8;
 
 /// Split-context decode attention, second pass: merges the `splits` partials of each
-/// (sequence, head). Grid: `(n_heads, seqs)`; cube: `planes` planes, lane `l` owning dims `l,
-/// l + P, …`. Every plane takes the splits' maxima and softmax denominators (a lane per split,
-/// `(m, l)` merged online, then across the lanes); plane `w` accumulates splits `w, w + planes,
-/// …` in rounds whose loads are all issued before any is used, and the planes' sums meet in
-/// shared memory. Why: one plane walking the splits in rounds of 8 waited an L2 round trip per
-/// round, plus one for the maxima and one for the denominators (7.3 µs per Gemma-4 layer at
-/// batch 1, ncu on the H200).
+/// (sequence, head). Grid: `(n_heads, seqs)`; cube: one plane, lane `l` owning dims `l, l + P, …`.
 #[cube(launch_unchecked)]
 pub fn paged_decode_combine_kernel(
     part: &Array<f32>,
@@ -235,49 +226,42 @@ pub fn paged_decode_combine_kernel(
     #[comptime] head_dim: usize,
     #[comptime] n_heads: usize,
     #[comptime] plane_size: usize,
-    #[comptime] planes: usize,
 ) {
     let per = comptime![head_dim / plane_size];
     let h = CUBE_POS_X as usize;
     let s = CUBE_POS_Y as usize;
-    let lane = UNIT_POS as usize % plane_size;
-    let w = UNIT_POS as usize / plane_size;
+    let lane = UNIT_POS as usize;
     let row = comptime![head_dim + 2];
-    let n = splits as usize;
-    let base = (s * n_heads + h) * n * row;
-    // (max, sum) of this lane's splits, online; then merged across the lanes.
+    let base = (s * n_heads + h) * splits as usize * row;
+    // The splits' maxima and softmax denominators across the lanes (a lane per split), not
+    // in the accumulation loop: a plane walking 32 splits one by one took 7 µs (Mixtral, batch
+    // 1, ncu on the H200).
     let mut mm = f32::new(-1.0e30);
+    for z in range_stepped(lane, splits as usize, plane_size) {
+        mm = max(mm, part[base + z * row + head_dim]);
+    }
+    mm = warp_max(mm, plane_size);
     let mut ll = 0.0f32;
-    for z in range_stepped(lane, n, plane_size) {
-        let at = base + z * row + head_dim;
-        let m = part[at];
-        let l = part[at + 1];
-        let nm = max(mm, m);
-        ll = ll * (mm - nm).exp() + l * (m - nm).exp();
-        mm = nm;
+    for z in range_stepped(lane, splits as usize, plane_size) {
+        let at = base + z * row;
+        ll += part[at + head_dim + 1] * (part[at + head_dim] - mm).exp();
     }
-    let mut mask = 1u32;
-    #[unroll]
-    for _ in 0..comptime![plane_size.trailing_zeros() as usize] {
-        let om = plane_shuffle_xor(mm, mask);
-        let ol = plane_shuffle_xor(ll, mask);
-        let nm = max(mm, om);
-        ll = ll * (mm - nm).exp() + ol * (om - nm).exp();
-        mm = nm;
-        mask *= 2u32;
-    }
+    ll = warp_sum(ll, plane_size);
     let mut acc = Array::<f32>::new(per);
     #[unroll]
     for j in 0..per {
         acc[j] = 0.0;
     }
-    for z0 in range_stepped(w, n, comptime![COMBINE_ROUND * planes]) {
+    // Rounds of COMBINE_ROUND splits whose loads are all issued before any is used: a loop
+    // of one split per iteration waited an L2 round trip per split.
+    let n = splits as usize;
+    for z0 in range_stepped(0usize, n, COMBINE_ROUND) {
         let mut pm = Array::<f32>::new(COMBINE_ROUND);
         let mut pv = Array::<f32>::new(comptime![COMBINE_ROUND * per]);
         #[unroll]
         for zz in 0..COMBINE_ROUND {
             // Splits past the last read the last one and weigh zero.
-            let at = base + min(z0 + zz * planes, n - 1) * row;
+            let at = base + min(z0 + zz, n - 1) * row;
             pm[zz] = part[at + head_dim];
             #[unroll]
             for j in 0..per {
@@ -286,27 +270,17 @@ pub fn paged_decode_combine_kernel(
         }
         #[unroll]
         for zz in 0..COMBINE_ROUND {
-            let f = select(z0 + zz * planes < n, (pm[zz] - mm).exp(), 0.0f32);
+            let f = select(z0 + zz < n, (pm[zz] - mm).exp(), 0.0f32);
             #[unroll]
             for j in 0..per {
                 acc[j] += pv[zz * per + j] * f;
             }
         }
     }
-    let mut sh = SharedMemory::<f32>::new(planes * head_dim);
+    let zz = select(ll > 0.0, ll, 1.0f32);
     #[unroll]
     for j in 0..per {
-        sh[w * head_dim + lane + j * plane_size] = acc[j];
-    }
-    sync_cube();
-    let zz = select(ll > 0.0, ll, 1.0f32);
-    for d in range_stepped(UNIT_POS as usize, head_dim, comptime![planes * plane_size]) {
-        let mut t = 0.0f32;
-        #[unroll]
-        for p in 0..planes {
-            t += sh[p * head_dim + d];
-        }
-        out[(s * n_heads + h) * head_dim + d] = t / zz;
+        out[(s * n_heads + h) * head_dim + lane + j * plane_size] = acc[j] / zz;
     }
 }
 

@@ -183,7 +183,6 @@ pub fn dense_gemm_kernel<N: Size>(
                 q,
                 rv,
                 v0 + q * plane_size,
-                true,
                 kv,
                 tokens,
                 &mut acc,
@@ -194,49 +193,19 @@ pub fn dense_gemm_kernel<N: Size>(
                 norm,
                 act,
                 xs,
-                false,
             );
         }
     }
-    // The remaining vectors as one more round, all loads in flight together: vectors past the
-    // row read its last one and count zero. One at a time they were a round trip each (three
-    // for Gemma-4's 2816 columns, six for Qwen1.5-MoE's 5632-column shared-expert down).
-    let tail = comptime![(kv - full * rv * plane_size).div_ceil(plane_size)];
-    if comptime![tail > 0] {
-        let v0 = full * comptime![rv * plane_size] + lane;
-        let mut wv = Array::<Vector<f16, N>>::new(tail * rows);
+    for v in range_stepped(full * comptime![rv * plane_size] + lane, kv, plane_size) {
+        let mut wv = Array::<Vector<f16, N>>::new(rows);
         #[unroll]
         for r in 0..rows {
-            #[unroll]
-            for q in 0..tail {
-                wv[r * tail + q] = w[wrow[r] + min(v0 + q * plane_size, kv - 1)];
-            }
+            wv[r] = w[wrow[r] + v];
         }
-        #[unroll]
-        for q in 0..tail {
-            let v = v0 + q * plane_size;
-            dense_fma(
-                x,
-                &wv,
-                norm_w,
-                off,
-                q,
-                tail,
-                min(v, kv - 1),
-                v < kv,
-                kv,
-                tokens,
-                &mut acc,
-                &mut ss,
-                max_tokens,
-                rows,
-                vec,
-                norm,
-                act,
-                xs,
-                true,
-            );
-        }
+        dense_fma(
+            x, &wv, norm_w, off, 0usize, 1usize, v, kv, tokens, &mut acc, &mut ss, max_tokens, rows, vec,
+            norm, act, xs,
+        );
     }
     let mut eps = 0.0f32;
     if comptime![norm] {
@@ -279,8 +248,7 @@ pub fn dense_gemm_kernel<N: Size>(
 
 /// `acc[r · max_tokens + t] += W vector · x vector` for the weight vectors `wv[r · per_row + q]`
 /// of each row and `x`'s vector `v` of each real token. With `norm` the weights are first
-/// scaled by the norm weight `g[v] + off` and `ss[t]` gains the squares of `x`'s vector. With
-/// `masked`, `x`'s vector counts zero unless `live` (a tail round's vectors past the row).
+/// scaled by the norm weight `g[v] + off` and `ss[t]` gains the squares of `x`'s vector.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn dense_fma<N: Size>(
@@ -291,7 +259,6 @@ fn dense_fma<N: Size>(
     q: usize,
     #[comptime] per_row: usize,
     v: usize,
-    live: bool,
     kv: usize,
     tokens: usize,
     acc: &mut Array<f32>,
@@ -302,7 +269,6 @@ fn dense_fma<N: Size>(
     #[comptime] norm: bool,
     #[comptime] act: u32,
     #[comptime] xs: usize,
-    #[comptime] masked: bool,
 ) {
     // The row's weights in f32 once, whatever the token count.
     let mut wf = Array::<f32>::new(rows * vec);
@@ -345,12 +311,6 @@ fn dense_fma<N: Size>(
             #[unroll]
             for i in 0..vec {
                 xf[i] = crate::families::act_fn(xv[i], act) * uv[i];
-            }
-        }
-        if comptime![masked] {
-            #[unroll]
-            for i in 0..vec {
-                xf[i] = select(live, xf[i], 0.0f32);
             }
         }
         if comptime![norm] {

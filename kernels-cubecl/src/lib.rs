@@ -1003,20 +1003,16 @@ pub fn paged_decode_attention_strided<R: Runtime, KV: Float + CubeElement>(
             direct,
         );
         if let Some(part) = &part {
-            // One round of loads per plane, at most COMBINE_PLANES planes.
-            let combine_planes =
-                sp.splits.div_ceil(attention::COMBINE_ROUND).clamp(1, attention::COMBINE_PLANES);
             attention::paged_decode_combine_kernel::launch_unchecked::<R>(
                 client,
                 CubeCount::Static(shape.n_heads as u32, seqs as u32, 1),
-                CubeDim::new_1d((combine_planes * plane_size) as u32),
+                CubeDim::new_1d(plane_size as u32),
                 part.arg(),
                 out.arg(),
                 sp.splits as u32,
                 shape.head_dim,
                 shape.n_heads,
                 plane_size,
-                combine_planes,
             );
         }
     };
