@@ -336,8 +336,10 @@ fn dense_fma<N: Size>(
 /// 2. unit `e`: its tokens in token order get consecutive gathered rows after every lower
 ///    expert's; writes `gather[row] = t`, `pos[t, j] = row` and the work items of expert `e`
 ///    (gate_up: `[2I, H]`, down: `[H, I]`, from `slots[e] = (gate_up plane_off, lut_off, bits,
-///    down plane_off, lut_off, bits)`), `chunks` items of up to `chunk` tokens each, so the
-///    grouped GEMM runs with no host round trip;
+///    down plane_off, lut_off, bits)`), items of up to `chunk` tokens each, so the grouped
+///    GEMM runs with no host round trip: the live items packed at the front of each table (in
+///    expert order), zeros after them, and their count in the header slot that follows the
+///    table's `experts · chunks` items (see [`crate::step::RouteBuffers`]);
 /// 3. with `stats`, unit `e` also adds its token count to `counts[base + e]` and the sum of
 ///    its choices' weights (in choice order) to `mass[base + e]`: the planner's routing
 ///    statistics at no launch of their own.

@@ -323,8 +323,10 @@ pub(crate) fn launch_gemv<R: Runtime>(
     let ps = cfg.plane_size;
     let step = ps * cfg.gemv_words_per_lane;
     let x_words = cols.div_ceil(32).div_ceil(step) * step;
+    // Staged x, LUTs, the items' prefix and one warp total per round of the prefix.
     let shared = |warps: usize| {
-        4 * (tb * x_words * 4 * gemm::XV_PER_WORD + warps * cfg.gemv_rows * lut_slots + n_items + 1 + warps)
+        let prefix = n_items + 1 + n_items.div_ceil(warps * ps) * warps;
+        4 * (tb * x_words * 4 * gemm::XV_PER_WORD + warps * cfg.gemv_rows * lut_slots + prefix)
     };
     let hw = &client.properties().hardware;
     if shared(cfg.warps) > hw.max_shared_memory_size {

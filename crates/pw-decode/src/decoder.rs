@@ -843,8 +843,9 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
             Ok::<usize, DecodeError>(1)
         };
         // Second half: the down GEMM over act(gate)·up (· sigmoid of the shared expert's gate
-        // row) into `out` (added when `acc`): the activation fused into its loads for a token
-        // or two, a launch of its own for more (see `FUSED_ACT_MAX_TOKENS`, `mlp_act_fused_max`).
+        // row) into `out` (added when `acc`): the activation a launch of its own, or fused into
+        // the down GEMM's loads up to `mlp_act_fused_max` tokens (none by default, see
+        // `FUSED_ACT_MAX_TOKENS`).
         let fused_max = self.mlp_act_fused_max;
         let mlp_down = |l: usize, (_, dn): &(DeviceArray, DeviceArray), out: &DeviceArray, acc: bool| {
             let inter = cfg.mlp_inter(l);
