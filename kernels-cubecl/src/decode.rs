@@ -10,7 +10,7 @@
 use cubecl::prelude::*;
 use half::f16;
 
-use crate::gemm::{warp_max, warp_sum};
+use crate::gemm::{warp_arg_max, warp_max, warp_sum};
 
 /// `h[t] = table[ids[t]]` widened to f32 (times `scale`, e.g. Gemma's √hidden). Grid `(tokens)`.
 #[cube(launch_unchecked)]
@@ -442,10 +442,8 @@ pub(crate) fn plane_top_k(
         }
     }
     z = warp_sum(z, plane_size);
-    // Each lane's best (its experts ascending, strict >), then the plane's best pair by one
-    // butterfly over (value, expert), the lower expert on ties: the same choice as a maximum
-    // then a minimum over the lanes holding it, in one chain of shuffles instead of two
-    // (CubeCL's `plane_max` / `plane_min` are loops with a branch around each shuffle on CUDA).
+    // Each lane's best (its experts ascending, strict >), then the plane's best pair, the lower
+    // expert on ties.
     #[unroll]
     for jj in 0..k {
         let mut bv = lowest;
@@ -457,18 +455,7 @@ pub(crate) fn plane_top_k(
                 be = (lane + j * plane_size) as u32;
             }
         }
-        let mut mask = 1u32;
-        #[unroll]
-        for _ in 0..comptime![plane_size.trailing_zeros() as usize] {
-            let ov = plane_shuffle_xor(bv, mask);
-            let oe = plane_shuffle_xor(be, mask);
-            let take = ov > bv || (ov == bv && oe < be);
-            bv = select(take, ov, bv);
-            be = select(take, oe, be);
-            mask *= 2u32;
-        }
-        let gm = bv;
-        let g = be;
+        let (gm, g) = warp_arg_max(bv, be, plane_size);
         #[unroll]
         for j in 0..per {
             if (lane + j * plane_size) as u32 == g {
@@ -1044,16 +1031,13 @@ fn gather_row(
         let eps = norm_p[0];
         let off = norm_p[1];
         let mut wv = Array::<f32>::new(per);
-        #[unroll]
-        for i in 0..per {
-            wv[i] = norm_w[min(u + i * units, width - 1)] + off;
-        }
+        load_row(norm_w, 0usize, &mut wv, width, units);
         let inv = 1.0 / (cube_sum(ss, units, plane_size) / f32::cast_from(width) + eps).sqrt();
         #[unroll]
         for i in 0..per {
             let c = u + i * units;
             if c < width {
-                out[row * width + c] = xv[i] * inv * wv[i];
+                out[row * width + c] = xv[i] * inv * (wv[i] + off);
             }
         }
     } else {

@@ -100,12 +100,8 @@ pub fn add_rms_norm_kernel(
     // each column waited out a round trip (ncu on the H200: 7.9 µs for one Gemma-4 token).
     let mut hv = Array::<f32>::new(per);
     let mut wv = Array::<f32>::new(per);
-    #[unroll]
-    for i in 0..per {
-        let c = min(u + i * units, hidden - 1);
-        hv[i] = h[base + c];
-        wv[i] = w[c];
-    }
+    load_row(h, base, &mut hv, hidden, units);
+    load_row(w, 0usize, &mut wv, hidden, units);
     let inv = 1.0 / (cube_sum(ss, units, plane_size) / f32::cast_from(hidden) + eps).sqrt();
     #[unroll]
     for i in 0..per {
@@ -165,42 +161,36 @@ pub fn gemma_ffn_out_kernel(
         scale[j] = pes[esel[j] as usize];
         sum += wsel[j];
     }
-    let mut nv = Array::<f32>::new(per * 3);
+    let mut post1 = Array::<f32>::new(per);
+    let mut post2 = Array::<f32>::new(per);
+    let mut post = Array::<f32>::new(per);
     let mut hv = Array::<f32>::new(per);
-    #[unroll]
-    for i in 0..per {
-        // Columns past `hidden` read the last one and are never stored.
-        let c = min(u + i * units, hidden - 1);
-        nv[3 * i] = norms[c];
-        nv[3 * i + 1] = norms[hidden + c];
-        nv[3 * i + 2] = norms[2 * hidden + c];
-        hv[i] = h[base + c];
-    }
+    let mut mv = Array::<f32>::new(per);
+    load_row(norms, 0usize, &mut post1, hidden, units);
+    load_row(norms, hidden, &mut post2, hidden, units);
+    load_row(norms, 2 * hidden, &mut post, hidden, units);
+    load_row(h, base, &mut hv, hidden, units);
+    let ss_m = load_row(m, base, &mut mv, hidden, units);
     let rsum = 1.0 / sum;
     #[unroll]
     for j in 0..k {
         wsel[j] = wsel[j] * rsum * scale[j];
     }
-    // Pass 1: the experts' sum and both sums of squares.
+    // Pass 1: the experts' sum and its sum of squares (columns past `hidden` read the last one
+    // and count zero).
     let mut yv = Array::<f32>::new(per);
-    let mut mv = Array::<f32>::new(per);
     let mut ss_y = 0.0f32;
-    let mut ss_m = 0.0f32;
     #[unroll]
     for i in 0..per {
-        let live = u + i * units < hidden;
         let c = min(u + i * units, hidden - 1);
         let mut y = 0.0f32;
         #[unroll]
         for j in 0..k {
             y += wsel[j] * down[rows[j] as usize * hidden + c];
         }
-        let mm = select(live, m[base + c], 0.0f32);
-        y = select(live, y, 0.0f32);
+        y = select(u + i * units < hidden, y, 0.0f32);
         yv[i] = y;
-        mv[i] = mm;
         ss_y += y * y;
-        ss_m += mm * mm;
     }
     let hf = f32::cast_from(hidden);
     let inv_y = 1.0 / (cube_sum(ss_y, units, plane_size) / hf + eps).sqrt();
@@ -208,7 +198,7 @@ pub fn gemma_ffn_out_kernel(
     let mut ss_x = 0.0f32;
     #[unroll]
     for i in 0..per {
-        let x = mv[i] * inv_m * nv[3 * i] + yv[i] * inv_y * nv[3 * i + 1];
+        let x = mv[i] * inv_m * post1[i] + yv[i] * inv_y * post2[i];
         yv[i] = x;
         ss_x += x * x;
     }
@@ -218,7 +208,7 @@ pub fn gemma_ffn_out_kernel(
     for i in 0..per {
         let c = u + i * units;
         if c < hidden {
-            h[base + c] = (hv[i] + yv[i] * inv_x * nv[3 * i + 2]) * s;
+            h[base + c] = (hv[i] + yv[i] * inv_x * post[i]) * s;
         }
     }
 }
@@ -266,8 +256,7 @@ pub fn argmax_kernel(
             }
         }
     }
-    let m = plane_max(bv);
-    let best = plane_min(select(bv == m, bi, 0xFFFF_FFFFu32));
+    let (m, best) = crate::gemm::warp_arg_max(bv, bi, plane_size);
     if comptime![units > plane_size] {
         let planes = comptime![units / plane_size];
         let mut shv = SharedMemory::<f32>::new(planes);

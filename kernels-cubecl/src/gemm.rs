@@ -86,6 +86,27 @@ pub(crate) fn warp_max(v: f32, #[comptime] plane_size: usize) -> f32 {
     s
 }
 
+/// The plane's best `(value, index)` pair, to every lane: the largest value, the lowest index
+/// among lanes holding it (a maximum then a minimum over those lanes, as one XOR butterfly over
+/// the pairs: CubeCL's `plane_max` / `plane_min` are loops with a branch around each shuffle
+/// on CUDA). Lanes with nothing to offer pass their lowest value.
+#[cube]
+pub(crate) fn warp_arg_max(v: f32, i: u32, #[comptime] plane_size: usize) -> (f32, u32) {
+    let mut bv = v;
+    let mut bi = i;
+    let mut m = 1u32;
+    #[unroll]
+    for _ in 0..comptime![plane_size.trailing_zeros() as usize] {
+        let ov = plane_shuffle_xor(bv, m);
+        let oi = plane_shuffle_xor(bi, m);
+        let take = ov > bv || (ov == bv && oi < bi);
+        bv = select(take, ov, bv);
+        bi = select(take, oi, bi);
+        m *= 2u32;
+    }
+    (bv, bi)
+}
+
 /// Reduces each lane's partial sums `acc[r · tb + t]` across the warp and lets lane 0 store the
 /// rows `row0 + r` below `n` of the `tokens` real tokens.
 #[cube]
