@@ -73,6 +73,12 @@ pub struct BenchKernelsArgs {
     /// the run past the error budget).
     #[arg(long)]
     pub check: bool,
+    /// Skip the dense f16 GEMMs (projections, dense MLPs, LM heads; plain vs matrix units).
+    #[arg(long)]
+    pub no_dense: bool,
+    /// Only the stream read and the dense f16 GEMMs.
+    #[arg(long)]
+    pub dense_only: bool,
 }
 
 /// Runs the benchmark on the chosen runtime.
@@ -82,7 +88,7 @@ pub fn bench_kernels(a: &BenchKernelsArgs) -> Result<()> {
         "cuda" => {
             let device = cubecl::cuda::CudaDevice::new(0);
             let mut records = run::<cubecl::cuda::CudaRuntime>(&device, a)?;
-            if !a.no_prefill {
+            if !a.no_prefill && !a.dense_only {
                 records.extend(crate::bench_prefill::prefill_records::<cubecl::cuda::CudaRuntime>(
                     &device, a.quick,
                 )?);
@@ -265,6 +271,20 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchKernelsArgs) -> Result<Vec<Value
     records.push(
         json!({"kernel": "stream_read", "bytes": words * 4, "time_us": secs * 1e6, "hbm_read_gbps": hbm}),
     );
+
+    if !a.no_dense {
+        records.extend(crate::bench_dense::dense_records(
+            &client,
+            a.rotate_bytes,
+            a.launches,
+            hbm,
+            a.check,
+            a.quick,
+        )?);
+    }
+    if a.dense_only {
+        return Ok(records);
+    }
 
     let bits_list: Vec<u8> = if !a.bits.is_empty() {
         a.bits.clone()

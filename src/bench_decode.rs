@@ -77,6 +77,10 @@ pub struct BenchDecodeArgs {
     /// activation is a launch of its own.
     #[arg(long, value_delimiter = ',')]
     pub mlp_act_fused_max: Vec<usize>,
+    /// Dense GEMMs on the matrix units where the device has them (comma-separated, each
+    /// measured: `1` the default, `0` the plain kernel).
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    pub dense_mma: Vec<u8>,
 }
 
 fn inv_freq(theta: f64, head_dim: usize, rotating_pairs: usize) -> Vec<f32> {
@@ -283,8 +287,12 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
         } else {
             a.mlp_act_fused_max.clone()
         };
-        for ((act_name, act), &fused_max) in acts.iter().flat_map(|x| fused_maxes.iter().map(move |f| (x, f)))
-        {
+        let combos = acts
+            .iter()
+            .flat_map(|x| fused_maxes.iter().map(move |f| (x, f)))
+            .flat_map(|(x, f)| a.dense_mma.iter().map(move |m| (x, f, *m != 0)));
+        for ((act_name, act), &fused_max, dense_mma) in combos {
+            dec.set_dense_mma(dense_mma);
             dec.set_expert_act(*act);
             dec.set_mlp_act_fused_max(fused_max);
             for (bits_name, bits) in &bits_list {
@@ -342,6 +350,7 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
                             "fused_router": fused_router,
                             "expert_act": act_name,
                             "mlp_act_fused_max": fused_max,
+                            "dense_mma": dense_mma && kernels_cubecl::step::dense_mma_supported(dec.client()),
                         });
                         eprintln!("{rec}");
                         records.push(rec);

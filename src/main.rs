@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_decode;
+mod bench_dense;
 mod bench_pages;
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
 mod bench_prefill;

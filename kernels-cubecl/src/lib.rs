@@ -28,6 +28,8 @@ pub mod gemm;
 #[allow(missing_docs)]
 pub mod gemv;
 #[allow(missing_docs)]
+pub mod mma;
+#[allow(missing_docs)]
 pub mod prefill;
 pub mod step;
 

@@ -101,6 +101,35 @@ pub struct DenseGemm {
     pub bias: bool,
     /// `y += x·Wᵀ` (a residual add) instead of `y = x·Wᵀ`.
     pub accumulate: bool,
+    /// Run on the matrix units ([`crate::mma::dense_mma_kernel`]) where the device has them
+    /// ([`dense_mma_supported`]), `k` is a multiple of [`crate::mma::MMA_STEP_COLS`] and the
+    /// input is plain or normed; otherwise (or `false`) the plain kernel.
+    pub mma: bool,
+}
+
+impl DenseGemm {
+    /// `y = x·Wᵀ` of `n` rows and `k` columns, no bias, on the matrix units where possible.
+    pub fn new(n: usize, k: usize) -> Self {
+        Self { n, k, bias: false, accumulate: false, mma: true }
+    }
+}
+
+/// Whether `client`'s device runs [`crate::mma::dense_mma_kernel`]: TF32 `mma` of 16 × 8 × 8
+/// and planes of 32 lanes (CUDA from sm_80; not lavapipe).
+pub fn dense_mma_supported<R: Runtime>(client: &ComputeClient<R>) -> bool {
+    use cubecl::ir::{ElemType, FloatKind, features::MmaConfig};
+    let props = client.properties();
+    let cfg = MmaConfig {
+        a_type: ElemType::Float(FloatKind::TF32).into(),
+        b_type: ElemType::Float(FloatKind::TF32).into(),
+        cd_type: ElemType::Float(FloatKind::F32).into(),
+        m: 16,
+        n: 8,
+        k: 8,
+    };
+    props.features.matmul.mma.contains(&cfg)
+        && props.hardware.plane_size_min == 32
+        && props.hardware.plane_size_max == 32
 }
 
 /// An RMSNorm folded into the input of the kernel that consumes its output:
@@ -264,6 +293,19 @@ fn dense_gemm_launch<R: Runtime>(
     if tokens == 0 {
         return Ok(());
     }
+    if g.mma
+        && !matches!(input, GemmInput::Act(_))
+        && tokens <= crate::mma::MMA_MAX_TOKENS
+        && g.k.is_multiple_of(crate::mma::MMA_STEP_COLS)
+        && dense_mma_supported(client)
+    {
+        let norm = match input {
+            GemmInput::Norm(nm) => Some(nm),
+            _ => None,
+        };
+        dense_mma_launch(client, g, tokens, meta, x, norm, w, bias, y);
+        return Ok(());
+    }
     let plane = client.properties().hardware.plane_size_max as usize;
     let warps = 8;
     // The widest load the device likes that divides the row (16 bytes of halves on CUDA) and
@@ -319,6 +361,70 @@ fn dense_gemm_launch<R: Runtime>(
         )
     };
     Ok(())
+}
+
+/// Warps per cube of [`crate::mma::dense_mma_kernel`].
+const MMA_WARPS: usize = 8;
+/// Warps the MMA GEMM's grid should hold at least (a device's worth of memory parallelism:
+/// 16 per SM of the H200's 132), reached by splitting the columns of each row tile.
+const MMA_MIN_WARPS: usize = 16 * 132;
+/// Steps of 32 columns per warp whose loads the MMA GEMM issues together.
+const MMA_UNROLL: usize = 4;
+
+/// Launches [`crate::mma::dense_mma_kernel`] (arguments checked by the caller: `k` a multiple
+/// of 32, `tokens ≤ MMA_MAX_TOKENS`, the device supported).
+#[allow(clippy::too_many_arguments)]
+fn dense_mma_launch<R: Runtime>(
+    client: &ComputeClient<R>,
+    g: DenseGemm,
+    tokens: usize,
+    meta: &DeviceArray,
+    x: &DeviceArray,
+    norm: Option<RowNorm<'_>>,
+    w: &DeviceArray,
+    bias: &DeviceArray,
+    y: &DeviceArray,
+) {
+    let row_tiles = g.n.div_ceil(16);
+    let steps = g.k / crate::mma::MMA_STEP_COLS;
+    // The fewest column splits (a power of two up to the cube's warps, at most the steps)
+    // that give the grid enough warps.
+    let mut splits = 1;
+    while splits < MMA_WARPS && row_tiles * splits < MMA_MIN_WARPS && splits * 2 <= steps {
+        splits *= 2;
+    }
+    let tiles = MMA_WARPS / splits;
+    let groups = tokens.div_ceil(8);
+    let (nw, np) = match norm {
+        Some(nm) => (nm.w, nm.params),
+        None => (x, meta),
+    };
+    // SAFETY: the caller checked `x` ≥ tokens · k, `w` = n · k, `y` ≥ tokens · n, the bias and
+    // norm buffers; `k` is a multiple of 32, so every row starts 16-byte aligned and the
+    // vector lengths below are whole.
+    unsafe {
+        crate::mma::dense_mma_kernel::launch_unchecked::<R>(
+            client,
+            CubeCount::Static(row_tiles.div_ceil(tiles) as u32, 1, 1),
+            CubeDim::new_1d((MMA_WARPS * 32) as u32),
+            ArrayArg::from_raw_parts(x.handle.clone(), x.len / 4),
+            ArrayArg::from_raw_parts(w.handle.clone(), g.n * g.k / 8),
+            bias.arg(),
+            meta.arg(),
+            ArrayArg::from_raw_parts(nw.handle.clone(), (nw.len / 4).max(1)),
+            np.arg(),
+            y.arg(),
+            g.n,
+            g.k,
+            groups,
+            tiles,
+            splits,
+            MMA_UNROLL,
+            g.bias,
+            g.accumulate,
+            norm.is_some(),
+        )
+    };
 }
 
 /// CPU reference of [`dense_gemm`]; updates `y` in place.

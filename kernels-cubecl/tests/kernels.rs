@@ -464,7 +464,7 @@ fn decode_step_kernels_match_reference() {
 
         // Dense GEMM with bias, and accumulating into a residual.
         for (bias, accumulate) in [(false, false), (true, true)] {
-            let g = DenseGemm { n: 70, k: hidden, bias, accumulate };
+            let g = DenseGemm { n: 70, k: hidden, bias, accumulate, mma: true };
             let wt: Vec<f16> = rand_vec(&mut rng, g.n * g.k, 0.5).into_iter().map(f16::from_f32).collect();
             let b = rand_vec(&mut rng, g.n, 1.0);
             let y0 = rand_vec(&mut rng, tokens * g.n, 1.0);
@@ -501,7 +501,7 @@ fn dense_gemm_and_gather_normed_match_reference() {
                 (0..tokens * k).map(|i| rng.random_range(-1.0f32..1.0) * (1 + i / k) as f32).collect();
             let g = rand_vec(&mut rng, k, 1.0);
             for (off, bias, accumulate) in [(0.0f32, false, false), (1.0, true, true)] {
-                let d = DenseGemm { n, k, bias, accumulate };
+                let d = DenseGemm { n, k, bias, accumulate, mma: true };
                 let wt: Vec<f16> = rand_vec(&mut rng, n * k, 0.5).into_iter().map(f16::from_f32).collect();
                 let b = rand_vec(&mut rng, n, 1.0);
                 let y0 = rand_vec(&mut rng, tokens * n, 1.0);
@@ -976,7 +976,7 @@ fn dense_gemm_act_matches_reference() {
             let a = GatedInput { act, stride, gated };
             for (tokens, bias, accumulate) in [(1usize, false, false), (5, true, true), (16, false, true)] {
                 let meta = DeviceArray::from_slice(&client, &[tokens as u32]);
-                let d = DenseGemm { n: 70, k: inter, bias, accumulate };
+                let d = DenseGemm { n: 70, k: inter, bias, accumulate, mma: true };
                 let x = rand_vec(&mut rng, tokens * stride, 3.0);
                 let wt: Vec<f16> =
                     rand_vec(&mut rng, d.n * d.k, 0.5).into_iter().map(f16::from_f32).collect();
@@ -993,7 +993,7 @@ fn dense_gemm_act_matches_reference() {
         }
     }
     let (meta, x) = (DeviceArray::from_slice(&client, &[1u32]), up(&[0.0; 80]));
-    let d = DenseGemm { n: 1, k: 40, bias: false, accumulate: false };
+    let d = DenseGemm { n: 1, k: 40, bias: false, accumulate: false, mma: true };
     let bad = GatedInput { act: Activation::SiluMul, stride: 80, gated: true };
     assert!(dense_gemm_act(&client, d, 1, &meta, &x, bad, &x, &x, &x).is_err(), "no gate column");
     let bad = GatedInput { act: Activation::None, stride: 80, gated: false };
@@ -1327,4 +1327,62 @@ fn rope_append_matches_reference() {
     let bad = RowLayout { stride: 128, k_off: 0, v_off: 96 };
     let err = rope_append::<_, f32>(&client, shape, 1, bad, 16, &a, &a, &a, &a, &a, &a).unwrap_err();
     assert!(err.to_string().contains("rope_append"), "{err}");
+}
+
+/// `DenseGemm::mma` on any device: the matrix-unit kernel where the device has TF32 `mma`
+/// (its inputs rounded to TF32: relative error ≤ 2⁻¹¹ per `x`), the plain kernel elsewhere
+/// (lavapipe); both within [`DENSE_MMA_RTOL`] of the reference, plain and normed, with bias
+/// and residual add, at 1, 3, 8 and 9 tokens (one and two token groups).
+const DENSE_MMA_RTOL: f32 = 1e-3;
+
+#[test]
+fn dense_mma_matches_reference() {
+    use half::f16;
+    use kernels_cubecl::step::*;
+    let client = client();
+    let mut rng = StdRng::seed_from_u64(211);
+    let up = |v: &[f32]| DeviceArray::from_slice(&client, v);
+    for (n, k, tokens) in [(70usize, 96usize, 1usize), (33, 128, 3), (16, 64, 8), (40, 160, 9)] {
+        let meta = DeviceArray::from_slice(&client, &[tokens as u32]);
+        let x: Vec<f32> =
+            (0..tokens * k).map(|i| rng.random_range(-1.0f32..1.0) * (1 + i / k) as f32).collect();
+        let wt: Vec<f16> = rand_vec(&mut rng, n * k, 0.5).into_iter().map(f16::from_f32).collect();
+        let b = rand_vec(&mut rng, n, 1.0);
+        let gw = rand_vec(&mut rng, k, 1.0);
+        let (gd, pd) = (up(&gw), up(&[1e-5, 1.0]));
+        for normed in [false, true] {
+            let d = DenseGemm { n, k, bias: true, accumulate: true, mma: true };
+            let y0 = rand_vec(&mut rng, tokens * n, 1.0);
+            let y = up(&y0);
+            let norm = normed.then_some(RowNorm { w: &gd, params: &pd });
+            dense_gemm_normed(
+                &client,
+                d,
+                tokens,
+                &meta,
+                &up(&x),
+                norm,
+                &DeviceArray::from_slice(&client, &wt),
+                &up(&b),
+                &y,
+            )
+            .unwrap();
+            let mut want = y0.clone();
+            let xs = if normed { rms_norm_reference(&x, &gw, 1e-5, 1.0) } else { x.clone() };
+            dense_gemm_reference(d, &xs, &wt, &b, &mut want);
+            let got = read_f32(&client, &y).unwrap();
+            for t in 0..tokens {
+                for r in 0..n {
+                    let scale: f32 =
+                        (0..k).map(|c| (xs[t * k + c] * wt[r * k + c].to_f32()).abs()).sum::<f32>()
+                            + b[r].abs();
+                    let (g, w) = (got[t * n + r], want[t * n + r]);
+                    assert!(
+                        (g - w).abs() <= DENSE_MMA_RTOL * scale,
+                        "dense mma {n}x{k}, {tokens} tokens, normed {normed}: [{t}, {r}] {g} vs {w}"
+                    );
+                }
+            }
+        }
+    }
 }

@@ -105,6 +105,8 @@ pub struct Decoder<R: Runtime, KV: Float + CubeElement> {
     expert_act: ExpertAct,
     /// Most tokens for which a dense MLP's down GEMM applies the activation in its loads.
     mlp_act_fused_max: usize,
+    /// Dense GEMMs on the matrix units where the device has them (`DenseGemm::mma`).
+    dense_mma: bool,
     kv: DevicePools<R>,
     tables: BlockTables,
     s: Scratch,
@@ -555,6 +557,7 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
             fused_router: cfg.experts > 0 && router_fusable(client, cfg.moe_shape()),
             expert_act: ExpertAct::GateUpEpilogue,
             mlp_act_fused_max: FUSED_ACT_MAX_TOKENS,
+            dense_mma: true,
             kv: DevicePools::new::<KV>(client, &geometry, kv_blocks),
             tables: BlockTables::new(&geometry, kv_blocks),
             s,
@@ -653,6 +656,11 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
         &mut self.gemm
     }
 
+    /// The compute client the decoder launches on.
+    pub fn client(&self) -> &ComputeClient<R> {
+        &self.client
+    }
+
     /// Computes the router logits inside the routing launch (`on`, the default where the
     /// router is small enough, see `kernels_cubecl::step::router_fusable`) or with a GEMM of
     /// their own (for benchmarks comparing the two); returns whether the fused path is on
@@ -674,6 +682,12 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
     /// benchmarks comparing the two.
     pub fn set_mlp_act_fused_max(&mut self, tokens: usize) {
         self.mlp_act_fused_max = tokens;
+    }
+
+    /// Whether the dense GEMMs (projections, dense MLPs, LM head) run on the matrix units
+    /// where the device has them (default on; off for benchmarks comparing the two).
+    pub fn set_dense_mma(&mut self, on: bool) {
+        self.dense_mma = on;
     }
 
     /// Kernel launches of the last step (all chunks).
@@ -815,6 +829,7 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
         let c = &self.client;
         let cfg = &self.cfg;
         let s = &self.s;
+        let dm = self.dense_mma;
         let step = self.kv.upload_tokens(c, &self.tables, &seqs, &slots, &positions)?;
         let ids: Vec<u32> = batch.iter().map(|b| b.1).collect();
         let ids = DeviceArray::from_slice(c, &ids);
@@ -838,7 +853,7 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
         // Dense MLP, first half: gate|up GEMM of norm(x) into `s.mlp_gu` (with Qwen's router
         // logits after them, see `router_in_mlp`).
         let mlp_up = |x: &DeviceArray, nw: &DeviceArray, l: usize, (gu, _): &(DeviceArray, DeviceArray)| {
-            let g = DenseGemm { n: gu_width(cfg, l), k: h, bias: false, accumulate: false };
+            let g = DenseGemm { n: gu_width(cfg, l), k: h, bias: false, accumulate: false, mma: dm };
             dense_gemm_normed(c, g, t, &meta, x, rn(nw, np), gu, &s.none, &s.mlp_gu)?;
             Ok::<usize, DecodeError>(1)
         };
@@ -850,7 +865,7 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
         let mlp_down = |l: usize, (_, dn): &(DeviceArray, DeviceArray), out: &DeviceArray, acc: bool| {
             let inter = cfg.mlp_inter(l);
             let a = GatedInput { act: cfg.act, stride: gu_width(cfg, l), gated: cfg.mlp_rows(l) > 2 * inter };
-            let d = DenseGemm { n: h, k: inter, bias: false, accumulate: acc };
+            let d = DenseGemm { n: h, k: inter, bias: false, accumulate: acc, mma: dm };
             if t <= fused_max {
                 dense_gemm_act(c, d, t, &meta, &s.mlp_gu, a, dn, &s.none, out)?;
                 return Ok::<usize, DecodeError>(1);
@@ -906,7 +921,7 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
             // (Gemma: through its norm).
             let rows = cfg.proj_rows(li);
             let proj_out = if layer.head_norms.is_some() { &s.proj } else { &s.qkv };
-            let g = DenseGemm { n: rows, k: h, bias: layer.bqkv.is_some(), accumulate: false };
+            let g = DenseGemm { n: rows, k: h, bias: layer.bqkv.is_some(), accumulate: false, mma: dm };
             launch!(dense_gemm_normed(
                 c,
                 g,
@@ -977,7 +992,7 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
                 &s.attn,
             ));
             let gemma = layer.gemma.as_ref();
-            let o = DenseGemm { n: h, k: nh * hd, bias: false, accumulate: gemma.is_none() };
+            let o = DenseGemm { n: h, k: nh * hd, bias: false, accumulate: gemma.is_none(), mma: dm };
             let o_out = if gemma.is_some() { &s.o } else { &s.h };
             launch!(dense_gemm(c, o, t, &meta, &s.attn, &layer.wo, &s.none, o_out));
 
@@ -1012,7 +1027,7 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
                                 None
                             }
                             (Some(router), _) => {
-                                let g = DenseGemm { n: e, k: h, bias: false, accumulate: false };
+                                let g = DenseGemm { n: e, k: h, bias: false, accumulate: false, mma: dm };
                                 launch!(dense_gemm_normed(
                                     c,
                                     g,
@@ -1084,7 +1099,7 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
                     };
                     n += mlp_up(&s.h, &gl.pre_ff, li, w)?;
                     n += mlp_down(li, w, &s.mlp_out, false)?;
-                    let g = DenseGemm { n: e, k: h, bias: false, accumulate: false };
+                    let g = DenseGemm { n: e, k: h, bias: false, accumulate: false, mma: dm };
                     launch!(dense_gemm_normed(
                         c,
                         g,
@@ -1118,7 +1133,7 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
                 }
             }
         }
-        let head = DenseGemm { n: cfg.vocab, k: h, bias: false, accumulate: false };
+        let head = DenseGemm { n: cfg.vocab, k: h, bias: false, accumulate: false, mma: dm };
         launch!(dense_gemm_normed(
             c,
             head,

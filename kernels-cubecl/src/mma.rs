@@ -1,0 +1,237 @@
+//! The dense skinny GEMM on the matrix units: `y (+)= x · Wᵀ (+ bias)` with `W` f16 and
+//! `x` f32, as TF32 `mma.sync` tiles of 16 rows × 8 tokens × 8 columns (f32 accumulation),
+//! the same results as [`crate::decode::dense_gemm_kernel`] up to TF32's rounding of `x`.
+//!
+//! Why: at several tokens the plain kernel re-reads each `x` vector from L1 for every two
+//! rows and spends a multiply per weight and token (ncu on the H200: Qwen1.5-MoE's dense
+//! GEMMs at 8 tokens ran at 0.9–1.2 TB/s). Here a warp's `x` fragment serves 16 rows and the
+//! multiplies leave the ALUs, so the weights stream at memory speed whatever the token count.
+//!
+//! TF32 rather than f16 inputs: f16 weights are exact in TF32 (same 10-bit mantissa), and
+//! `x` (a residual stream, unnormalised when the norm is fused) keeps f32's range, which f16
+//! (max 65504) does not promise for every model.
+//!
+//! Layout: the columns a lane feeds the MMA are permuted so that it loads 16 contiguous bytes
+//! of each of its two rows and 32 of its token's `x` per 32-column step (any permutation of
+//! the reduction index is the same sum as long as `W` and `x` use the same one): lane
+//! `(g, c) = (lane / 4, lane % 4)` holds columns `8c .. 8c + 8` of rows `g`, `g + 8` and of
+//! token `g`, and MMA `m` of the step reads its columns `8c + 2m` and `8c + 2m + 1` as the
+//! fragment's columns `c` and `c + 4`.
+
+use cubecl::cmma::MmaDefinition;
+use cubecl::prelude::*;
+use half::f16;
+
+use crate::gemm::X4;
+
+/// Eight halves: one lane's 16 bytes of a weight row per step.
+pub(crate) type W8 = Vector<f16, Const<8>>;
+type Tf = Vector<tf32, Const<1>>;
+type Acc = Vector<f32, Const<2>>;
+
+/// Columns per step (4 lanes × 8).
+pub const MMA_STEP_COLS: usize = 32;
+/// Most tokens of one launch (two 8-token fragments).
+pub const MMA_MAX_TOKENS: usize = 16;
+
+/// The kernel. Grid: `ceil(ceil(n / 16) / tiles)` cubes of `tiles · splits` warps of 32
+/// lanes; warp `w` of a cube takes row tile `w / splits` (16 rows) and every `splits`-th
+/// step of 32 columns from `w % splits`, then the cube adds its splits' partial tiles in
+/// shared memory. `groups` token groups of 8 (`meta[0]` tokens, at most `8 · groups`).
+/// `k` a multiple of [`MMA_STEP_COLS`]; `x` rows of `k`; with `norm` the per-token RMSNorm
+/// of [`crate::decode::dense_gemm_kernel`] (weight `norm_w[c] + norm_p[1]`, `eps = norm_p[0]`).
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn dense_mma_kernel(
+    x: &Array<X4>,
+    w: &Array<W8>,
+    bias: &Array<f32>,
+    meta: &Array<u32>,
+    norm_w: &Array<X4>,
+    norm_p: &Array<f32>,
+    y: &mut Array<f32>,
+    #[comptime] n: usize,
+    #[comptime] k: usize,
+    #[comptime] groups: usize,
+    #[comptime] tiles: usize,
+    #[comptime] splits: usize,
+    #[comptime] unroll: usize,
+    #[comptime] has_bias: bool,
+    #[comptime] accumulate: bool,
+    #[comptime] norm: bool,
+) {
+    let unit = UNIT_POS as usize;
+    let lane = unit % 32usize;
+    let warp = unit / 32usize;
+    let tile_in = warp / splits;
+    let split = warp % splits;
+    let row0 = (CUBE_POS_X as usize * tiles + tile_in) * 16usize;
+    let g = lane / 4usize;
+    let c = lane % 4usize;
+    let tokens = meta[0] as usize;
+    let last = max(tokens, 1usize) - 1usize;
+    let steps = comptime![k / MMA_STEP_COLS];
+    let kw = comptime![k / 8];
+    let kx = comptime![k / 4];
+    // Rows past `n` (the last tile) read row `n - 1` and store nothing: loads need no guard.
+    let r_lo = min(row0 + g, n - 1usize) * kw + c;
+    let r_hi = min(row0 + g + 8usize, n - 1usize) * kw + c;
+    let mut x_row = Array::<usize>::new(groups);
+    #[unroll]
+    for j in 0..groups {
+        x_row[j] = min(8usize * j + g, last) * kx + 2usize * c;
+    }
+    let def = MmaDefinition::<tf32, tf32, f32>::new(16usize, 8usize, 8usize);
+    let mut acc = Array::<Acc>::new(2usize * groups);
+    #[unroll]
+    for i in 0..2usize * groups {
+        acc[i] = Acc::empty().fill(0.0f32);
+    }
+    // Per group: this lane's share of its token's Σ x² (with `norm`).
+    let mut ss = Array::<f32>::new(groups);
+    #[unroll]
+    for j in 0..groups {
+        ss[j] = 0.0;
+    }
+    let mut off = 0.0f32;
+    if comptime![norm] {
+        off = norm_p[1];
+    }
+    // Rounds of `unroll` steps whose loads are all issued before the first MMA; steps past
+    // the end load the last step again and are skipped (the test is warp-uniform).
+    let rounds = comptime![steps.div_ceil(splits * unroll)];
+    for rd in 0..rounds {
+        let mut wa = Array::<W8>::new(2usize * unroll);
+        let mut xa = Array::<X4>::new(2usize * unroll * groups);
+        let mut ga = Array::<X4>::new(2usize * unroll);
+        #[unroll]
+        for u in 0..unroll {
+            let s = min((rd * unroll + u) * splits + split, steps - 1usize);
+            wa[2usize * u] = w[r_lo + s * 4usize];
+            wa[2usize * u + 1usize] = w[r_hi + s * 4usize];
+            #[unroll]
+            for j in 0..groups {
+                #[unroll]
+                for h in 0..2usize {
+                    xa[(u * groups + j) * 2usize + h] = x[x_row[j] + s * 8usize + h];
+                }
+            }
+            if comptime![norm] {
+                #[unroll]
+                for h in 0..2usize {
+                    ga[2usize * u + h] = norm_w[s * 8usize + 2usize * c + h];
+                }
+            }
+        }
+        #[unroll]
+        for u in 0..unroll {
+            if (rd * unroll + u) * splits + split < steps {
+                #[unroll]
+                for m in 0..4usize {
+                    let mut a = Array::<Tf>::new(4usize);
+                    #[unroll]
+                    for i in 0..4usize {
+                        // a0: (g, c), a1: (g + 8, c), a2: (g, c + 4), a3: (g + 8, c + 4);
+                        // fragment column c is physical 2m, c + 4 is 2m + 1.
+                        let v = f32::cast_from(wa[2usize * u + i % 2usize][2usize * m + i / 2usize]);
+                        a[i] = Tf::new(bits_as::<tf32>(v));
+                    }
+                    #[unroll]
+                    for j in 0..groups {
+                        let mut b = Array::<Tf>::new(2usize);
+                        #[unroll]
+                        for i in 0..2usize {
+                            let p = 2usize * m + i;
+                            let mut v = xa[(u * groups + j) * 2usize + p / 4usize][p % 4usize];
+                            if comptime![norm] {
+                                ss[j] += v * v;
+                                v *= ga[2usize * u + p / 4usize][p % 4usize] + off;
+                            }
+                            b[i] = Tf::new(round_to::<tf32>(v));
+                        }
+                        let mut cj = Array::<Acc>::new(2usize);
+                        cj[0] = acc[2usize * j];
+                        cj[1] = acc[2usize * j + 1usize];
+                        def.execute_inplace(&a, &b, &mut cj);
+                        acc[2usize * j] = cj[0];
+                        acc[2usize * j + 1usize] = cj[1];
+                    }
+                }
+            }
+        }
+    }
+
+    // Partial tiles: warp `w`'s lane `l` element `e` (c0..c3 of group j) at
+    // `((w · 32 + l) · groups + j) · 4 + e`.
+    let warps = comptime![tiles * splits];
+    let mut red = SharedMemory::<f32>::new(warps * 32 * groups * 4);
+    let mut ssm = SharedMemory::<f32>::new(warps * 8 * groups);
+    #[unroll]
+    for j in 0..groups {
+        let base = ((warp * 32usize + lane) * groups + j) * 4usize;
+        red[base] = acc[2usize * j][0];
+        red[base + 1usize] = acc[2usize * j][1];
+        red[base + 2usize] = acc[2usize * j + 1usize][0];
+        red[base + 3usize] = acc[2usize * j + 1usize][1];
+        if comptime![norm] {
+            // The token's share over the four lanes of its group.
+            let mut s = ss[j];
+            s += plane_shuffle_xor(s, 1u32);
+            s += plane_shuffle_xor(s, 2u32);
+            if c == 0usize {
+                ssm[(warp * groups + j) * 8usize + g] = s;
+            }
+        }
+    }
+    sync_cube();
+    let mut eps = 0.0f32;
+    if comptime![norm] {
+        eps = norm_p[0];
+    }
+    let per_tile = comptime![32 * groups * 4];
+    for o in range_stepped(unit, tiles * per_tile, warps * 32usize) {
+        let t_in = o / per_tile;
+        let e = o % per_tile;
+        let mut s = 0.0f32;
+        #[unroll]
+        for sp in 0..splits {
+            s += red[(t_in * splits + sp) * per_tile + e];
+        }
+        // Element e: lane l = e / (4 · groups), group j, accumulator slot i.
+        let l = e / (4usize * groups);
+        let j = (e / 4usize) % groups;
+        let i = e % 4usize;
+        let row = (CUBE_POS_X as usize * tiles + t_in) * 16usize + l / 4usize + 8usize * (i / 2usize);
+        let tk = 8usize * j + 2usize * (l % 4usize) + i % 2usize;
+        if comptime![norm] {
+            let mut q = 0.0f32;
+            #[unroll]
+            for sp in 0..splits {
+                q += ssm[((t_in * splits + sp) * groups + j) * 8usize + tk % 8usize];
+            }
+            s *= 1.0 / (q / f32::cast_from(k) + eps).sqrt();
+        }
+        if comptime![has_bias] {
+            s += bias[min(row, n - 1usize)];
+        }
+        if tk < tokens && row < n {
+            if comptime![accumulate] {
+                y[tk * n + row] += s;
+            } else {
+                y[tk * n + row] = s;
+            }
+        }
+    }
+}
+
+/// `v`'s bits as a `T` (an f16 weight widened to f32 is exact in TF32: no rounding needed).
+#[cube]
+fn bits_as<T: Float>(v: f32) -> T {
+    T::reinterpret(v)
+}
+
+/// `v` rounded to a `T`.
+#[cube]
+fn round_to<T: Float>(v: f32) -> T {
+    T::cast_from(v)
+}

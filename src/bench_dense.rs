@@ -1,0 +1,164 @@
+//! `bench-kernels` section of the dense f16 GEMMs of a decode step (projections, dense MLPs,
+//! LM heads): the matrix-unit kernel against the plain one at 1, 8 and 16 tokens, checked
+//! against the CPU reference first.
+
+use anyhow::{Result, bail};
+use cubecl::prelude::*;
+use half::f16;
+use kernels_cubecl::DeviceArray;
+use kernels_cubecl::step::{
+    DenseGemm, RowNorm, dense_gemm_normed, dense_gemm_normed_reference, dense_gemm_reference,
+    dense_mma_supported,
+};
+use serde_json::{Value, json};
+
+use crate::bench::time_batches;
+
+/// Dense shapes `(model, matrix, n, k)` of the three models (DESIGN.md section 3).
+const DENSE_SHAPES: [(&str, &str, usize, usize); 10] = [
+    ("mixtral", "qkv", 6144, 4096),
+    ("mixtral", "o_proj", 4096, 4096),
+    ("mixtral", "lm_head", 32000, 4096),
+    ("qwen2_moe", "qkv", 6144, 2048),
+    ("qwen2_moe", "shared_gate_up", 11264, 2048),
+    ("qwen2_moe", "shared_down", 2048, 5632),
+    ("gemma4", "qkv", 8192, 2816),
+    ("gemma4", "mlp_gate_up", 4224, 2816),
+    ("gemma4", "mlp_down", 2816, 2112),
+    ("gemma4", "lm_head", 262144, 2816),
+];
+
+/// Error budget of `--check`: `|kernel − reference| ≤ DENSE_RTOL · Σ|x·w|` per output. The
+/// matrix units read `x` rounded to TF32 (relative error ≤ 2⁻¹¹ per element).
+pub(crate) const DENSE_RTOL: f32 = 1e-3;
+
+/// Worst `|got − want| / Σ|x·w|` over the outputs (`scale[t · n + r] = Σ|x·w|`).
+fn rel_err(got: &[f32], want: &[f32], scale: &[f32]) -> f32 {
+    got.iter().zip(want).zip(scale).map(|((g, w), s)| (g - w).abs() / s.max(1e-30)).fold(0.0, f32::max)
+}
+
+/// Random f16 weights, f32 inputs of varied magnitude per token, and `Σ|x·w|` per output.
+fn random_case(n: usize, k: usize, tokens: usize, seed: u64) -> (Vec<f16>, Vec<f32>, Vec<f32>) {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut next = move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        (s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    };
+    let w: Vec<f16> = (0..n * k).map(|_| f16::from_f32(0.05 * next())).collect();
+    let x: Vec<f32> = (0..tokens * k).map(|i| next() * (1 + 30 * (i / k)) as f32).collect();
+    let mut scale = vec![0.0f32; tokens * n];
+    for t in 0..tokens {
+        for r in 0..n {
+            scale[t * n + r] =
+                w[r * k..][..k].iter().zip(&x[t * k..][..k]).map(|(a, b)| (a.to_f32() * b).abs()).sum();
+        }
+    }
+    (w, x, scale)
+}
+
+/// Checks both kernels on one shape (plain and normed input, bias, residual add); fails past
+/// [`DENSE_RTOL`]. Returns the worst relative error per kernel.
+pub(crate) fn check_dense<R: Runtime>(
+    client: &ComputeClient<R>,
+    n: usize,
+    k: usize,
+    tokens: usize,
+) -> Result<[f32; 2]> {
+    let (w, x, scale) = random_case(n, k, tokens, (n * 7 + k * 3 + tokens) as u64);
+    let bias: Vec<f32> = (0..n).map(|i| (i % 7) as f32 * 0.1).collect();
+    let y0: Vec<f32> = (0..tokens * n).map(|i| (i % 5) as f32).collect();
+    let gw: Vec<f32> = (0..k).map(|i| 0.5 + (i % 3) as f32 * 0.25).collect();
+    let up = |v: &[f32]| DeviceArray::from_slice(client, v);
+    let (wd, xd, bd, gd, pd) =
+        (DeviceArray::from_slice(client, &w), up(&x), up(&bias), up(&gw), up(&[1e-6, 1.0]));
+    let meta = DeviceArray::from_slice(client, &[tokens as u32]);
+    let mut worst = [0.0f32; 2];
+    for (slot, mma) in [(0usize, false), (1, true)] {
+        for normed in [false, true] {
+            let g = DenseGemm { n, k, bias: true, accumulate: true, mma };
+            let y = up(&y0);
+            let norm = normed.then_some(RowNorm { w: &gd, params: &pd });
+            dense_gemm_normed(client, g, tokens, &meta, &xd, norm, &wd, &bd, &y)?;
+            let got = kernels_cubecl::read_f32(client, &y)?;
+            let mut want = y0.clone();
+            let mut sc = scale.clone();
+            if normed {
+                dense_gemm_normed_reference(g, &x, &gw, 1e-6, 1.0, &w, &bias, &mut want);
+                // The norm scales each token's terms by its rsqrt(mean x²) · (g + 1).
+                for t in 0..tokens {
+                    let row = &x[t * k..][..k];
+                    let inv = 1.0 / (row.iter().map(|v| v * v).sum::<f32>() / k as f32 + 1e-6).sqrt();
+                    sc[t * n..][..n].iter_mut().for_each(|s| *s *= inv * 1.5);
+                }
+            } else {
+                dense_gemm_reference(g, &x, &w, &bias, &mut want);
+            }
+            let err = rel_err(&got, &want, &sc);
+            if !(err <= DENSE_RTOL) {
+                bail!(
+                    "dense GEMM {n}x{k}, {tokens} tokens, mma {mma}, normed {normed}: relative error {err:.2e} > {DENSE_RTOL:.0e}"
+                );
+            }
+            worst[slot] = worst[slot].max(err);
+        }
+    }
+    Ok(worst)
+}
+
+/// Times the dense GEMMs of [`DENSE_SHAPES`] at 1, 8 and 16 tokens with and without the matrix
+/// units (weights rotated through `rotate_bytes` of copies), after checking each shape at 8
+/// tokens when `check`. Records: `kernel` `dense_f16` / `dense_f16_mma`, `effective_gbps` =
+/// weight bytes / time, against `hbm` (GB/s).
+pub(crate) fn dense_records<R: Runtime>(
+    client: &ComputeClient<R>,
+    rotate_bytes: usize,
+    launches: usize,
+    hbm: f64,
+    check: bool,
+    quick: bool,
+) -> Result<Vec<Value>> {
+    let mut records = Vec::new();
+    let mma_ok = dense_mma_supported(client);
+    eprintln!("dense GEMM on the matrix units: {}", if mma_ok { "supported" } else { "not supported" });
+    if check {
+        for (n, k, t) in [(70usize, 96usize, 1usize), (33, 2048, 3), (100, 4096, 8), (257, 1024, 16)] {
+            let [plain, mma] = check_dense(client, n, k, t)?;
+            eprintln!("check {n}x{k} {t} tokens: relative error plain {plain:.1e}, mma {mma:.1e}");
+            records.push(json!({"check": "dense_gemm", "n": n, "k": k, "tokens": t,
+                "rel_err_plain": plain, "rel_err_mma": mma, "mma_supported": mma_ok, "budget": DENSE_RTOL}));
+        }
+    }
+    let shapes: &[_] = if quick { &DENSE_SHAPES[3..4] } else { &DENSE_SHAPES };
+    for &(model, matrix, n, k) in shapes {
+        let bytes = n * k * 2;
+        let copies = (rotate_bytes / bytes).clamp(2, 64);
+        let w: Vec<f16> = (0..n * k).map(|i| f16::from_f32(((i % 13) as f32 - 6.0) * 0.01)).collect();
+        let ws: Vec<DeviceArray> = (0..copies).map(|_| DeviceArray::from_slice(client, &w)).collect();
+        for tokens in [1usize, 8, 16] {
+            let x = DeviceArray::from_slice(client, &vec![0.01f32; tokens * k]);
+            let y = DeviceArray::empty::<R, f32>(client, tokens * n);
+            let meta = DeviceArray::from_slice(client, &[tokens as u32]);
+            let mut times = Vec::new();
+            for mma in [false, true] {
+                let g = DenseGemm { n, k, bias: false, accumulate: false, mma };
+                let t = time_batches(client, launches, |i| {
+                    dense_gemm_normed(client, g, tokens, &meta, &x, None, &ws[i % copies], &x, &y).unwrap()
+                })?;
+                times.push(t.device);
+            }
+            for (mma, secs) in [(false, times[0]), (true, times[1])] {
+                let rec = json!({
+                    "kernel": if mma { "dense_f16_mma" } else { "dense_f16" }, "model": model,
+                    "shape": format!("{matrix} {n}x{k}"), "tokens": tokens, "time_us": secs * 1e6,
+                    "effective_gbps": bytes as f64 / secs / 1e9, "hbm_read_gbps": hbm,
+                    "speedup_over_plain": times[0] / secs, "mma_supported": mma_ok,
+                });
+                eprintln!("{rec}");
+                records.push(rec);
+            }
+        }
+    }
+    Ok(records)
+}
