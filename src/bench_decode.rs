@@ -10,7 +10,7 @@
 
 use anyhow::{Context, Result};
 use cubecl::prelude::*;
-use kernels_cubecl::step::FUSED_ACT_MAX_TOKENS;
+use kernels_cubecl::step::{FUSED_ACT_MAX_TOKENS, MmaMode, MmaTuning};
 use kernels_cubecl::{Activation, sync};
 use pw_decode::{AttnLayer, DecodeConfig, Decoder, ExpertAct, Family};
 use pw_pages::Accountant;
@@ -77,10 +77,11 @@ pub struct BenchDecodeArgs {
     /// activation is a launch of its own.
     #[arg(long, value_delimiter = ',')]
     pub mlp_act_fused_max: Vec<usize>,
-    /// Dense GEMMs on the matrix units where the device has them (comma-separated, each
-    /// measured: `1` the default, `0` the plain kernel).
-    #[arg(long, value_delimiter = ',', default_value = "1")]
-    pub dense_mma: Vec<u8>,
+    /// Where the dense GEMMs run (comma-separated, each measured): `auto` (the default: the
+    /// matrix units from `MMA_MIN_TOKENS` tokens where the device has them), `off` (the plain
+    /// kernel) or `always` (the matrix units at every batch).
+    #[arg(long, value_delimiter = ',', default_value = "auto")]
+    pub dense_mma: Vec<String>,
 }
 
 fn inv_freq(theta: f64, head_dim: usize, rotating_pairs: usize) -> Vec<f32> {
@@ -287,12 +288,22 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
         } else {
             a.mlp_act_fused_max.clone()
         };
+        let modes = a
+            .dense_mma
+            .iter()
+            .map(|m| match m.as_str() {
+                "off" => Ok((m.as_str(), MmaMode::Off)),
+                "auto" => Ok((m.as_str(), MmaMode::Auto)),
+                "always" => Ok((m.as_str(), MmaMode::Always(MmaTuning::default()))),
+                _ => Err(anyhow::anyhow!("--dense-mma {m}: expected off, auto or always")),
+            })
+            .collect::<Result<Vec<_>>>()?;
         let combos = acts
             .iter()
             .flat_map(|x| fused_maxes.iter().map(move |f| (x, f)))
-            .flat_map(|(x, f)| a.dense_mma.iter().map(move |m| (x, f, *m != 0)));
-        for ((act_name, act), &fused_max, dense_mma) in combos {
-            dec.set_dense_mma(dense_mma);
+            .flat_map(|(x, f)| modes.iter().map(move |m| (x, f, *m)));
+        for ((act_name, act), &fused_max, (mma_name, mma)) in combos {
+            dec.set_dense_mma(mma);
             dec.set_expert_act(*act);
             dec.set_mlp_act_fused_max(fused_max);
             for (bits_name, bits) in &bits_list {
@@ -350,7 +361,8 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
                             "fused_router": fused_router,
                             "expert_act": act_name,
                             "mlp_act_fused_max": fused_max,
-                            "dense_mma": dense_mma && kernels_cubecl::step::dense_mma_supported(dec.client()),
+                            "dense_mma": mma_name,
+                            "mma_supported": kernels_cubecl::step::dense_mma_supported(dec.client()),
                         });
                         eprintln!("{rec}");
                         records.push(rec);

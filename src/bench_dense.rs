@@ -1,5 +1,5 @@
 //! `bench-kernels` section of the dense f16 GEMMs of a decode step (projections, dense MLPs,
-//! LM heads): the matrix-unit kernel against the plain one at 1, 8 and 16 tokens, checked
+//! LM heads): the matrix-unit kernel against the plain one at 1 to 16 tokens, checked
 //! against the CPU reference first.
 
 use anyhow::{Result, bail};
@@ -7,8 +7,8 @@ use cubecl::prelude::*;
 use half::f16;
 use kernels_cubecl::DeviceArray;
 use kernels_cubecl::step::{
-    DenseGemm, RowNorm, dense_gemm_normed, dense_gemm_normed_reference, dense_gemm_reference,
-    dense_mma_supported,
+    DenseGemm, MmaMode, MmaTuning, RowNorm, dense_gemm_normed, dense_gemm_normed_reference,
+    dense_gemm_reference, dense_mma_supported,
 };
 use serde_json::{Value, json};
 
@@ -75,7 +75,8 @@ pub(crate) fn check_dense<R: Runtime>(
         (DeviceArray::from_slice(client, &w), up(&x), up(&bias), up(&gw), up(&[1e-6, 1.0]));
     let meta = DeviceArray::from_slice(client, &[tokens as u32]);
     let mut worst = [0.0f32; 2];
-    for (slot, mma) in [(0usize, false), (1, true)] {
+    let always = MmaMode::Always(MmaTuning::default());
+    for (slot, mma) in [(0usize, MmaMode::Off), (1, always)] {
         for normed in [false, true] {
             let g = DenseGemm { n, k, bias: true, accumulate: true, mma };
             let y = up(&y0);
@@ -98,7 +99,7 @@ pub(crate) fn check_dense<R: Runtime>(
             let err = rel_err(&got, &want, &sc);
             if !(err <= DENSE_RTOL) {
                 bail!(
-                    "dense GEMM {n}x{k}, {tokens} tokens, mma {mma}, normed {normed}: relative error {err:.2e} > {DENSE_RTOL:.0e}"
+                    "dense GEMM {n}x{k}, {tokens} tokens, {mma:?}, normed {normed}: relative error {err:.2e} > {DENSE_RTOL:.0e}"
                 );
             }
             worst[slot] = worst[slot].max(err);
@@ -107,10 +108,15 @@ pub(crate) fn check_dense<R: Runtime>(
     Ok(worst)
 }
 
-/// Times the dense GEMMs of [`DENSE_SHAPES`] at 1, 8 and 16 tokens with and without the matrix
-/// units (weights rotated through `rotate_bytes` of copies), after checking each shape at 8
-/// tokens when `check`. Records: `kernel` `dense_f16` / `dense_f16_mma`, `effective_gbps` =
-/// weight bytes / time, against `hbm` (GB/s).
+/// Launch shapes of the matrix-unit kernel compared at 8 tokens (name, unroll, pipeline).
+const TUNINGS: [(&str, usize, bool); 4] =
+    [("u4p", 4, true), ("u4", 4, false), ("u8", 8, false), ("u2p", 2, true)];
+
+/// Times the dense GEMMs of [`DENSE_SHAPES`] at 1, 2, 4, 8 and 16 tokens on the plain kernel
+/// and on the matrix units (default launch shape; the others of [`TUNINGS`] at 8 tokens),
+/// weights rotated through `rotate_bytes` of copies, after checking both kernels when
+/// `check`. Records: `kernel` `dense_f16` / `dense_f16_mma`, `effective_gbps` = weight
+/// bytes / time, against `hbm` (GB/s).
 pub(crate) fn dense_records<R: Runtime>(
     client: &ComputeClient<R>,
     rotate_bytes: usize,
@@ -136,24 +142,32 @@ pub(crate) fn dense_records<R: Runtime>(
         let copies = (rotate_bytes / bytes).clamp(2, 64);
         let w: Vec<f16> = (0..n * k).map(|i| f16::from_f32(((i % 13) as f32 - 6.0) * 0.01)).collect();
         let ws: Vec<DeviceArray> = (0..copies).map(|_| DeviceArray::from_slice(client, &w)).collect();
-        for tokens in [1usize, 8, 16] {
+        for tokens in [1usize, 2, 4, 8, 16] {
             let x = DeviceArray::from_slice(client, &vec![0.01f32; tokens * k]);
             let y = DeviceArray::empty::<R, f32>(client, tokens * n);
             let meta = DeviceArray::from_slice(client, &[tokens as u32]);
-            let mut times = Vec::new();
-            for mma in [false, true] {
-                let g = DenseGemm { n, k, bias: false, accumulate: false, mma };
-                let t = time_batches(client, launches, |i| {
-                    dense_gemm_normed(client, g, tokens, &meta, &x, None, &ws[i % copies], &x, &y).unwrap()
-                })?;
-                times.push(t.device);
+            let mut runs: Vec<(&str, MmaMode)> = vec![("plain", MmaMode::Off)];
+            for &(name, unroll, pipeline) in &TUNINGS {
+                if name == TUNINGS[0].0 || tokens == 8 {
+                    let t = MmaTuning { unroll, pipeline, ..MmaTuning::default() };
+                    runs.push((name, MmaMode::Always(t)));
+                }
             }
-            for (mma, secs) in [(false, times[0]), (true, times[1])] {
+            let mut plain = 0.0;
+            for (name, mode) in runs {
+                let g = DenseGemm { n, k, bias: false, accumulate: false, mma: mode };
+                let secs = time_batches(client, launches, |i| {
+                    dense_gemm_normed(client, g, tokens, &meta, &x, None, &ws[i % copies], &x, &y).unwrap()
+                })?
+                .device;
+                if mode == MmaMode::Off {
+                    plain = secs;
+                }
                 let rec = json!({
-                    "kernel": if mma { "dense_f16_mma" } else { "dense_f16" }, "model": model,
-                    "shape": format!("{matrix} {n}x{k}"), "tokens": tokens, "time_us": secs * 1e6,
+                    "kernel": if mode == MmaMode::Off { "dense_f16" } else { "dense_f16_mma" }, "variant": name,
+                    "model": model, "shape": format!("{matrix} {n}x{k}"), "tokens": tokens, "time_us": secs * 1e6,
                     "effective_gbps": bytes as f64 / secs / 1e9, "hbm_read_gbps": hbm,
-                    "speedup_over_plain": times[0] / secs, "mma_supported": mma_ok,
+                    "speedup_over_plain": plain / secs, "mma_supported": mma_ok,
                 });
                 eprintln!("{rec}");
                 records.push(rec);

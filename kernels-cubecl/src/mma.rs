@@ -56,6 +56,7 @@ pub fn dense_mma_kernel(
     #[comptime] tiles: usize,
     #[comptime] splits: usize,
     #[comptime] unroll: usize,
+    #[comptime] pipeline: bool,
     #[comptime] has_bias: bool,
     #[comptime] accumulate: bool,
     #[comptime] norm: bool,
@@ -98,17 +99,30 @@ pub fn dense_mma_kernel(
         off = norm_p[1];
     }
     // Rounds of `unroll` steps whose loads are all issued before the first MMA; steps past
-    // the end load the last step again and are skipped (the test is warp-uniform).
+    // the end load the last step again and are skipped (the test is warp-uniform). With
+    // `pipeline` the next round's weights are loaded before this round's MMAs, so a warp
+    // keeps a round of weights in flight while it computes.
     let rounds = comptime![steps.div_ceil(splits * unroll)];
+    let mut wn = Array::<W8>::new(2usize * unroll);
+    if comptime![pipeline] {
+        load_weights(w, &mut wn, r_lo, r_hi, 0usize, split, splits, steps, unroll);
+    }
     for rd in 0..rounds {
         let mut wa = Array::<W8>::new(2usize * unroll);
+        if comptime![pipeline] {
+            #[unroll]
+            for i in 0..2usize * unroll {
+                wa[i] = wn[i];
+            }
+            load_weights(w, &mut wn, r_lo, r_hi, rd + 1usize, split, splits, steps, unroll);
+        } else {
+            load_weights(w, &mut wa, r_lo, r_hi, rd, split, splits, steps, unroll);
+        }
         let mut xa = Array::<X4>::new(2usize * unroll * groups);
         let mut ga = Array::<X4>::new(2usize * unroll);
         #[unroll]
         for u in 0..unroll {
             let s = min((rd * unroll + u) * splits + split, steps - 1usize);
-            wa[2usize * u] = w[r_lo + s * 4usize];
-            wa[2usize * u + 1usize] = w[r_hi + s * 4usize];
             #[unroll]
             for j in 0..groups {
                 #[unroll]
@@ -234,4 +248,27 @@ fn bits_as<T: Float>(v: f32) -> T {
 #[cube]
 fn round_to<T: Float>(v: f32) -> T {
     T::cast_from(v)
+}
+
+/// Round `rd`'s weight vectors of rows `g` and `g + 8` (row starts `r_lo`, `r_hi`, lane
+/// offset included) into `wa[2u]`, `wa[2u + 1]`; steps past the end load the last one.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn load_weights(
+    w: &Array<W8>,
+    wa: &mut Array<W8>,
+    r_lo: usize,
+    r_hi: usize,
+    rd: usize,
+    split: usize,
+    #[comptime] splits: usize,
+    #[comptime] steps: usize,
+    #[comptime] unroll: usize,
+) {
+    #[unroll]
+    for u in 0..unroll {
+        let s = min((rd * unroll + u) * splits + split, steps - 1usize);
+        wa[2usize * u] = w[r_lo + s * 4usize];
+        wa[2usize * u + 1usize] = w[r_hi + s * 4usize];
+    }
 }

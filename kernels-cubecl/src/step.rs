@@ -101,16 +101,49 @@ pub struct DenseGemm {
     pub bias: bool,
     /// `y += x·Wᵀ` (a residual add) instead of `y = x·Wᵀ`.
     pub accumulate: bool,
-    /// Run on the matrix units ([`crate::mma::dense_mma_kernel`]) where the device has them
-    /// ([`dense_mma_supported`]), `k` is a multiple of [`crate::mma::MMA_STEP_COLS`] and the
-    /// input is plain or normed; otherwise (or `false`) the plain kernel.
-    pub mma: bool,
+    /// Where it runs: the plain kernel or the matrix units ([`crate::mma::dense_mma_kernel`]).
+    pub mma: MmaMode,
 }
 
 impl DenseGemm {
-    /// `y = x·Wᵀ` of `n` rows and `k` columns, no bias, on the matrix units where possible.
+    /// `y = x·Wᵀ` of `n` rows and `k` columns, no bias, [`MmaMode::Auto`].
     pub fn new(n: usize, k: usize) -> Self {
-        Self { n, k, bias: false, accumulate: false, mma: true }
+        Self { n, k, bias: false, accumulate: false, mma: MmaMode::Auto }
+    }
+}
+
+/// Where a dense GEMM runs. The matrix units need a device with TF32 `mma`
+/// ([`dense_mma_supported`]), `k` a multiple of [`crate::mma::MMA_STEP_COLS`] and a plain or
+/// normed input; where one is missing the plain kernel runs whatever the mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MmaMode {
+    /// The plain kernel.
+    Off,
+    /// The matrix units from [`MMA_MIN_TOKENS`] tokens (the default).
+    Auto,
+    /// The matrix units at any token count, with this launch shape (benchmarks).
+    Always(MmaTuning),
+}
+
+/// Fewest tokens for which [`MmaMode::Auto`] uses the matrix units. At one token the plain
+/// kernel streams faster (H200, bench-kernels at git `208e272`: Mixtral's QKV 15.7 vs 18.7 µs,
+/// Gemma-4's LM head 332 vs 611 µs); at 8 it is 1.5–2.5× slower (Mixtral's QKV 44.6 vs 19.2).
+pub const MMA_MIN_TOKENS: usize = 2;
+
+/// Launch shape of [`crate::mma::dense_mma_kernel`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MmaTuning {
+    /// Steps of 32 columns per warp whose weight loads are issued together.
+    pub unroll: usize,
+    /// Load the next round's weights before this round's MMAs.
+    pub pipeline: bool,
+    /// Warps the grid should hold at least (columns are split until it does).
+    pub min_warps: usize,
+}
+
+impl Default for MmaTuning {
+    fn default() -> Self {
+        Self { unroll: 4, pipeline: true, min_warps: 16 * 132 }
     }
 }
 
@@ -293,7 +326,12 @@ fn dense_gemm_launch<R: Runtime>(
     if tokens == 0 {
         return Ok(());
     }
-    if g.mma
+    let tuning = match g.mma {
+        MmaMode::Off => None,
+        MmaMode::Auto => (tokens >= MMA_MIN_TOKENS).then(MmaTuning::default),
+        MmaMode::Always(t) => Some(t),
+    };
+    if let Some(tuning) = tuning
         && !matches!(input, GemmInput::Act(_))
         && tokens <= crate::mma::MMA_MAX_TOKENS
         && g.k.is_multiple_of(crate::mma::MMA_STEP_COLS)
@@ -303,7 +341,7 @@ fn dense_gemm_launch<R: Runtime>(
             GemmInput::Norm(nm) => Some(nm),
             _ => None,
         };
-        dense_mma_launch(client, g, tokens, meta, x, norm, w, bias, y);
+        dense_mma_launch(client, g, tuning, tokens, meta, x, norm, w, bias, y);
         return Ok(());
     }
     let plane = client.properties().hardware.plane_size_max as usize;
@@ -365,11 +403,6 @@ fn dense_gemm_launch<R: Runtime>(
 
 /// Warps per cube of [`crate::mma::dense_mma_kernel`].
 const MMA_WARPS: usize = 8;
-/// Warps the MMA GEMM's grid should hold at least (a device's worth of memory parallelism:
-/// 16 per SM of the H200's 132), reached by splitting the columns of each row tile.
-const MMA_MIN_WARPS: usize = 16 * 132;
-/// Steps of 32 columns per warp whose loads the MMA GEMM issues together.
-const MMA_UNROLL: usize = 4;
 
 /// Launches [`crate::mma::dense_mma_kernel`] (arguments checked by the caller: `k` a multiple
 /// of 32, `tokens ≤ MMA_MAX_TOKENS`, the device supported).
@@ -377,6 +410,7 @@ const MMA_UNROLL: usize = 4;
 fn dense_mma_launch<R: Runtime>(
     client: &ComputeClient<R>,
     g: DenseGemm,
+    t: MmaTuning,
     tokens: usize,
     meta: &DeviceArray,
     x: &DeviceArray,
@@ -390,7 +424,7 @@ fn dense_mma_launch<R: Runtime>(
     // The fewest column splits (a power of two up to the cube's warps, at most the steps)
     // that give the grid enough warps.
     let mut splits = 1;
-    while splits < MMA_WARPS && row_tiles * splits < MMA_MIN_WARPS && splits * 2 <= steps {
+    while splits < MMA_WARPS && row_tiles * splits < t.min_warps && splits * 2 <= steps {
         splits *= 2;
     }
     let tiles = MMA_WARPS / splits;
@@ -419,7 +453,8 @@ fn dense_mma_launch<R: Runtime>(
             groups,
             tiles,
             splits,
-            MMA_UNROLL,
+            t.unroll.max(1),
+            t.pipeline,
             g.bias,
             g.accumulate,
             norm.is_some(),

@@ -10,8 +10,8 @@ use kernels_cubecl::families::{
     GemmaFfnOut, HeadNorm, add_rms_norm, argmax, gated_act, gemma_ffn_out, head_norm_rope_append, softcap,
 };
 use kernels_cubecl::step::{
-    DenseGemm, FUSED_ACT_MAX_TOKENS, GatedInput, LogitsLayout, RouteBuffers, RowNorm, ap_gemm_routed,
-    ap_gemm_routed_gated, dense_gemm, dense_gemm_act, dense_gemm_normed, embed, moe_combine,
+    DenseGemm, FUSED_ACT_MAX_TOKENS, GatedInput, LogitsLayout, MmaMode, RouteBuffers, RowNorm,
+    ap_gemm_routed, ap_gemm_routed_gated, dense_gemm, dense_gemm_act, dense_gemm_normed, embed, moe_combine,
     moe_route_gather, moe_route_gather_router, router_fusable,
 };
 use kernels_cubecl::{
@@ -105,8 +105,8 @@ pub struct Decoder<R: Runtime, KV: Float + CubeElement> {
     expert_act: ExpertAct,
     /// Most tokens for which a dense MLP's down GEMM applies the activation in its loads.
     mlp_act_fused_max: usize,
-    /// Dense GEMMs on the matrix units where the device has them (`DenseGemm::mma`).
-    dense_mma: bool,
+    /// Where the dense GEMMs run (`DenseGemm::mma`).
+    dense_mma: MmaMode,
     kv: DevicePools<R>,
     tables: BlockTables,
     s: Scratch,
@@ -557,7 +557,7 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
             fused_router: cfg.experts > 0 && router_fusable(client, cfg.moe_shape()),
             expert_act: ExpertAct::GateUpEpilogue,
             mlp_act_fused_max: FUSED_ACT_MAX_TOKENS,
-            dense_mma: true,
+            dense_mma: MmaMode::Auto,
             kv: DevicePools::new::<KV>(client, &geometry, kv_blocks),
             tables: BlockTables::new(&geometry, kv_blocks),
             s,
@@ -684,10 +684,11 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
         self.mlp_act_fused_max = tokens;
     }
 
-    /// Whether the dense GEMMs (projections, dense MLPs, LM head) run on the matrix units
-    /// where the device has them (default on; off for benchmarks comparing the two).
-    pub fn set_dense_mma(&mut self, on: bool) {
-        self.dense_mma = on;
+    /// Where the dense GEMMs (projections, dense MLPs, LM head) run (default
+    /// [`MmaMode::Auto`]: on the matrix units from a few tokens where the device has them;
+    /// the others for benchmarks comparing them).
+    pub fn set_dense_mma(&mut self, mode: MmaMode) {
+        self.dense_mma = mode;
     }
 
     /// Kernel launches of the last step (all chunks).
