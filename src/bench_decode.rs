@@ -79,7 +79,8 @@ pub struct BenchDecodeArgs {
     pub mlp_act_fused_max: Vec<usize>,
     /// Where the dense GEMMs run (comma-separated, each measured): `auto` (the default: the
     /// matrix units from `MMA_MIN_TOKENS` tokens where the device has them), `off` (the plain
-    /// kernel) or `always` (the matrix units at every batch).
+    /// kernel), `auto-a2` (as `auto` with two accumulators per token group) or `always` (the
+    /// matrix units at every batch).
     #[arg(long, value_delimiter = ',', default_value = "auto")]
     pub dense_mma: Vec<String>,
 }
@@ -293,9 +294,12 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
             .iter()
             .map(|m| match m.as_str() {
                 "off" => Ok((m.as_str(), MmaMode::Off)),
-                "auto" => Ok((m.as_str(), MmaMode::Auto)),
+                "auto" => Ok((m.as_str(), MmaMode::AUTO)),
+                "auto-a2" => {
+                    Ok((m.as_str(), MmaMode::Auto(MmaTuning { accumulators: 2, ..MmaTuning::DEFAULT })))
+                }
                 "always" => Ok((m.as_str(), MmaMode::Always(MmaTuning::default()))),
-                _ => Err(anyhow::anyhow!("--dense-mma {m}: expected off, auto or always")),
+                _ => Err(anyhow::anyhow!("--dense-mma {m}: expected off, auto, auto-a2 or always")),
             })
             .collect::<Result<Vec<_>>>()?;
         let combos = acts

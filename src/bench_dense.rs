@@ -108,9 +108,15 @@ pub(crate) fn check_dense<R: Runtime>(
     Ok(worst)
 }
 
-/// Launch shapes of the matrix-unit kernel compared at 8 tokens (name, unroll, pipeline).
-const TUNINGS: [(&str, usize, bool); 4] =
-    [("u4p", 4, true), ("u4", 4, false), ("u8", 8, false), ("u2p", 2, true)];
+/// Launch shapes of the matrix-unit kernel compared at 8 tokens (name, unroll, pipeline,
+/// accumulators); the first is the default.
+const TUNINGS: [(&str, usize, bool, usize); 5] = [
+    ("u4", 4, false, 1),
+    ("u4a2", 4, false, 2),
+    ("u8", 8, false, 1),
+    ("u8a2", 8, false, 2),
+    ("u2p", 2, true, 1),
+];
 
 /// Times the dense GEMMs of [`DENSE_SHAPES`] at 1, 2, 4, 8 and 16 tokens on the plain kernel
 /// and on the matrix units (default launch shape; the others of [`TUNINGS`] at 8 tokens),
@@ -147,9 +153,9 @@ pub(crate) fn dense_records<R: Runtime>(
             let y = DeviceArray::empty::<R, f32>(client, tokens * n);
             let meta = DeviceArray::from_slice(client, &[tokens as u32]);
             let mut runs: Vec<(&str, MmaMode)> = vec![("plain", MmaMode::Off)];
-            for &(name, unroll, pipeline) in &TUNINGS {
+            for &(name, unroll, pipeline, accumulators) in &TUNINGS {
                 if name == TUNINGS[0].0 || tokens == 8 {
-                    let t = MmaTuning { unroll, pipeline, ..MmaTuning::default() };
+                    let t = MmaTuning { unroll, pipeline, accumulators, ..MmaTuning::default() };
                     runs.push((name, MmaMode::Always(t)));
                 }
             }

@@ -57,6 +57,7 @@ pub fn dense_mma_kernel(
     #[comptime] splits: usize,
     #[comptime] unroll: usize,
     #[comptime] pipeline: bool,
+    #[comptime] accs: usize,
     #[comptime] has_bias: bool,
     #[comptime] accumulate: bool,
     #[comptime] norm: bool,
@@ -83,9 +84,11 @@ pub fn dense_mma_kernel(
         x_row[j] = min(8usize * j + g, last) * kx + 2usize * c;
     }
     let def = MmaDefinition::<tf32, tf32, f32>::new(16usize, 8usize, 8usize);
-    let mut acc = Array::<Acc>::new(2usize * groups);
+    // `accs` accumulators per group, MMA `m` of a step into `m mod accs`: independent chains
+    // (an MMA waits for the previous one on its accumulator), added at the end.
+    let mut acc = Array::<Acc>::new(2usize * groups * accs);
     #[unroll]
-    for i in 0..2usize * groups {
+    for i in 0..2usize * groups * accs {
         acc[i] = Acc::empty().fill(0.0f32);
     }
     // Per group: this lane's share of its token's Σ x² (with `norm`).
@@ -163,12 +166,13 @@ pub fn dense_mma_kernel(
                             }
                             b[i] = Tf::new(round_to::<tf32>(v));
                         }
+                        let ai = 2usize * (j * accs + m % accs);
                         let mut cj = Array::<Acc>::new(2usize);
-                        cj[0] = acc[2usize * j];
-                        cj[1] = acc[2usize * j + 1usize];
+                        cj[0] = acc[ai];
+                        cj[1] = acc[ai + 1usize];
                         def.execute_inplace(&a, &b, &mut cj);
-                        acc[2usize * j] = cj[0];
-                        acc[2usize * j + 1usize] = cj[1];
+                        acc[ai] = cj[0];
+                        acc[ai + 1usize] = cj[1];
                     }
                 }
             }
@@ -180,6 +184,17 @@ pub fn dense_mma_kernel(
     let warps = comptime![tiles * splits];
     let mut red = SharedMemory::<f32>::new(warps * 32 * groups * 4);
     let mut ssm = SharedMemory::<f32>::new(warps * 8 * groups);
+    #[unroll]
+    for j in 0..groups {
+        #[unroll]
+        for q in 1..accs {
+            let (lo, hi) = (acc[2usize * (j * accs + q)], acc[2usize * (j * accs + q) + 1usize]);
+            acc[2usize * j * accs] += lo;
+            acc[2usize * j * accs + 1usize] += hi;
+        }
+        acc[2usize * j] = acc[2usize * j * accs];
+        acc[2usize * j + 1usize] = acc[2usize * j * accs + 1usize];
+    }
     #[unroll]
     for j in 0..groups {
         let base = ((warp * 32usize + lane) * groups + j) * 4usize;

@@ -464,7 +464,7 @@ fn decode_step_kernels_match_reference() {
 
         // Dense GEMM with bias, and accumulating into a residual.
         for (bias, accumulate) in [(false, false), (true, true)] {
-            let g = DenseGemm { n: 70, k: hidden, bias, accumulate, mma: MmaMode::Auto };
+            let g = DenseGemm { n: 70, k: hidden, bias, accumulate, mma: MmaMode::AUTO };
             let wt: Vec<f16> = rand_vec(&mut rng, g.n * g.k, 0.5).into_iter().map(f16::from_f32).collect();
             let b = rand_vec(&mut rng, g.n, 1.0);
             let y0 = rand_vec(&mut rng, tokens * g.n, 1.0);
@@ -501,7 +501,7 @@ fn dense_gemm_and_gather_normed_match_reference() {
                 (0..tokens * k).map(|i| rng.random_range(-1.0f32..1.0) * (1 + i / k) as f32).collect();
             let g = rand_vec(&mut rng, k, 1.0);
             for (off, bias, accumulate) in [(0.0f32, false, false), (1.0, true, true)] {
-                let d = DenseGemm { n, k, bias, accumulate, mma: MmaMode::Auto };
+                let d = DenseGemm { n, k, bias, accumulate, mma: MmaMode::AUTO };
                 let wt: Vec<f16> = rand_vec(&mut rng, n * k, 0.5).into_iter().map(f16::from_f32).collect();
                 let b = rand_vec(&mut rng, n, 1.0);
                 let y0 = rand_vec(&mut rng, tokens * n, 1.0);
@@ -976,7 +976,7 @@ fn dense_gemm_act_matches_reference() {
             let a = GatedInput { act, stride, gated };
             for (tokens, bias, accumulate) in [(1usize, false, false), (5, true, true), (16, false, true)] {
                 let meta = DeviceArray::from_slice(&client, &[tokens as u32]);
-                let d = DenseGemm { n: 70, k: inter, bias, accumulate, mma: MmaMode::Auto };
+                let d = DenseGemm { n: 70, k: inter, bias, accumulate, mma: MmaMode::AUTO };
                 let x = rand_vec(&mut rng, tokens * stride, 3.0);
                 let wt: Vec<f16> =
                     rand_vec(&mut rng, d.n * d.k, 0.5).into_iter().map(f16::from_f32).collect();
@@ -993,7 +993,7 @@ fn dense_gemm_act_matches_reference() {
         }
     }
     let (meta, x) = (DeviceArray::from_slice(&client, &[1u32]), up(&[0.0; 80]));
-    let d = DenseGemm { n: 1, k: 40, bias: false, accumulate: false, mma: MmaMode::Auto };
+    let d = DenseGemm { n: 1, k: 40, bias: false, accumulate: false, mma: MmaMode::AUTO };
     let bad = GatedInput { act: Activation::SiluMul, stride: 80, gated: true };
     assert!(dense_gemm_act(&client, d, 1, &meta, &x, bad, &x, &x, &x).is_err(), "no gate column");
     let bad = GatedInput { act: Activation::None, stride: 80, gated: false };

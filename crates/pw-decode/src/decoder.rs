@@ -557,7 +557,7 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
             fused_router: cfg.experts > 0 && router_fusable(client, cfg.moe_shape()),
             expert_act: ExpertAct::GateUpEpilogue,
             mlp_act_fused_max: FUSED_ACT_MAX_TOKENS,
-            dense_mma: MmaMode::Auto,
+            dense_mma: MmaMode::AUTO,
             kv: DevicePools::new::<KV>(client, &geometry, kv_blocks),
             tables: BlockTables::new(&geometry, kv_blocks),
             s,
