@@ -79,8 +79,9 @@ pub struct BenchDecodeArgs {
     pub mlp_act_fused_max: Vec<usize>,
     /// Where the dense GEMMs run (comma-separated, each measured): `auto` (the default: the
     /// matrix units from `MMA_MIN_TOKENS` tokens where the device has them), `off` (the plain
-    /// kernel), `auto-a2` (as `auto` with two accumulators per token group) or `always` (the
-    /// matrix units at every batch).
+    /// kernel), `auto-j` / `auto-pj` (as `auto`, each step's `x` loaded just before its MMAs;
+    /// `pj` also loads the weights a round ahead) or `always` (the matrix units at every
+    /// batch).
     #[arg(long, value_delimiter = ',', default_value = "auto")]
     pub dense_mma: Vec<String>,
 }
@@ -299,7 +300,7 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
                     Ok((m.as_str(), MmaMode::Auto(MmaTuning { accumulators: 2, ..MmaTuning::DEFAULT })))
                 }
                 "always" => Ok((m.as_str(), MmaMode::Always(MmaTuning::default()))),
-                _ => Err(anyhow::anyhow!("--dense-mma {m}: expected off, auto, auto-a2 or always")),
+                _ => Err(anyhow::anyhow!("--dense-mma {m}: expected off, auto, auto-j, auto-pj or always")),
             })
             .collect::<Result<Vec<_>>>()?;
         let combos = acts

@@ -58,6 +58,7 @@ pub fn dense_mma_kernel(
     #[comptime] unroll: usize,
     #[comptime] pipeline: bool,
     #[comptime] accs: usize,
+    #[comptime] x_ahead: bool,
     #[comptime] has_bias: bool,
     #[comptime] accumulate: bool,
     #[comptime] norm: bool,
@@ -121,28 +122,35 @@ pub fn dense_mma_kernel(
         } else {
             load_weights(w, &mut wa, r_lo, r_hi, rd, split, splits, steps, unroll);
         }
+        // `x_ahead`: every step's `x` (and norm weights) loaded with the round's weights;
+        // otherwise each step's just before its MMAs (L1 hits; fewer registers live).
         let mut xa = Array::<X4>::new(2usize * unroll * groups);
         let mut ga = Array::<X4>::new(2usize * unroll);
-        #[unroll]
-        for u in 0..unroll {
-            let s = min((rd * unroll + u) * splits + split, steps - 1usize);
+        if comptime![x_ahead] {
             #[unroll]
-            for j in 0..groups {
-                #[unroll]
-                for h in 0..2usize {
-                    xa[(u * groups + j) * 2usize + h] = x[x_row[j] + s * 8usize + h];
-                }
-            }
-            if comptime![norm] {
-                #[unroll]
-                for h in 0..2usize {
-                    ga[2usize * u + h] = norm_w[s * 8usize + 2usize * c + h];
-                }
+            for u in 0..unroll {
+                let s = min((rd * unroll + u) * splits + split, steps - 1usize);
+                load_x(x, norm_w, &x_row, &mut xa, &mut ga, u, s, c, groups, norm);
             }
         }
         #[unroll]
         for u in 0..unroll {
             if (rd * unroll + u) * splits + split < steps {
+                let mut xs = Array::<X4>::new(2usize * groups);
+                let mut gs = Array::<X4>::new(2usize);
+                if comptime![x_ahead] {
+                    #[unroll]
+                    for i in 0..2usize * groups {
+                        xs[i] = xa[u * 2usize * groups + i];
+                    }
+                    #[unroll]
+                    for h in 0..2usize {
+                        gs[h] = ga[2usize * u + h];
+                    }
+                } else {
+                    let s = (rd * unroll + u) * splits + split;
+                    load_x(x, norm_w, &x_row, &mut xs, &mut gs, 0usize, s, c, groups, norm);
+                }
                 #[unroll]
                 for m in 0..4usize {
                     let mut a = Array::<Tf>::new(4usize);
@@ -159,10 +167,10 @@ pub fn dense_mma_kernel(
                         #[unroll]
                         for i in 0..2usize {
                             let p = 2usize * m + i;
-                            let mut v = xa[(u * groups + j) * 2usize + p / 4usize][p % 4usize];
+                            let mut v = xs[j * 2usize + p / 4usize][p % 4usize];
                             if comptime![norm] {
                                 ss[j] += v * v;
-                                v *= ga[2usize * u + p / 4usize][p % 4usize] + off;
+                                v *= gs[p / 4usize][p % 4usize] + off;
                             }
                             b[i] = Tf::new(round_to::<tf32>(v));
                         }
@@ -285,5 +293,37 @@ fn load_weights(
         let s = min((rd * unroll + u) * splits + split, steps - 1usize);
         wa[2usize * u] = w[r_lo + s * 4usize];
         wa[2usize * u + 1usize] = w[r_hi + s * 4usize];
+    }
+}
+
+/// Step `s`'s `x` vectors of each token group (`x_row[j]`: the lane's token row start, lane
+/// offset included) into `xa[(u · groups + j) · 2 + h]`, and with `norm` the norm weights'
+/// into `ga[2u + h]`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn load_x(
+    x: &Array<X4>,
+    norm_w: &Array<X4>,
+    x_row: &Array<usize>,
+    xa: &mut Array<X4>,
+    ga: &mut Array<X4>,
+    #[comptime] u: usize,
+    s: usize,
+    c: usize,
+    #[comptime] groups: usize,
+    #[comptime] norm: bool,
+) {
+    #[unroll]
+    for j in 0..groups {
+        #[unroll]
+        for h in 0..2usize {
+            xa[(u * groups + j) * 2usize + h] = x[x_row[j] + s * 8usize + h];
+        }
+    }
+    if comptime![norm] {
+        #[unroll]
+        for h in 0..2usize {
+            ga[2usize * u + h] = norm_w[s * 8usize + 2usize * c + h];
+        }
     }
 }

@@ -132,9 +132,11 @@ impl MmaMode {
 }
 
 /// Fewest tokens for which [`MmaMode::Auto`] uses the matrix units. At one token the plain
-/// kernel streams faster (H200, bench-kernels at git `208e272`: Mixtral's QKV 15.7 vs 18.7 µs,
-/// Gemma-4's LM head 332 vs 611 µs); at 8 it is 1.5–2.5× slower (Mixtral's QKV 44.6 vs 19.2).
-pub const MMA_MIN_TOKENS: usize = 2;
+/// kernel streams faster (H200, bench-kernels at git `708ceaa`: Mixtral's QKV 16.7 vs 18.7 µs,
+/// Gemma-4's LM head 330 vs 610 µs); at two the two are even except Gemma-4's LM head (430 vs
+/// 611); from four the matrix units win on every shape but that head (Mixtral's QKV 25.7 vs
+/// 19.2 at 4 tokens, 44.4 vs 21.8 at 8), which costs less than the layers gain.
+pub const MMA_MIN_TOKENS: usize = 3;
 
 /// Launch shape of [`crate::mma::dense_mma_kernel`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -147,6 +149,8 @@ pub struct MmaTuning {
     pub min_warps: usize,
     /// Independent accumulators per token group (1 or 2).
     pub accumulators: usize,
+    /// Load a round's `x` with its weights (else each step's just before its MMAs).
+    pub x_ahead: bool,
 }
 
 impl Default for MmaTuning {
@@ -160,7 +164,7 @@ impl Default for MmaTuning {
 impl MmaTuning {
     /// See [`Default`].
     pub const DEFAULT: MmaTuning =
-        MmaTuning { unroll: 4, pipeline: false, min_warps: 16 * 132, accumulators: 1 };
+        MmaTuning { unroll: 4, pipeline: false, min_warps: 16 * 132, accumulators: 1, x_ahead: true };
 }
 
 /// Whether `client`'s device runs [`crate::mma::dense_mma_kernel`]: TF32 `mma` of 16 × 8 × 8
@@ -472,6 +476,7 @@ fn dense_mma_launch<R: Runtime>(
             t.unroll.max(1),
             t.pipeline,
             t.accumulators.clamp(1, 2),
+            t.x_ahead,
             g.bias,
             g.accumulate,
             norm.is_some(),
