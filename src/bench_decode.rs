@@ -79,9 +79,8 @@ pub struct BenchDecodeArgs {
     pub mlp_act_fused_max: Vec<usize>,
     /// Where the dense GEMMs run (comma-separated, each measured): `auto` (the default: the
     /// matrix units from `MMA_MIN_TOKENS` tokens where the device has them), `off` (the plain
-    /// kernel), `auto-j` / `auto-pj` (as `auto`, each step's `x` loaded just before its MMAs;
-    /// `pj` also loads the weights a round ahead) or `always` (the matrix units at every
-    /// batch).
+    /// kernel), `auto-w` (as `auto`, columns split until the grid holds 32 warps per SM) or
+    /// `always` (the matrix units at every batch).
     #[arg(long, value_delimiter = ',', default_value = "auto")]
     pub dense_mma: Vec<String>,
 }
@@ -296,11 +295,11 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
             .map(|m| match m.as_str() {
                 "off" => Ok((m.as_str(), MmaMode::Off)),
                 "auto" => Ok((m.as_str(), MmaMode::AUTO)),
-                "auto-a2" => {
-                    Ok((m.as_str(), MmaMode::Auto(MmaTuning { accumulators: 2, ..MmaTuning::DEFAULT })))
+                "auto-w" => {
+                    Ok((m.as_str(), MmaMode::Auto(MmaTuning { warps_per_sm: 32, ..MmaTuning::DEFAULT })))
                 }
                 "always" => Ok((m.as_str(), MmaMode::Always(MmaTuning::default()))),
-                _ => Err(anyhow::anyhow!("--dense-mma {m}: expected off, auto, auto-j, auto-pj or always")),
+                _ => Err(anyhow::anyhow!("--dense-mma {m}: expected off, auto, auto-w or always")),
             })
             .collect::<Result<Vec<_>>>()?;
         let combos = acts

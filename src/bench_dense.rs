@@ -108,14 +108,14 @@ pub(crate) fn check_dense<R: Runtime>(
     Ok(worst)
 }
 
-/// Launch shapes of the matrix-unit kernel compared at 8 tokens (name, unroll, pipeline,
-/// accumulators, x loaded with the round's weights); the first is the default.
-const TUNINGS: [(&str, usize, bool, usize, bool); 5] = [
-    ("u4", 4, false, 1, true),
-    ("u4j", 4, false, 1, false),
-    ("u8j", 8, false, 1, false),
-    ("u4pj", 4, true, 1, false),
-    ("u2p", 2, true, 1, true),
+/// Launch shapes of the matrix-unit kernel compared at 8 tokens (name, unroll, pipeline, x
+/// loaded with the round's weights, warps per SM); the first is the default.
+const TUNINGS: [(&str, usize, bool, bool, usize); 5] = [
+    ("u4", 4, false, true, 16),
+    ("u4w", 4, false, true, 32),
+    ("u8w", 8, false, true, 32),
+    ("u2pw", 2, true, true, 32),
+    ("u2p", 2, true, true, 16),
 ];
 
 /// Times the dense GEMMs of [`DENSE_SHAPES`] at 1, 2, 4, 8 and 16 tokens on the plain kernel
@@ -153,9 +153,9 @@ pub(crate) fn dense_records<R: Runtime>(
             let y = DeviceArray::empty::<R, f32>(client, tokens * n);
             let meta = DeviceArray::from_slice(client, &[tokens as u32]);
             let mut runs: Vec<(&str, MmaMode)> = vec![("plain", MmaMode::Off)];
-            for &(name, unroll, pipeline, accumulators, x_ahead) in &TUNINGS {
+            for &(name, unroll, pipeline, x_ahead, warps_per_sm) in &TUNINGS {
                 if name == TUNINGS[0].0 || tokens == 8 {
-                    let t = MmaTuning { unroll, pipeline, accumulators, x_ahead, ..MmaTuning::default() };
+                    let t = MmaTuning { unroll, pipeline, x_ahead, warps_per_sm, ..MmaTuning::default() };
                     runs.push((name, MmaMode::Always(t)));
                 }
             }

@@ -145,8 +145,9 @@ pub struct MmaTuning {
     pub unroll: usize,
     /// Load the next round's weights before this round's MMAs.
     pub pipeline: bool,
-    /// Warps the grid should hold at least (columns are split until it does).
-    pub min_warps: usize,
+    /// Warps per SM the grid should hold at least (columns are split, up to 16 ways, until it
+    /// does).
+    pub warps_per_sm: usize,
     /// Independent accumulators per token group (1 or 2).
     pub accumulators: usize,
     /// Load a round's `x` with its weights (else each step's just before its MMAs).
@@ -164,7 +165,7 @@ impl Default for MmaTuning {
 impl MmaTuning {
     /// See [`Default`].
     pub const DEFAULT: MmaTuning =
-        MmaTuning { unroll: 4, pipeline: false, min_warps: 16 * 132, accumulators: 1, x_ahead: true };
+        MmaTuning { unroll: 4, pipeline: false, warps_per_sm: 16, accumulators: 1, x_ahead: true };
 }
 
 /// Whether `client`'s device runs [`crate::mma::dense_mma_kernel`]: TF32 `mma` of 16 × 8 × 8
@@ -421,8 +422,11 @@ fn dense_gemm_launch<R: Runtime>(
     Ok(())
 }
 
-/// Warps per cube of [`crate::mma::dense_mma_kernel`].
+/// Warps per cube of [`crate::mma::dense_mma_kernel`] (more when one row tile is split more
+/// ways).
 const MMA_WARPS: usize = 8;
+/// Most column splits of one row tile.
+const MMA_MAX_SPLITS: usize = 16;
 
 /// Launches [`crate::mma::dense_mma_kernel`] (arguments checked by the caller: `k` a multiple
 /// of 32, `tokens ≤ MMA_MAX_TOKENS`, the device supported).
@@ -441,13 +445,15 @@ fn dense_mma_launch<R: Runtime>(
 ) {
     let row_tiles = g.n.div_ceil(16);
     let steps = g.k / crate::mma::MMA_STEP_COLS;
-    // The fewest column splits (a power of two up to the cube's warps, at most the steps)
-    // that give the grid enough warps.
+    let sms = client.properties().hardware.num_streaming_multiprocessors.unwrap_or(132) as usize;
+    // The fewest column splits (a power of two up to 16, at most the steps) that give the grid
+    // enough warps; a cube holds 8 warps (or one row tile's splits).
     let mut splits = 1;
-    while splits < MMA_WARPS && row_tiles * splits < t.min_warps && splits * 2 <= steps {
+    while splits < MMA_MAX_SPLITS && row_tiles * splits < t.warps_per_sm * sms && splits * 2 <= steps {
         splits *= 2;
     }
-    let tiles = MMA_WARPS / splits;
+    let tiles = (MMA_WARPS / splits).max(1);
+    let warps = tiles * splits;
     let groups = tokens.div_ceil(8);
     let (nw, np) = match norm {
         Some(nm) => (nm.w, nm.params),
@@ -460,7 +466,7 @@ fn dense_mma_launch<R: Runtime>(
         crate::mma::dense_mma_kernel::launch_unchecked::<R>(
             client,
             CubeCount::Static(row_tiles.div_ceil(tiles) as u32, 1, 1),
-            CubeDim::new_1d((MMA_WARPS * 32) as u32),
+            CubeDim::new_1d((warps * 32) as u32),
             ArrayArg::from_raw_parts(x.handle.clone(), x.len / 4),
             ArrayArg::from_raw_parts(w.handle.clone(), g.n * g.k / 8),
             bias.arg(),
