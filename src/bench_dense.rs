@@ -32,9 +32,17 @@ const DENSE_SHAPES: [(&str, &str, usize, usize); 10] = [
 /// matrix units read `x` rounded to TF32 (relative error ≤ 2⁻¹¹ per element).
 pub(crate) const DENSE_RTOL: f32 = 1e-3;
 
-/// Worst `|got − want| / Σ|x·w|` over the outputs (`scale[t · n + r] = Σ|x·w|`).
+/// Worst `|got − want| / Σ|x·w|` over the outputs (`scale[t · n + r] = Σ|x·w|`); a NaN
+/// counts as infinite.
 fn rel_err(got: &[f32], want: &[f32], scale: &[f32]) -> f32 {
-    got.iter().zip(want).zip(scale).map(|((g, w), s)| (g - w).abs() / s.max(1e-30)).fold(0.0, f32::max)
+    got.iter()
+        .zip(want)
+        .zip(scale)
+        .map(|((g, w), s)| {
+            let e = (g - w).abs() / s.max(1e-30);
+            if e.is_nan() { f32::INFINITY } else { e }
+        })
+        .fold(0.0, f32::max)
 }
 
 /// Random f16 weights, f32 inputs of varied magnitude per token, and `Σ|x·w|` per output.
@@ -97,7 +105,7 @@ pub(crate) fn check_dense<R: Runtime>(
                 dense_gemm_reference(g, &x, &w, &bias, &mut want);
             }
             let err = rel_err(&got, &want, &sc);
-            if !(err <= DENSE_RTOL) {
+            if err > DENSE_RTOL {
                 bail!(
                     "dense GEMM {n}x{k}, {tokens} tokens, {mma:?}, normed {normed}: relative error {err:.2e} > {DENSE_RTOL:.0e}"
                 );
