@@ -132,10 +132,10 @@ impl MmaMode {
 }
 
 /// Fewest tokens for which [`MmaMode::Auto`] uses the matrix units. At one token the plain
-/// kernel streams faster (H200, bench-kernels at git `708ceaa`: Mixtral's QKV 16.7 vs 18.7 µs,
-/// Gemma-4's LM head 330 vs 610 µs); at two the two are even except Gemma-4's LM head (430 vs
-/// 611); from four the matrix units win on every shape but that head (Mixtral's QKV 25.7 vs
-/// 19.2 at 4 tokens, 44.4 vs 21.8 at 8), which costs less than the layers gain.
+/// kernel streams faster (H200, bench-kernels at git `d60f6b1`: Mixtral's QKV 15.7 vs 18.5 µs,
+/// Gemma-4's LM head 325 vs 565 µs); at two the matrix units win on most layers' matrices
+/// (Gemma-4's QKV 22.0 vs 16.2) but not on Gemma-4's LM head (431 vs 566); from four on every
+/// layer's matrix (Mixtral's QKV 25.4 vs 18.7 at 4 tokens, 44.7 vs 18.9 at 8).
 pub const MMA_MIN_TOKENS: usize = 3;
 
 /// Launch shape of [`crate::mma::dense_mma_kernel`].
