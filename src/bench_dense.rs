@@ -8,7 +8,7 @@ use half::f16;
 use kernels_cubecl::DeviceArray;
 use kernels_cubecl::step::{
     DenseGemm, MmaMode, MmaTuning, RowNorm, dense_gemm_normed, dense_gemm_normed_reference,
-    dense_gemm_reference, dense_mma_supported,
+    dense_gemm_reference, dense_mma_supported, rms_norm_reference,
 };
 use serde_json::{Value, json};
 
@@ -56,6 +56,12 @@ fn random_case(n: usize, k: usize, tokens: usize, seed: u64) -> (Vec<f16>, Vec<f
     };
     let w: Vec<f16> = (0..n * k).map(|_| f16::from_f32(0.05 * next())).collect();
     let x: Vec<f32> = (0..tokens * k).map(|i| next() * (1 + 30 * (i / k)) as f32).collect();
+    let scale = abs_dot(&w, &x, n, k, tokens);
+    (w, x, scale)
+}
+
+/// `Σ|x·w|` per output `[tokens, n]`.
+fn abs_dot(w: &[f16], x: &[f32], n: usize, k: usize, tokens: usize) -> Vec<f32> {
     let mut scale = vec![0.0f32; tokens * n];
     for t in 0..tokens {
         for r in 0..n {
@@ -63,7 +69,7 @@ fn random_case(n: usize, k: usize, tokens: usize, seed: u64) -> (Vec<f16>, Vec<f
                 w[r * k..][..k].iter().zip(&x[t * k..][..k]).map(|(a, b)| (a.to_f32() * b).abs()).sum();
         }
     }
-    (w, x, scale)
+    scale
 }
 
 /// Checks both kernels on one shape (plain and normed input, bias, residual add); fails past
@@ -92,18 +98,15 @@ pub(crate) fn check_dense<R: Runtime>(
             dense_gemm_normed(client, g, tokens, &meta, &xd, norm, &wd, &bd, &y)?;
             let got = kernels_cubecl::read_f32(client, &y)?;
             let mut want = y0.clone();
-            let mut sc = scale.clone();
-            if normed {
+            let sc = if normed {
                 dense_gemm_normed_reference(g, &x, &gw, 1e-6, 1.0, &w, &bias, &mut want);
-                // The norm scales each token's terms by its rsqrt(mean x²) · (g + 1).
-                for t in 0..tokens {
-                    let row = &x[t * k..][..k];
-                    let inv = 1.0 / (row.iter().map(|v| v * v).sum::<f32>() / k as f32 + 1e-6).sqrt();
-                    sc[t * n..][..n].iter_mut().for_each(|s| *s *= inv * 1.5);
-                }
+                // Σ|x̂·w| of the normed rows x̂.
+                let xs = rms_norm_reference(&x, &gw, 1e-6, 1.0);
+                abs_dot(&w, &xs, n, k, tokens)
             } else {
                 dense_gemm_reference(g, &x, &w, &bias, &mut want);
-            }
+                scale.clone()
+            };
             let err = rel_err(&got, &want, &sc);
             if err > DENSE_RTOL {
                 bail!(

@@ -11,6 +11,7 @@
 //! - [`attention`]: the paged KV cache's append and decode-attention kernels.
 //! - [`decode`]: the small fused kernels of a decode step (embedding, RMSNorm, dense f16 GEMM,
 //!   RoPE, on-device routing into the grouped kernel's descriptors, gather, combine).
+//! - [`mma`]: the dense f16 GEMM on the matrix units (TF32 `mma`, CUDA) for several tokens.
 //!
 //! Every kernel has a CPU `*_reference` here and `*_matches_reference` tests.
 
