@@ -40,6 +40,7 @@ pub const MMA_MAX_TOKENS: usize = 16;
 /// shared memory. `groups` token groups of 8 (`meta[0]` tokens, at most `8 · groups`).
 /// `k` a multiple of [`MMA_STEP_COLS`]; `x` rows of `k`; with `norm` the per-token RMSNorm
 /// of [`crate::decode::dense_gemm_kernel`] (weight `norm_w[c] + norm_p[1]`, `eps = norm_p[0]`).
+/// `unroll`, `pipeline`, `accs`, `x_ahead`: the launch shape ([`crate::step::MmaTuning`]).
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub fn dense_mma_kernel(
