@@ -455,10 +455,7 @@ fn dense_mma_launch<R: Runtime>(
     let tiles = (MMA_WARPS / splits).max(1);
     let warps = tiles * splits;
     let groups = tokens.div_ceil(8);
-    let (nw, np) = match norm {
-        Some(nm) => (nm.w, nm.params),
-        None => (x, meta),
-    };
+    let (nw, np) = norm_args(norm, x, meta);
     // SAFETY: the caller checked `x` ≥ tokens · k, `w` = n · k, `y` ≥ tokens · n, the bias and
     // norm buffers; `k` is a multiple of 32, so every row starts 16-byte aligned and the
     // vector lengths below are whole.
