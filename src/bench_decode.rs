@@ -67,6 +67,10 @@ pub struct BenchDecodeArgs {
     /// Override the rows of one GEMV warp unit (`GemmConfig::gemv_rows`).
     #[arg(long)]
     pub gemv_rows: Option<usize>,
+    /// Element type of the expert GEMV's staged `x` (comma-separated, each measured): `f32`
+    /// (the default) or `f16` (`GemmConfig::gemv_x_half`).
+    #[arg(long, value_delimiter = ',', default_value = "f32")]
+    pub gemv_x: Vec<String>,
     /// Where the routed experts' activation is computed (comma-separated, each measured):
     /// `epilogue` (the gate_up GEMV's, the default), `launch` (a launch of its own) or `down`
     /// (the down GEMV's input staging).
@@ -302,11 +306,22 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
                 _ => Err(anyhow::anyhow!("--dense-mma {m}: expected off, auto, auto-w or always")),
             })
             .collect::<Result<Vec<_>>>()?;
+        let x_halves = a
+            .gemv_x
+            .iter()
+            .map(|x| match x.as_str() {
+                "f32" => Ok(false),
+                "f16" => Ok(true),
+                _ => Err(anyhow::anyhow!("--gemv-x {x}: expected f32 or f16")),
+            })
+            .collect::<Result<Vec<_>>>()?;
         let combos = acts
             .iter()
             .flat_map(|x| fused_maxes.iter().map(move |f| (x, f)))
-            .flat_map(|(x, f)| modes.iter().map(move |m| (x, f, *m)));
-        for ((act_name, act), &fused_max, (mma_name, mma)) in combos {
+            .flat_map(|(x, f)| modes.iter().map(move |m| (x, f, *m)))
+            .flat_map(|(x, f, m)| x_halves.iter().map(move |h| (x, f, m, *h)));
+        for ((act_name, act), &fused_max, (mma_name, mma), x_half) in combos {
+            dec.gemm_config_mut().gemv_x_half = x_half;
             dec.set_dense_mma(mma);
             dec.set_expert_act(*act);
             dec.set_mlp_act_fused_max(fused_max);
@@ -366,6 +381,7 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
                             "expert_act": act_name,
                             "mlp_act_fused_max": fused_max,
                             "dense_mma": mma_name,
+                            "gemv_x": if x_half { "f16" } else { "f32" },
                             "mma_supported": kernels_cubecl::step::dense_mma_supported(dec.client()),
                         });
                         eprintln!("{rec}");

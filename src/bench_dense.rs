@@ -163,7 +163,13 @@ pub(crate) fn dense_records<R: Runtime>(
             let x = DeviceArray::from_slice(client, &vec![0.01f32; tokens * k]);
             let y = DeviceArray::empty::<R, f32>(client, tokens * n);
             let meta = DeviceArray::from_slice(client, &[tokens as u32]);
+            let gw = DeviceArray::from_slice(client, &vec![1.0f32; k]);
+            let gp = DeviceArray::from_slice(client, &[1e-6f32, 0.0]);
             let mut runs: Vec<(&str, MmaMode)> = vec![("plain", MmaMode::Off)];
+            if tokens <= 2 {
+                // The step's projections and LM heads read a normed input.
+                runs.push(("plain-normed", MmaMode::Off));
+            }
             for &(name, unroll, pipeline, x_ahead, warps_per_sm) in &TUNINGS {
                 if name == TUNINGS[0].0 || tokens == 8 {
                     let t = MmaTuning { unroll, pipeline, x_ahead, warps_per_sm, ..MmaTuning::default() };
@@ -173,11 +179,12 @@ pub(crate) fn dense_records<R: Runtime>(
             let mut plain = 0.0;
             for (name, mode) in runs {
                 let g = DenseGemm { n, k, bias: false, accumulate: false, mma: mode };
+                let norm = (name == "plain-normed").then_some(RowNorm { w: &gw, params: &gp });
                 let secs = time_batches(client, launches, |i| {
-                    dense_gemm_normed(client, g, tokens, &meta, &x, None, &ws[i % copies], &x, &y).unwrap()
+                    dense_gemm_normed(client, g, tokens, &meta, &x, norm, &ws[i % copies], &x, &y).unwrap()
                 })?
                 .device;
-                if mode == MmaMode::Off {
+                if name == "plain" {
                     plain = secs;
                 }
                 let rec = json!({
@@ -185,6 +192,7 @@ pub(crate) fn dense_records<R: Runtime>(
                     "model": model, "shape": format!("{matrix} {n}x{k}"), "tokens": tokens, "time_us": secs * 1e6,
                     "effective_gbps": bytes as f64 / secs / 1e9, "hbm_read_gbps": hbm,
                     "speedup_over_plain": plain / secs, "mma_supported": mma_ok,
+                    "pw_dense_rows": std::env::var("PW_DENSE_ROWS").ok(),
                 });
                 eprintln!("{rec}");
                 records.push(rec);

@@ -138,6 +138,9 @@ pub(crate) fn store_rows(
 
 /// `f32` vectors of four staged `x` values.
 pub(crate) type X4 = Vector<f32, Const<4>>;
+/// Four staged `x` values of element type `XF` (f32, or f16 to halve the shared-memory reads of
+/// the GEMV; see [`crate::GemmConfig::gemv_x_half`]).
+pub(crate) type XS<XF> = Vector<XF, Const<4>>;
 /// Shared-memory vectors per staged 32-column word: 8 of data and one of padding, so the
 /// lanes' 16-byte reads of consecutive words hit distinct banks (a stride of 36 words).
 pub(crate) const XV_PER_WORD: usize = 9;
@@ -148,16 +151,16 @@ pub(crate) const XV_PER_WORD: usize = 9;
 /// `col0 + q + 4h + 8jj` (`q = s / 2`, `h = s mod 2`, `jj = 0..4`); columns at or past `k` are
 /// zero.
 #[cube]
-pub(crate) fn staged_vec(
+pub(crate) fn staged_vec<XF: Float>(
     x: &Array<f32>,
     base: usize,
     k: usize,
     col0: usize,
     s: usize,
     #[comptime] act: u32,
-) -> X4 {
+) -> XS<XF> {
     let c = col0 + s / 2usize + 4usize * (s % 2usize);
-    let mut v = X4::empty();
+    let mut v = XS::<XF>::empty();
     #[unroll]
     for jj in 0..4usize {
         let col = c + 8usize * jj;
@@ -165,16 +168,16 @@ pub(crate) fn staged_vec(
         if col < k {
             e = staged_x(x, base, k, col, act);
         }
-        v[jj] = e;
+        v[jj] = XF::cast_from(e);
     }
     v
 }
 
 #[cube]
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn stage_words(
+pub(crate) fn stage_words<XF: Float>(
     x: &Array<f32>,
-    x_s: &mut SharedMemory<X4>,
+    x_s: &mut SharedMemory<XS<XF>>,
     x_off: usize,
     k: usize,
     col0: usize,
@@ -191,16 +194,16 @@ pub(crate) fn stage_words(
     // STAGE_ROUND vectors per unit per round, all loaded before any is stored: one at a time,
     // a unit waited out an L2 round trip per vector (the GEMV stages Mixtral's 14336-column
     // down input, 14 vectors per unit, while its cube does nothing else).
-    let mut vs = Array::<X4>::new(STAGE_ROUND);
+    let mut vs = Array::<XS<XF>>::new(STAGE_ROUND);
     for i0 in range_stepped(unit, total, STAGE_ROUND * cube_units) {
         #[unroll]
         for j in 0..STAGE_ROUND {
             let i = i0 + j * cube_units;
             let t = i / (words * 8usize);
-            let mut v = X4::empty().fill(0.0f32);
+            let mut v = XS::<XF>::empty().fill(XF::new(0.0));
             if i < total && t < tokens {
                 let wl = (i / 8usize) % words;
-                v = staged_vec(x, x_off + t * x_stride, k, col0 + 32usize * wl, i % 8usize, act);
+                v = staged_vec::<XF>(x, x_off + t * x_stride, k, col0 + 32usize * wl, i % 8usize, act);
             }
             vs[j] = v;
         }
@@ -338,13 +341,13 @@ pub(crate) fn unit_row(row0: usize, r: usize, #[comptime] half: usize, up: usize
 /// eight indices) and spent about 2.5 instructions per address (SASS of the H200 build).
 #[cube]
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn word_rows(
+pub(crate) fn word_rows<XF: Float>(
     pw: &Array<u32>,
     pw0: usize,
     rb: &Array<u32>,
     lr: &Array<f32>,
     lut_s: &SharedMemory<f32>,
-    x_s: &SharedMemory<X4>,
+    x_s: &SharedMemory<XS<XF>>,
     xv0: usize,
     xs_stride: usize,
     acc: &mut Array<f32>,
@@ -405,7 +408,14 @@ pub(crate) fn word_rows(
             for t in 0..tb {
                 #[unroll]
                 for e in 0..xw {
-                    xv[t * xw + e] = x_s[xv0 + t * xs_stride + 2usize * q + hv + e];
+                    let v = x_s[xv0 + t * xs_stride + 2usize * q + hv + e];
+                    // Widened once per vector, whatever the rows (a no-op for f32).
+                    let mut w = X4::empty();
+                    #[unroll]
+                    for i in 0..4usize {
+                        w[i] = f32::cast_from(v[i]);
+                    }
+                    xv[t * xw + e] = w;
                 }
             }
             #[unroll(unrolled)]
@@ -747,7 +757,7 @@ fn gemm_item(
         // The previous chunk must be consumed (and the LUTs staged) first.
         sync_cube();
         let c0 = ch * 32usize * plane_size;
-        stage_words(x, x_s, x_off, k, c0, plane_size, tokens, unit, tb, cube_units, act);
+        stage_words::<f32>(x, x_s, x_off, k, c0, plane_size, tokens, unit, tb, cube_units, act);
         sync_cube();
 
         let wi = ch * plane_size + lane;
@@ -922,7 +932,7 @@ fn chunk_rows(
             pw[r * bits + p] = v;
         }
     }
-    word_rows(
+    word_rows::<f32>(
         &pw,
         0usize,
         rb,

@@ -20,7 +20,7 @@ use cubecl::prelude::*;
 use half::f16;
 
 use crate::gemm::{
-    DESC_WORDS, LUT_SHARED, X4, XV_PER_WORD, lane_lut_regs, load_lane_luts, stage_words, store_rows,
+    DESC_WORDS, LUT_SHARED, XS, XV_PER_WORD, lane_lut_regs, load_lane_luts, stage_words, store_rows,
     unit_row, warp_sum, word_rows,
 };
 
@@ -32,7 +32,7 @@ use crate::gemm::{
 /// gated activation (`rows` even; see [`crate::step::ap_gemm_routed_gated`]).
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
-pub fn ap_gemv_kernel(
+pub fn ap_gemv_kernel<XF: Float>(
     planes: &Array<u32>,
     luts: &Array<f16>,
     desc: &Array<u32>,
@@ -133,7 +133,7 @@ pub fn ap_gemv_kernel(
     let end = start + per + select(c < rem, 1usize, 0usize);
 
     let xs_stride = x_words * XV_PER_WORD;
-    let mut x_s = SharedMemory::<X4>::new(tb * x_words * XV_PER_WORD);
+    let mut x_s = SharedMemory::<XS<XF>>::new(tb * x_words * XV_PER_WORD);
     let mut lut_s = SharedMemory::<f32>::new(warps * rows * lut_slots);
     let lbase = warp * rows * lut_slots;
 
@@ -171,13 +171,13 @@ pub fn ap_gemv_kernel(
 
         // The previous item's x is consumed; stage this one's, zero past its columns.
         sync_cube();
-        stage_words(x, &mut x_s, x_off, k, 0usize, x_words, tokens, unit, tb, cube_units, act);
+        stage_words::<XF>(x, &mut x_s, x_off, k, 0usize, x_words, tokens, unit, tb, cube_units, act);
         sync_cube();
 
         let words = k.div_ceil(32usize);
         let u0 = cur + warp;
         if bits == 3u32 {
-            gemv_units(
+            gemv_units::<XF>(
                 planes,
                 luts,
                 &mut lut_s,
@@ -207,7 +207,7 @@ pub fn ap_gemv_kernel(
                 glu,
             );
         } else if bits == 4u32 {
-            gemv_units(
+            gemv_units::<XF>(
                 planes,
                 luts,
                 &mut lut_s,
@@ -237,7 +237,7 @@ pub fn ap_gemv_kernel(
                 glu,
             );
         } else if bits == 5u32 {
-            gemv_units(
+            gemv_units::<XF>(
                 planes,
                 luts,
                 &mut lut_s,
@@ -267,7 +267,7 @@ pub fn ap_gemv_kernel(
                 glu,
             );
         } else if bits == 6u32 {
-            gemv_units(
+            gemv_units::<XF>(
                 planes,
                 luts,
                 &mut lut_s,
@@ -297,7 +297,7 @@ pub fn ap_gemv_kernel(
                 glu,
             );
         } else if bits == 7u32 {
-            gemv_units(
+            gemv_units::<XF>(
                 planes,
                 luts,
                 &mut lut_s,
@@ -327,7 +327,7 @@ pub fn ap_gemv_kernel(
                 glu,
             );
         } else {
-            gemv_units(
+            gemv_units::<XF>(
                 planes,
                 luts,
                 &mut lut_s,
@@ -364,11 +364,11 @@ pub fn ap_gemv_kernel(
 /// One warp's units `u0, u0 + warps, … < seg_end` of an item at `bits` bits.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn gemv_units(
+fn gemv_units<XF: Float>(
     planes: &Array<u32>,
     luts: &Array<f16>,
     lut_s: &mut SharedMemory<f32>,
-    x_s: &SharedMemory<X4>,
+    x_s: &SharedMemory<XS<XF>>,
     y: &mut Array<f32>,
     plane_off: usize,
     lut_off: usize,
@@ -440,7 +440,7 @@ fn gemv_units(
             #[unroll(unrolled)]
             for j in 0..wpl {
                 let wi = s * step_words + j * plane_size + lane;
-                word_rows(
+                word_rows::<XF>(
                     &pw,
                     j * bits,
                     &rb,

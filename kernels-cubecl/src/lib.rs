@@ -221,6 +221,10 @@ pub struct GemmConfig {
     pub lut_in_lanes: bool,
     /// The runtime's shuffles take the source lane modulo 32 (CUDA), so no mask is needed.
     pub shuffle_wraps: bool,
+    /// The GEMV kernel stages `x` in shared memory as f16 instead of f32 (`false` by default):
+    /// half the shared-memory bytes per read, on the load/store pipe that also carries the LUT
+    /// shuffles, at the cost of rounding `x` to f16 (relative error ≤ 2⁻¹¹ per element).
+    pub gemv_x_half: bool,
 }
 
 impl GemmConfig {
@@ -263,6 +267,7 @@ impl GemmConfig {
             unrolled,
             lut_in_lanes: plane_size == 8 || plane_size >= 16,
             shuffle_wraps: R::name(client) == "cuda" && plane_size == 32,
+            gemv_x_half: false,
         }
     }
 
@@ -327,9 +332,10 @@ pub(crate) fn launch_gemv<R: Runtime>(
     let step = ps * cfg.gemv_words_per_lane;
     let x_words = cols.div_ceil(32).div_ceil(step) * step;
     // Staged x, LUTs, the items' prefix and one warp total per round of the prefix.
+    let x_bytes = if cfg.gemv_x_half { 2 } else { 4 };
     let shared = |warps: usize| {
         let prefix = n_items + 1 + n_items.div_ceil(warps * ps) * warps;
-        4 * (tb * x_words * 4 * gemm::XV_PER_WORD + warps * cfg.gemv_rows * lut_slots + prefix)
+        x_bytes * tb * x_words * 4 * gemm::XV_PER_WORD + 4 * (warps * cfg.gemv_rows * lut_slots + prefix)
     };
     let hw = &client.properties().hardware;
     if shared(cfg.warps) > hw.max_shared_memory_size {
@@ -354,30 +360,36 @@ pub(crate) fn launch_gemv<R: Runtime>(
     // SAFETY: callers checked the descriptors against the buffers (host items) or built them
     // on the device from validated slot words (routed items).
     unsafe {
-        gemv::ap_gemv_kernel::launch_unchecked::<R>(
-            client,
-            CubeCount::Static(cubes as u32, 1, 1),
-            CubeDim::new_1d(threads as u32),
-            planes.arg(),
-            luts.arg(),
-            desc.arg(),
-            x.arg(),
-            y.arg(),
-            n_items as u32,
-            n_items,
-            tb,
-            ps,
-            warps,
-            cfg.gemv_rows,
-            cfg.gemv_words_per_lane,
-            x_words,
-            act.code(),
-            lut_slots,
-            cfg.unrolled,
-            cfg.lut_mode(),
-            glu,
-            counted,
-        )
+        // The staged element type is a generic of the kernel: one call per type.
+        macro_rules! launch {
+            ($xf:ty) => {
+                gemv::ap_gemv_kernel::launch_unchecked::<$xf, R>(
+                    client,
+                    CubeCount::Static(cubes as u32, 1, 1),
+                    CubeDim::new_1d(threads as u32),
+                    planes.arg(),
+                    luts.arg(),
+                    desc.arg(),
+                    x.arg(),
+                    y.arg(),
+                    n_items as u32,
+                    n_items,
+                    tb,
+                    ps,
+                    warps,
+                    cfg.gemv_rows,
+                    cfg.gemv_words_per_lane,
+                    x_words,
+                    act.code(),
+                    lut_slots,
+                    cfg.unrolled,
+                    cfg.lut_mode(),
+                    glu,
+                    counted,
+                )
+            };
+        }
+        if cfg.gemv_x_half { launch!(f16) } else { launch!(f32) }
     };
     true
 }

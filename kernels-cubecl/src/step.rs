@@ -377,7 +377,7 @@ fn dense_gemm_launch<R: Runtime>(
     let tb = token_bucket(tokens);
     // Two rows per plane share each `x` vector once there are several tokens; at one or two
     // tokens one row per plane keeps twice the cubes (and loads) in flight.
-    let rows = if tb > 2 { 2 } else { 1 };
+    let rows = if tb > 2 { 2 } else { few_token_rows() };
     // Without a norm the kernel reads neither norm buffer: `x` and `meta` stand in for them.
     let (nw, np) = match input {
         GemmInput::Norm(nm) => (nm.w, nm.params),
@@ -420,6 +420,19 @@ fn dense_gemm_launch<R: Runtime>(
         )
     };
     Ok(())
+}
+
+/// Rows per plane of the plain dense kernel at one or two tokens: 1, or the `PW_DENSE_ROWS`
+/// environment variable's 1 or 2 (a benchmark knob, read once).
+fn few_token_rows() -> usize {
+    static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *ROWS.get_or_init(|| {
+        std::env::var("PW_DENSE_ROWS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|r| *r == 1 || *r == 2)
+            .unwrap_or(1)
+    })
 }
 
 /// Warps per cube of [`crate::mma::dense_mma_kernel`] (more when one row tile is split more

@@ -143,6 +143,77 @@ fn gemv_unrolled_matches_reference() {
     }
 }
 
+/// The GEMV with `x` staged as f16 (`GemmConfig::gemv_x_half`): equal to the reference on `x`
+/// rounded to f16 within the f32 budget, and to the reference on `x` itself within the f16
+/// rounding (≤ 2⁻¹¹ of Σ|x·w| more); mixed widths, one and two tokens, an activation.
+#[test]
+fn gemv_x_half_matches_reference() {
+    let client = client();
+    let mut rng = StdRng::seed_from_u64(21);
+    let mut pool = PoolImage::default();
+    let cols = 200;
+    let blocks: Vec<_> = [(30usize, 3u8), (17, 4), (40, 6), (9, 8)]
+        .into_iter()
+        .map(|(rows, bits)| (rows, pool.push(&random_block(&mut rng, rows, cols), bits)))
+        .collect();
+    for act in [Activation::None, Activation::SiluMul] {
+        let x_cols = if act == Activation::None { cols } else { 2 * cols };
+        let (mut items, mut x_off, mut y_off) = (Vec::new(), 0u32, 0u32);
+        for (i, (rows, slot)) in blocks.iter().enumerate() {
+            let tokens = 1 + (i % 2) as u32;
+            items.push(slot.item(x_off, y_off, tokens));
+            x_off += tokens * x_cols as u32;
+            y_off += tokens * *rows as u32;
+        }
+        let x: Vec<f32> = (0..x_off).map(|_| rng.random_range(-3.0f32..3.0)).collect();
+        let planes = DeviceArray::from_slice(&client, &pool.planes);
+        let luts = DeviceArray::from_slice(&client, &pool.luts);
+        let desc = upload_items(&client, &items);
+        let xd = DeviceArray::from_slice(&client, &x);
+        let yd = DeviceArray::from_slice(&client, &vec![f32::NAN; y_off as usize]);
+        let cfg = GemmConfig { gemv_min_items: 1, gemv_x_half: true, ..GemmConfig::for_client(&client) };
+        ap_gemm(&client, cfg, &planes, &luts, &items, &desc, &xd, &yd, act).unwrap();
+        let got = read_f32(&client, &yd).unwrap();
+        // The staged input is act(x) rounded to f16: the reference on that input.
+        let staged: Vec<f32> = if act == Activation::None {
+            x.iter().map(|v| half::f16::from_f32(*v).to_f32()).collect()
+        } else {
+            x.chunks(x_cols)
+                .flat_map(|r| {
+                    (0..cols).map(move |c| half::f16::from_f32(r[c] / (1.0 + (-r[c]).exp()) * r[cols + c]).to_f32())
+                })
+                .collect()
+        };
+        let staged_items: Vec<WorkItem> =
+            items.iter().map(|it| WorkItem { x_off: it.x_off / x_cols as u32 * cols as u32, ..*it }).collect();
+        let mut want_half = vec![f32::NAN; y_off as usize];
+        ap_gemm_reference(&pool, &staged_items, &staged, &mut want_half, Activation::None);
+        let mut want = vec![f32::NAN; y_off as usize];
+        ap_gemm_reference(&pool, &items, &x, &mut want, act);
+        for (it, st) in items.iter().zip(&staged_items) {
+            let rows = it.rows as usize;
+            for t in 0..it.tokens as usize {
+                let xs = &staged[st.x_off as usize + t * cols..][..cols];
+                // Σ|x·w| bound: |w| ≤ 0.5.
+                let scale = xs.iter().map(|v| v.abs()).sum::<f32>() * 0.5 + 1.0;
+                for r in 0..rows {
+                    let i = it.y_off as usize + t * rows + r;
+                    let (g, h, w) = (got[i], want_half[i], want[i]);
+                    assert!((g - h).abs() <= GEMM_RTOL * scale, "{act:?} y[{i}] = {g}, reference on f16 x {h}");
+                    let half_budget = (GEMM_RTOL + 1.0 / 2048.0) * scale;
+                    assert!((g - w).abs() <= half_budget, "{act:?} y[{i}] = {g}, reference {w}");
+                }
+            }
+        }
+        // The f16 staging is what ran: some output differs from the f32-staged kernel's.
+        let y32 = DeviceArray::from_slice(&client, &vec![f32::NAN; y_off as usize]);
+        let cfg32 = GemmConfig { gemv_x_half: false, ..cfg };
+        ap_gemm(&client, cfg32, &planes, &luts, &items, &desc, &xd, &y32, act).unwrap();
+        let got32 = read_f32(&client, &y32).unwrap();
+        assert!(got.iter().zip(&got32).any(|(a, b)| a != b), "{act:?}: f16 staging changed nothing");
+    }
+}
+
 #[test]
 fn grouped_mixed_bits_matches_reference() {
     let client = client();
