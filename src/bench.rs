@@ -200,6 +200,15 @@ fn variants(cfg: GemmConfig, compare_v1: bool) -> Vec<(&'static str, GemmConfig)
             v.push(("lut_shared", GemmConfig { lut_in_lanes: false, ..cfg }));
         }
         v.push(("gemv_x_half", GemmConfig { gemv_min_items: 1, gemv_x_half: true, ..cfg }));
+        v.push((
+            "gemv_x_half_w32",
+            GemmConfig { gemv_min_items: 1, gemv_x_half: true, gemv_warps_per_sm: 32, ..cfg },
+        ));
+        v.push(("gemv_prefetch", GemmConfig { gemv_min_items: 1, gemv_prefetch: true, ..cfg }));
+        v.push((
+            "gemv_x_half_prefetch",
+            GemmConfig { gemv_min_items: 1, gemv_x_half: true, gemv_prefetch: true, ..cfg },
+        ));
     }
     v
 }

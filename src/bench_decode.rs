@@ -71,6 +71,14 @@ pub struct BenchDecodeArgs {
     /// (the default) or `f16` (`GemmConfig::gemv_x_half`).
     #[arg(long, value_delimiter = ',', default_value = "f32")]
     pub gemv_x: Vec<String>,
+    /// Resident warps per SM the expert GEMV's grid is sized for (comma-separated, each
+    /// measured; default `GemmConfig::gemv_warps_per_sm`).
+    #[arg(long, value_delimiter = ',')]
+    pub gemv_warps_per_sm: Vec<usize>,
+    /// The expert GEMV's plane words loaded a step ahead (comma-separated `off` / `on`, each
+    /// measured; `GemmConfig::gemv_prefetch`).
+    #[arg(long, value_delimiter = ',', default_value = "off")]
+    pub gemv_prefetch: Vec<String>,
     /// Where the routed experts' activation is computed (comma-separated, each measured):
     /// `epilogue` (the gate_up GEMV's, the default), `launch` (a launch of its own) or `down`
     /// (the down GEMV's input staging).
@@ -320,8 +328,27 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
             .flat_map(|x| fused_maxes.iter().map(move |f| (x, f)))
             .flat_map(|(x, f)| modes.iter().map(move |m| (x, f, *m)))
             .flat_map(|(x, f, m)| x_halves.iter().map(move |h| (x, f, m, *h)));
-        for ((act_name, act), &fused_max, (mma_name, mma), x_half) in combos {
-            dec.gemm_config_mut().gemv_x_half = x_half;
+        let default_wps = dec.gemm_config_mut().gemv_warps_per_sm;
+        let wps_list =
+            if a.gemv_warps_per_sm.is_empty() { vec![default_wps] } else { a.gemv_warps_per_sm.clone() };
+        let prefetches = a
+            .gemv_prefetch
+            .iter()
+            .map(|p| match p.as_str() {
+                "off" => Ok(false),
+                "on" => Ok(true),
+                _ => Err(anyhow::anyhow!("--gemv-prefetch {p}: expected off or on")),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let combos = combos
+            .flat_map(|c| wps_list.iter().map(move |w| (c, *w)))
+            .flat_map(|(c, w)| prefetches.iter().map(move |p| (c, w, *p)));
+        for (((act_name, act), &fused_max, (mma_name, mma), x_half), wps, prefetch) in combos {
+            let g = dec.gemm_config_mut();
+            g.gemv_x_half = x_half;
+            g.gemv_warps_per_sm = wps;
+            g.gemv_prefetch = prefetch;
+            g.check().context("--gemv-warps-per-sm")?;
             dec.set_dense_mma(mma);
             dec.set_expert_act(*act);
             dec.set_mlp_act_fused_max(fused_max);
@@ -382,6 +409,8 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
                             "mlp_act_fused_max": fused_max,
                             "dense_mma": mma_name,
                             "gemv_x": if x_half { "f16" } else { "f32" },
+                            "gemv_warps_per_sm": wps,
+                            "gemv_prefetch": prefetch,
                             "mma_supported": kernels_cubecl::step::dense_mma_supported(dec.client()),
                         });
                         eprintln!("{rec}");

@@ -52,6 +52,7 @@ pub fn ap_gemv_kernel<XF: Float>(
     #[comptime] shuffle: u32,
     #[comptime] glu: u32,
     #[comptime] counted: bool,
+    #[comptime] prefetch: bool,
 ) {
     // A gated unit (`glu` = the activation's code) holds `rows / 2` gate rows and the matching
     // up rows `n / 2` further; a plain one `rows` consecutive rows.
@@ -205,6 +206,7 @@ pub fn ap_gemv_kernel<XF: Float>(
                 unrolled,
                 shuffle,
                 glu,
+                prefetch,
             );
         } else if bits == 4u32 {
             gemv_units::<XF>(
@@ -235,6 +237,7 @@ pub fn ap_gemv_kernel<XF: Float>(
                 unrolled,
                 shuffle,
                 glu,
+                prefetch,
             );
         } else if bits == 5u32 {
             gemv_units::<XF>(
@@ -265,6 +268,7 @@ pub fn ap_gemv_kernel<XF: Float>(
                 unrolled,
                 shuffle,
                 glu,
+                prefetch,
             );
         } else if bits == 6u32 {
             gemv_units::<XF>(
@@ -295,6 +299,7 @@ pub fn ap_gemv_kernel<XF: Float>(
                 unrolled,
                 shuffle,
                 glu,
+                prefetch,
             );
         } else if bits == 7u32 {
             gemv_units::<XF>(
@@ -325,6 +330,7 @@ pub fn ap_gemv_kernel<XF: Float>(
                 unrolled,
                 shuffle,
                 glu,
+                prefetch,
             );
         } else {
             gemv_units::<XF>(
@@ -355,6 +361,7 @@ pub fn ap_gemv_kernel<XF: Float>(
                 unrolled,
                 shuffle,
                 glu,
+                prefetch,
             );
         }
         cur = seg_end;
@@ -392,6 +399,7 @@ fn gemv_units<XF: Float>(
     #[comptime] unrolled: bool,
     #[comptime] shuffle: u32,
     #[comptime] glu: u32,
+    #[comptime] prefetch: bool,
 ) {
     let half = comptime![if glu > 0 { rows / 2 } else { rows }];
     // Rows a unit may use (gated: the gate half) and the distance of the up rows.
@@ -429,14 +437,44 @@ fn gemv_units<XF: Float>(
         for a in 0..rows * tb {
             acc[a] = 0.0;
         }
-        for s in 0..steps {
-            // Every plane word of the step first, so they are all in flight together. (Loading
-            // step s + 1's words during step s's arithmetic was slower on the H200: 24.0 →
-            // 29.6 µs for Mixtral's w1 at 4 bits, registers against occupancy.)
+        // With `prefetch` (≤ 4 bits), step s + 1's words are loaded before step s's arithmetic
+        // (the GEMV waits on its plane words: ncu's long-scoreboard stalls lead at one token),
+        // at the cost of a second set of word registers.
+        let pf = comptime![prefetch && bits <= 4];
+        let mut pn = Array::<u32>::new(comptime![if pf { rows * wpl * bits } else { 1usize }]);
+        if comptime![pf] {
             load_step(
-                planes, &mut pw, plane_off, n, n_live, up, words, row0, s, lane, plane_size, rows, half, wpl,
-                bits,
+                planes, &mut pw, plane_off, n, n_live, up, words, row0, 0usize, lane, plane_size, rows, half,
+                wpl, bits,
             );
+        }
+        for s in 0..steps {
+            // Every plane word of the step first, so they are all in flight together.
+            if comptime![pf] {
+                // Past the last step every word is zero and nothing is loaded.
+                load_step(
+                    planes,
+                    &mut pn,
+                    plane_off,
+                    n,
+                    n_live,
+                    up,
+                    words,
+                    row0,
+                    s + 1,
+                    lane,
+                    plane_size,
+                    rows,
+                    half,
+                    wpl,
+                    bits,
+                );
+            } else {
+                load_step(
+                    planes, &mut pw, plane_off, n, n_live, up, words, row0, s, lane, plane_size, rows, half,
+                    wpl, bits,
+                );
+            }
             #[unroll(unrolled)]
             for j in 0..wpl {
                 let wi = s * step_words + j * plane_size + lane;
@@ -457,6 +495,12 @@ fn gemv_units<XF: Float>(
                     unrolled,
                     shuffle,
                 );
+            }
+            if comptime![pf] {
+                #[unroll]
+                for i in 0..rows * wpl * bits {
+                    pw[i] = pn[i];
+                }
             }
         }
         if comptime![glu > 0] {

@@ -225,6 +225,12 @@ pub struct GemmConfig {
     /// half the shared-memory bytes per read, on the load/store pipe that also carries the LUT
     /// shuffles, at the cost of rounding `x` to f16 (relative error ≤ 2⁻¹¹ per element).
     pub gemv_x_half: bool,
+    /// Warps of the GEMV kernel resident per SM that its grid is sized for
+    /// ([`GEMV_WARPS_PER_SM`] by default: its registers' limit on the H200 with `x` in f32).
+    pub gemv_warps_per_sm: usize,
+    /// The GEMV kernel loads a step's plane words during the previous step's arithmetic (≤ 4-bit
+    /// items; `false` by default).
+    pub gemv_prefetch: bool,
 }
 
 impl GemmConfig {
@@ -236,6 +242,7 @@ impl GemmConfig {
             || self.plane_size == 0
             || self.warps == 0
             || self.gemv_rows == 0
+            || self.gemv_warps_per_sm == 0
         {
             return Err(KernelError::Config(format!(
                 "{} warps × {} rows per warp, {} per GEMV unit (at most 64 rows per cube, non-zero plane \
@@ -268,6 +275,8 @@ impl GemmConfig {
             lut_in_lanes: plane_size == 8 || plane_size >= 16,
             shuffle_wraps: R::name(client) == "cuda" && plane_size == 32,
             gemv_x_half: false,
+            gemv_warps_per_sm: GEMV_WARPS_PER_SM,
+            gemv_prefetch: false,
         }
     }
 
@@ -296,8 +305,9 @@ pub const GEMV_MAX_TOKENS: usize = 2;
 pub const GEMV_MIN_ITEMS: usize = 16;
 /// Default [`GemmConfig::gemv_rows`].
 pub const GEMV_ROWS: usize = 2;
-/// Warps of the GEMV kernel resident per SM (its registers' limit on the H200).
-const GEMV_WARPS_PER_SM: usize = 24;
+/// Default [`GemmConfig::gemv_warps_per_sm`]: the GEMV's registers (77–80 per thread, ncu on
+/// the H200) leave room for 24 warps per SM.
+pub const GEMV_WARPS_PER_SM: usize = 24;
 
 /// Launches [`gemv::ap_gemv_kernel`] over `n_items` descriptors when it applies (see
 /// [`GemmConfig::gemv`]; `x` of `cols` columns fits in shared memory); `false` when it does not.
@@ -344,7 +354,7 @@ pub(crate) fn launch_gemv<R: Runtime>(
     // As many cubes per SM as can be resident (shared memory, and registers: ncu on the H200
     // saw 77 per thread, room for 24 warps), so no second wave leaves SMs idle at the end.
     let per_sm =
-        |warps: usize| (hw.max_shared_memory_size / shared(warps)).min(GEMV_WARPS_PER_SM / warps).max(1);
+        |warps: usize| (hw.max_shared_memory_size / shared(warps)).min(cfg.gemv_warps_per_sm / warps).max(1);
     // Where the staged `x` (all columns) leaves room for fewer cubes, wider cubes keep as many
     // warps per SM: Mixtral's down input at two tokens (129 KB) allowed one cube of 8 warps
     // per SM, and its GEMV ran at half the gate_up's bandwidth (ncu on the H200, batch 8).
@@ -386,6 +396,7 @@ pub(crate) fn launch_gemv<R: Runtime>(
                     cfg.lut_mode(),
                     glu,
                     counted,
+                    cfg.gemv_prefetch,
                 )
             };
         }

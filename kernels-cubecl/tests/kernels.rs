@@ -180,12 +180,16 @@ fn gemv_x_half_matches_reference() {
         } else {
             x.chunks(x_cols)
                 .flat_map(|r| {
-                    (0..cols).map(move |c| half::f16::from_f32(r[c] / (1.0 + (-r[c]).exp()) * r[cols + c]).to_f32())
+                    (0..cols).map(move |c| {
+                        half::f16::from_f32(r[c] / (1.0 + (-r[c]).exp()) * r[cols + c]).to_f32()
+                    })
                 })
                 .collect()
         };
-        let staged_items: Vec<WorkItem> =
-            items.iter().map(|it| WorkItem { x_off: it.x_off / x_cols as u32 * cols as u32, ..*it }).collect();
+        let staged_items: Vec<WorkItem> = items
+            .iter()
+            .map(|it| WorkItem { x_off: it.x_off / x_cols as u32 * cols as u32, ..*it })
+            .collect();
         let mut want_half = vec![f32::NAN; y_off as usize];
         ap_gemm_reference(&pool, &staged_items, &staged, &mut want_half, Activation::None);
         let mut want = vec![f32::NAN; y_off as usize];
@@ -199,7 +203,10 @@ fn gemv_x_half_matches_reference() {
                 for r in 0..rows {
                     let i = it.y_off as usize + t * rows + r;
                     let (g, h, w) = (got[i], want_half[i], want[i]);
-                    assert!((g - h).abs() <= GEMM_RTOL * scale, "{act:?} y[{i}] = {g}, reference on f16 x {h}");
+                    assert!(
+                        (g - h).abs() <= GEMM_RTOL * scale,
+                        "{act:?} y[{i}] = {g}, reference on f16 x {h}"
+                    );
                     let half_budget = (GEMM_RTOL + 1.0 / 2048.0) * scale;
                     assert!((g - w).abs() <= half_budget, "{act:?} y[{i}] = {g}, reference {w}");
                 }
