@@ -108,14 +108,14 @@ fn gemv_and_skinny_gemm_match_reference() {
 }
 
 /// The GPU's build of the persistent GEMV (inner loops unrolled, constant shifts), which the
-/// CI device otherwise compiles compactly, and a small-cube compact build: two tokens, mixed
-/// widths in one launch.
+/// CI device otherwise compiles compactly, a small-cube compact build, and the build that loads
+/// plane words a step ahead: two tokens, mixed widths in one launch.
 #[test]
 fn gemv_unrolled_matches_reference() {
     let client = client();
     let mut rng = StdRng::seed_from_u64(12);
     let mut pool = PoolImage::default();
-    let cols = 150;
+    let cols = 600; // several GEMV steps of plane words per row
     let a = pool.push(&random_block(&mut rng, 21, cols), 3);
     let b = pool.push(&random_block(&mut rng, 40, cols), 8);
     let items = [a.item(0, 0, 2), b.item(2 * cols as u32, 2 * 21, 1)];
@@ -129,10 +129,12 @@ fn gemv_unrolled_matches_reference() {
     ap_gemm_reference(&pool, &items, &x, &mut want, Activation::None);
     let scale = x.iter().map(|v| v.abs()).sum::<f32>() * 0.5 + 1.0;
     let base = GemmConfig { gemv_min_items: 1, ..GemmConfig::for_client(&client) };
-    // The GPU's build, and a compact one with two warps and one plane word per lane.
+    // The GPU's build, a compact one with two warps and one plane word per lane, and one that
+    // loads each step's plane words during the previous step (the 3-bit item; 8 bits ignore it).
     for cfg in [
         GemmConfig { unrolled: true, ..base },
         GemmConfig { unrolled: false, warps: 2, gemv_words_per_lane: 1, ..base },
+        GemmConfig { unrolled: false, gemv_words_per_lane: 1, gemv_prefetch: true, ..base },
     ] {
         let yd = DeviceArray::from_slice(&client, &vec![f32::NAN; y_len]);
         ap_gemm(&client, cfg, &planes, &luts, &items, &desc, &xd, &yd, Activation::None).unwrap();
