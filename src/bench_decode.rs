@@ -95,6 +95,11 @@ pub struct BenchDecodeArgs {
     /// `always` (the matrix units at every batch).
     #[arg(long, value_delimiter = ',', default_value = "auto")]
     pub dense_mma: Vec<String>,
+    /// Most tokens per routed work item (comma-separated, each measured; default
+    /// `ROUTE_CHUNK`, choices `ROUTE_CHUNK_CHOICES`): an expert with more tokens reads its
+    /// weights once per item.
+    #[arg(long, value_delimiter = ',')]
+    pub route_chunk: Vec<usize>,
 }
 
 fn inv_freq(theta: f64, head_dim: usize, rotating_pairs: usize) -> Vec<f32> {
@@ -340,10 +345,13 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
                 _ => Err(anyhow::anyhow!("--gemv-prefetch {p}: expected off or on")),
             })
             .collect::<Result<Vec<_>>>()?;
+        let chunks = if a.route_chunk.is_empty() { vec![dec.route_chunk()] } else { a.route_chunk.clone() };
         let combos = combos
             .flat_map(|c| wps_list.iter().map(move |w| (c, *w)))
-            .flat_map(|(c, w)| prefetches.iter().map(move |p| (c, w, *p)));
-        for (((act_name, act), &fused_max, (mma_name, mma), x_half), wps, prefetch) in combos {
+            .flat_map(|(c, w)| prefetches.iter().map(move |p| (c, w, *p)))
+            .flat_map(|(c, w, p)| chunks.iter().map(move |k| (c, w, p, *k)));
+        for (((act_name, act), &fused_max, (mma_name, mma), x_half), wps, prefetch, chunk) in combos {
+            dec.set_route_chunk(chunk).context("--route-chunk")?;
             let g = dec.gemm_config_mut();
             g.gemv_x_half = x_half;
             g.gemv_warps_per_sm = wps;
@@ -411,6 +419,7 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
                             "gemv_x": if x_half { "f16" } else { "f32" },
                             "gemv_warps_per_sm": wps,
                             "gemv_prefetch": prefetch,
+                            "route_chunk": chunk,
                             "mma_supported": kernels_cubecl::step::dense_mma_supported(dec.client()),
                         });
                         eprintln!("{rec}");

@@ -8,6 +8,8 @@ mod bench_pages;
 mod bench_prefill;
 mod bench_raise;
 mod bench_serve;
+#[cfg(feature = "cuda")]
+mod sass_gemv;
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
@@ -81,6 +83,11 @@ enum Command {
     /// engine over a synthetic full-size model under a fixed memory limit, experts pinned at
     /// 8 bits vs the planner free to lower them. Writes JSON records to --out.
     BenchServe(bench_serve::BenchServeArgs),
+    /// Writes the CUDA C++ of the routed expert GEMV launches of the three models as the CUDA
+    /// runtime compiles them on the H200, without a GPU (`scripts/sass_gemv.sh` reads their
+    /// registers and instructions per weight off `sm_90a` SASS).
+    #[cfg(feature = "cuda")]
+    SassGemv(sass_gemv::SassGemvArgs),
     /// Serve the model over an OpenAI-compatible HTTP API (continuous batching), or complete
     /// one prompt with --once.
     Serve(pagedweight::serve_cmd::ServeArgs),
@@ -120,6 +127,8 @@ fn main() -> Result<()> {
         Command::BenchPages(args) => bench_pages::bench_pages(&args),
         Command::BenchRaise(args) => bench_raise::bench_raise(&args),
         Command::BenchServe(args) => bench_serve::bench_serve(&args),
+        #[cfg(feature = "cuda")]
+        Command::SassGemv(args) => sass_gemv::sass_gemv(&args),
         Command::Quantize(args) => quantize_cmd::quantize(&args),
         Command::EvalPpl(args) => eval_cmd::eval_ppl(&args),
         Command::Serve(args) => pagedweight::serve_cmd::serve_command(&args),

@@ -20,6 +20,8 @@
 pub mod attention;
 #[allow(missing_docs)]
 pub mod bandwidth;
+#[cfg(feature = "cuda")]
+pub mod cuda_source;
 #[allow(missing_docs)]
 pub mod decode;
 #[allow(missing_docs)]
@@ -196,8 +198,8 @@ pub struct GemmConfig {
     /// in one run.
     pub specialized: bool,
     /// `true` (the default): launches of at least `gemv_min_items` items of at most
-    /// [`GEMV_MAX_TOKENS`] tokens whose `x` fits in shared memory go to the persistent GEMV
-    /// kernel ([`gemv`]).
+    /// [`GEMV_HOST_MAX_TOKENS`] tokens (routed tables: [`GEMV_MAX_TOKENS`]) whose `x` fits in
+    /// shared memory go to the persistent GEMV kernel ([`gemv`]).
     pub gemv: bool,
     /// Fewest items for the GEMV kernel ([`GEMV_MIN_ITEMS`] by default).
     pub gemv_min_items: usize,
@@ -255,7 +257,12 @@ impl GemmConfig {
 
     /// The configuration for `client`'s device.
     pub fn for_client<R: Runtime>(client: &ComputeClient<R>) -> Self {
-        let hw = &client.properties().hardware;
+        Self::for_hardware(&client.properties().hardware, R::name(client) == "cuda")
+    }
+
+    /// The configuration for a device of `hw` (`cuda`: the CUDA runtime, whose shuffles take
+    /// the source lane modulo 32).
+    pub fn for_hardware(hw: &cubecl::ir::HardwareProperties, cuda: bool) -> Self {
         // Devices with little shared memory (lavapipe: 32 KiB) get one row per warp.
         // 2 measured fastest on the H200 (bench-kernels sweep of 1, 2, 4, 8 rows per warp).
         let rows_per_warp = if hw.max_shared_memory_size >= 96 * 1024 { 2 } else { 1 };
@@ -273,7 +280,7 @@ impl GemmConfig {
             gemv_rows: GEMV_ROWS,
             unrolled,
             lut_in_lanes: plane_size == 8 || plane_size >= 16,
-            shuffle_wraps: R::name(client) == "cuda" && plane_size == 32,
+            shuffle_wraps: cuda && plane_size == 32,
             gemv_x_half: false,
             gemv_warps_per_sm: GEMV_WARPS_PER_SM,
             gemv_prefetch: false,
@@ -293,8 +300,13 @@ impl GemmConfig {
 }
 
 /// Most tokens per item the persistent GEMV kernel takes (its `x` for all columns stays in
-/// shared memory).
-pub const GEMV_MAX_TOKENS: usize = 2;
+/// shared memory): the routed launches' largest chunk
+/// ([`step::ROUTE_CHUNK_CHOICES`]). Launches of host items take it up to
+/// [`GEMV_HOST_MAX_TOKENS`].
+pub const GEMV_MAX_TOKENS: usize = 8;
+/// Most tokens per item for which launches of host items (not routed) take the persistent
+/// GEMV; above, the tiled kernel, which decodes each weight once for up to 16 tokens.
+pub const GEMV_HOST_MAX_TOKENS: usize = 2;
 /// Fewest items for which the persistent GEMV kernel is chosen. The tiled grid launches cubes
 /// for every item, the GEMV only works on the active ones. Measured on the H200: at git
 /// `09f2cf5` the tiled kernel was faster for Mixtral's 16 routed items (8 experts × 2 chunks;
@@ -305,30 +317,51 @@ pub const GEMV_MAX_TOKENS: usize = 2;
 pub const GEMV_MIN_ITEMS: usize = 16;
 /// Default [`GemmConfig::gemv_rows`].
 pub const GEMV_ROWS: usize = 2;
-/// Default [`GemmConfig::gemv_warps_per_sm`]: the GEMV's registers (77–80 per thread, ncu on
-/// the H200) leave room for 24 warps per SM.
+/// Default [`GemmConfig::gemv_warps_per_sm`]: the GEMV's registers (77–80 per thread at one
+/// token, ncu on the H200 and CUDA 13.0's ptxas alike) leave room for 24 warps per SM. At two
+/// tokens ptxas gives Qwen1.5-MoE's GEMVs and Gemma-4's down 110–116 (16 warps fit;
+/// `benches/results/sass-gemv.md`), a grid still to be timed against this one.
 pub const GEMV_WARPS_PER_SM: usize = 24;
 
-/// Launches [`gemv::ap_gemv_kernel`] over `n_items` descriptors when it applies (see
-/// [`GemmConfig::gemv`]; `x` of `cols` columns fits in shared memory); `false` when it does not.
-/// `counted`: the table has a header slot after its `n_items` items whose word 0 counts the
-/// live items, which come first (the routing's tables); the kernel reads only those.
+/// The persistent GEMV's launch shape and comptime arguments for one launch (see
+/// [`gemv_plan`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GemvPlan {
+    /// Cubes in the grid.
+    pub cubes: usize,
+    /// Warps per cube.
+    pub warps: usize,
+    /// The kernel's comptime token bucket.
+    pub tb: usize,
+    /// Staged `x` words per token (a multiple of `plane_size · words_per_lane`).
+    pub x_words: usize,
+    /// Bytes of shared memory a cube takes.
+    pub shared_bytes: usize,
+    /// Gated activation code of the epilogue (0: plain units).
+    pub glu: u32,
+}
+
+/// Where [`launch_gemv`] would launch the persistent GEMV on a device of `hw` (and with which
+/// shape), or `None` where it does not apply (see [`GemmConfig::gemv`]; `x` of `cols` columns
+/// must fit in shared memory). `counted`: a routed table (live items first, their count in a
+/// header slot).
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn launch_gemv<R: Runtime>(
-    client: &ComputeClient<R>,
+pub fn gemv_plan(
+    hw: &cubecl::ir::HardwareProperties,
     cfg: GemmConfig,
-    [planes, luts, desc, x, y]: [&DeviceArray; 5],
     n_items: usize,
     counted: bool,
     cols: usize,
     tokens: usize,
-    act: Activation,
     lut_slots: usize,
     glu: Option<Activation>,
-) -> bool {
+) -> Option<GemvPlan> {
     let tb = token_bucket(tokens);
-    if !cfg.gemv || !cfg.specialized || tb > GEMV_MAX_TOKENS || n_items < cfg.gemv_min_items.max(1) {
-        return false;
+    // Routed tables (`counted`) come in chunks the GEMV always takes; host items above two
+    // tokens go to the tiled kernel.
+    let most = if counted { GEMV_MAX_TOKENS } else { GEMV_HOST_MAX_TOKENS };
+    if !cfg.gemv || !cfg.specialized || tb > most || n_items < cfg.gemv_min_items.max(1) {
+        return None;
     }
     // A gated unit pairs gate rows with up rows, half of its rows each.
     let glu = match glu {
@@ -336,7 +369,7 @@ pub(crate) fn launch_gemv<R: Runtime>(
         Some(a @ (Activation::SiluMul | Activation::GeluTanhMul)) if cfg.gemv_rows.is_multiple_of(2) => {
             a.code()
         }
-        Some(_) => return false,
+        Some(_) => return None,
     };
     let ps = cfg.plane_size;
     let step = ps * cfg.gemv_words_per_lane;
@@ -347,9 +380,8 @@ pub(crate) fn launch_gemv<R: Runtime>(
         let prefix = n_items + 1 + n_items.div_ceil(warps * ps) * warps;
         x_bytes * tb * x_words * 4 * gemm::XV_PER_WORD + 4 * (warps * cfg.gemv_rows * lut_slots + prefix)
     };
-    let hw = &client.properties().hardware;
     if shared(cfg.warps) > hw.max_shared_memory_size {
-        return false;
+        return None;
     }
     // As many cubes per SM as can be resident (shared memory, and registers: ncu on the H200
     // saw 77 per thread, room for 24 warps), so no second wave leaves SMs idle at the end.
@@ -365,8 +397,32 @@ pub(crate) fn launch_gemv<R: Runtime>(
         .filter(|&w| w <= widest && w * cfg.gemv_rows <= 64 && shared(w) <= hw.max_shared_memory_size)
         .max_by_key(|&w| (per_sm(w) * w, std::cmp::Reverse(w)))
         .unwrap_or(cfg.warps);
-    let threads = warps * ps;
     let cubes = hw.num_streaming_multiprocessors.unwrap_or(4) as usize * per_sm(warps);
+    Some(GemvPlan { cubes, warps, tb, x_words, shared_bytes: shared(warps), glu })
+}
+
+/// Launches [`gemv::ap_gemv_kernel`] over `n_items` descriptors when it applies (see
+/// [`gemv_plan`]); `false` when it does not.
+/// `counted`: the table has a header slot after its `n_items` items whose word 0 counts the
+/// live items, which come first (the routing's tables); the kernel reads only those.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn launch_gemv<R: Runtime>(
+    client: &ComputeClient<R>,
+    cfg: GemmConfig,
+    [planes, luts, desc, x, y]: [&DeviceArray; 5],
+    n_items: usize,
+    counted: bool,
+    cols: usize,
+    tokens: usize,
+    act: Activation,
+    lut_slots: usize,
+    glu: Option<Activation>,
+) -> bool {
+    let hw = &client.properties().hardware;
+    let Some(plan) = gemv_plan(hw, cfg, n_items, counted, cols, tokens, lut_slots, glu) else {
+        return false;
+    };
+    let threads = plan.warps * cfg.plane_size;
     // SAFETY: callers checked the descriptors against the buffers (host items) or built them
     // on the device from validated slot words (routed items).
     unsafe {
@@ -375,7 +431,7 @@ pub(crate) fn launch_gemv<R: Runtime>(
             ($xf:ty) => {
                 gemv::ap_gemv_kernel::launch_unchecked::<$xf, R>(
                     client,
-                    CubeCount::Static(cubes as u32, 1, 1),
+                    CubeCount::Static(plan.cubes as u32, 1, 1),
                     CubeDim::new_1d(threads as u32),
                     planes.arg(),
                     luts.arg(),
@@ -384,17 +440,17 @@ pub(crate) fn launch_gemv<R: Runtime>(
                     y.arg(),
                     n_items as u32,
                     n_items,
-                    tb,
-                    ps,
-                    warps,
+                    plan.tb,
+                    cfg.plane_size,
+                    plan.warps,
                     cfg.gemv_rows,
                     cfg.gemv_words_per_lane,
-                    x_words,
+                    plan.x_words,
                     act.code(),
                     lut_slots,
                     cfg.unrolled,
                     cfg.lut_mode(),
-                    glu,
+                    plan.glu,
                     counted,
                     cfg.gemv_prefetch,
                 )

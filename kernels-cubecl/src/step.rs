@@ -622,6 +622,15 @@ pub fn expert_slot_words(shape: MoeShape, slots: &[(PoolSlot, PoolSlot)]) -> Res
 pub const ROUTE_CHUNK: usize = 2;
 /// Work items per expert (`MAX_TOKENS / ROUTE_CHUNK`); empty ones exit at once.
 pub const ROUTE_CHUNKS: usize = MAX_TOKENS / ROUTE_CHUNK;
+/// Route chunks [`RouteBuffers::with_chunk`] accepts: powers of two up to the persistent
+/// GEMV's largest token bucket ([`crate::GEMV_MAX_TOKENS`]; where an item's `x` does not fit in
+/// shared memory the routed launch takes the tiled kernel). Four halves the weight reads of an
+/// expert with 3–4 tokens (batch 8 gives a Mixtral expert 2 on average, a third of them 3 or
+/// more) at the cost of four multiplies per decoded weight for every item, and of registers:
+/// CUDA 13.0 gives the GEMV 112–160 per thread at 4–8 tokens against 77–80 at one
+/// (`benches/results/sass-gemv.md`, static), more than its grid's 24 warps per SM allow. Not yet
+/// timed on the GPU, so [`ROUTE_CHUNK`] stays the default.
+pub const ROUTE_CHUNK_CHOICES: [usize; 4] = [1, 2, 4, 8];
 
 /// Routing statistics [`moe_route_counted`] accumulates: per expert `e` of the layer,
 /// `counts[base + e] +=` its tokens and `mass[base + e] +=` their routing weights.
@@ -644,35 +653,61 @@ pub struct RouteBuffers {
     pub gather: DeviceArray,
     /// `[tokens, k]` gathered row of each choice.
     pub pos: DeviceArray,
-    /// `[experts · ROUTE_CHUNKS + 1, 8]` gate_up work items: the live ones first (expert
-    /// order), then empty ones; word 0 of the last (header) slot counts the live ones.
+    /// `[experts · chunks + 1, 8]` gate_up work items (`chunks = MAX_TOKENS / chunk`): the live
+    /// ones first (expert order), then empty ones; word 0 of the last (header) slot counts the
+    /// live ones.
     pub desc_gate_up: DeviceArray,
-    /// `[experts · ROUTE_CHUNKS + 1, 8]` down work items, laid out as `desc_gate_up`.
+    /// `[experts · chunks + 1, 8]` down work items, laid out as `desc_gate_up`.
     pub desc_down: DeviceArray,
+    /// Most tokens per work item (see [`RouteBuffers::with_chunk`]).
+    chunk: usize,
     /// One-element stand-ins for the statistics' buffers when none are kept (never written).
     no_counts: DeviceArray,
     no_mass: DeviceArray,
 }
 
 impl RouteBuffers {
-    /// Buffers for up to `MAX_TOKENS` tokens.
+    /// Buffers for up to `MAX_TOKENS` tokens, in work items of [`ROUTE_CHUNK`] tokens.
     pub fn new<R: Runtime>(client: &ComputeClient<R>, shape: MoeShape) -> Self {
+        Self::with_chunk(client, shape, ROUTE_CHUNK).expect("ROUTE_CHUNK is a valid chunk")
+    }
+
+    /// Buffers whose routing cuts an expert's tokens into work items of at most `chunk` tokens
+    /// (one of [`ROUTE_CHUNK_CHOICES`]); the routed GEMMs read each item's weights once.
+    pub fn with_chunk<R: Runtime>(
+        client: &ComputeClient<R>,
+        shape: MoeShape,
+        chunk: usize,
+    ) -> Result<Self, KernelError> {
+        if !ROUTE_CHUNK_CHOICES.contains(&chunk) {
+            return Err(bad(format!("route chunk {chunk}: expected one of {ROUTE_CHUNK_CHOICES:?}")));
+        }
         let n = MAX_TOKENS * shape.k;
-        Self {
+        let chunks = MAX_TOKENS / chunk;
+        Ok(Self {
             weights: DeviceArray::empty::<R, f32>(client, n),
             gather: DeviceArray::empty::<R, u32>(client, n),
             pos: DeviceArray::empty::<R, u32>(client, n),
             desc_gate_up: DeviceArray::empty::<R, u32>(
                 client,
-                (shape.experts * ROUTE_CHUNKS + 1) * gemm::DESC_WORDS,
+                (shape.experts * chunks + 1) * gemm::DESC_WORDS,
             ),
-            desc_down: DeviceArray::empty::<R, u32>(
-                client,
-                (shape.experts * ROUTE_CHUNKS + 1) * gemm::DESC_WORDS,
-            ),
+            desc_down: DeviceArray::empty::<R, u32>(client, (shape.experts * chunks + 1) * gemm::DESC_WORDS),
+            chunk,
             no_counts: DeviceArray::empty::<R, u32>(client, 1),
             no_mass: DeviceArray::empty::<R, f32>(client, 1),
-        }
+        })
+    }
+
+    /// Most tokens per work item: what [`ap_gemm_routed`] and [`ap_gemm_routed_gated`] take
+    /// with these buffers' tables.
+    pub fn chunk(&self) -> usize {
+        self.chunk
+    }
+
+    /// Work items per expert in the tables.
+    pub fn chunks(&self) -> usize {
+        MAX_TOKENS / self.chunk
     }
 
     /// The statistics counters a routing launch writes: the caller's, or these buffers' unused
@@ -775,8 +810,8 @@ pub fn moe_route_counted<R: Runtime>(
             shape.renormalize,
             shape.hidden,
             shape.inter,
-            ROUTE_CHUNK,
-            ROUTE_CHUNKS,
+            out.chunk,
+            out.chunks(),
             stats.is_some(),
             units,
             plane,
@@ -857,8 +892,8 @@ pub fn moe_route_gather<R: Runtime>(
             shape.renormalize,
             shape.hidden,
             shape.inter,
-            ROUTE_CHUNK,
-            ROUTE_CHUNKS,
+            out.chunk,
+            out.chunks(),
             stats.is_some(),
             units,
             plane,
@@ -1038,8 +1073,8 @@ pub fn moe_route_gather_router<R: Runtime>(
             shape.renormalize,
             shape.hidden,
             shape.inter,
-            ROUTE_CHUNK,
-            ROUTE_CHUNKS,
+            out.chunk,
+            out.chunks(),
             stats.is_some(),
             units,
             plane,
@@ -1219,18 +1254,30 @@ pub fn moe_combine<R: Runtime>(
     Ok(())
 }
 
-/// Work items of a routed launch over `experts` (`experts · ROUTE_CHUNKS`), with the launch
-/// configuration and the descriptor table's length (with its header slot) checked.
-fn routed_items(cfg: crate::GemmConfig, desc: &DeviceArray, experts: usize) -> Result<usize, KernelError> {
-    let items = experts * ROUTE_CHUNKS;
+/// Work items of a routed launch over `experts` (`experts · MAX_TOKENS / chunk`), with the
+/// launch configuration, the chunk and the descriptor table's length (with its header slot)
+/// checked.
+fn routed_items(
+    cfg: crate::GemmConfig,
+    desc: &DeviceArray,
+    chunk: usize,
+    experts: usize,
+) -> Result<usize, KernelError> {
+    if !ROUTE_CHUNK_CHOICES.contains(&chunk) {
+        return Err(bad(format!(
+            "routed gemm: route chunk {chunk}, expected one of {ROUTE_CHUNK_CHOICES:?}"
+        )));
+    }
+    let items = experts * (MAX_TOKENS / chunk);
     cfg.check()?;
     need("routed gemm descriptors", desc, (items + 1) * gemm::DESC_WORDS)?;
     Ok(items)
 }
 
 /// The grouped expert GEMM over a descriptor table built on the device by [`moe_route`]
-/// (`experts · ROUTE_CHUNKS` items, each at most `min(tokens, ROUTE_CHUNK)` tokens and
-/// `max_rows` rows of `cols` columns).
+/// into buffers of route chunk `chunk` ([`RouteBuffers::chunk`]; `experts · MAX_TOKENS /
+/// chunk` items, each at most `min(tokens, chunk)` tokens and `max_rows` rows of `cols`
+/// columns).
 #[allow(clippy::too_many_arguments)]
 pub fn ap_gemm_routed<R: Runtime>(
     client: &ComputeClient<R>,
@@ -1238,6 +1285,7 @@ pub fn ap_gemm_routed<R: Runtime>(
     planes: &DeviceArray,
     luts: &DeviceArray,
     desc: &DeviceArray,
+    chunk: usize,
     experts: usize,
     max_rows: usize,
     cols: usize,
@@ -1246,13 +1294,13 @@ pub fn ap_gemm_routed<R: Runtime>(
     y: &DeviceArray,
     act: crate::Activation,
 ) -> Result<(), KernelError> {
-    let items = routed_items(cfg, desc, experts)?;
+    let items = routed_items(cfg, desc, chunk, experts)?;
     if tokens == 0 {
         return Ok(());
     }
     // Bit-widths live in device descriptors: room for the widest LUT.
     let bufs = [planes, luts, desc, x, y];
-    let item_tokens = tokens.min(ROUTE_CHUNK);
+    let item_tokens = tokens.min(chunk);
     if crate::launch_gemv(client, cfg, bufs, items, true, cols, item_tokens, act, gemm::LUT_SLOTS, None) {
         return Ok(());
     }
@@ -1269,7 +1317,7 @@ pub fn ap_gemm_routed<R: Runtime>(
             desc.arg(),
             x.arg(),
             y.arg(),
-            token_bucket(tokens.min(ROUTE_CHUNK)),
+            token_bucket(item_tokens),
             cfg.plane_size,
             cfg.warps,
             cfg.rows_per_warp,
@@ -1307,6 +1355,7 @@ pub fn ap_gemm_routed_gated<R: Runtime>(
     planes: &DeviceArray,
     luts: &DeviceArray,
     desc: &DeviceArray,
+    chunk: usize,
     experts: usize,
     max_rows: usize,
     cols: usize,
@@ -1315,7 +1364,7 @@ pub fn ap_gemm_routed_gated<R: Runtime>(
     y: &DeviceArray,
     act: crate::Activation,
 ) -> Result<bool, KernelError> {
-    let items = routed_items(cfg, desc, experts)?;
+    let items = routed_items(cfg, desc, chunk, experts)?;
     if !matches!(act, crate::Activation::SiluMul | crate::Activation::GeluTanhMul) {
         return Err(bad(format!("ap_gemm_routed_gated: {act:?} is not a gated activation")));
     }
@@ -1325,7 +1374,7 @@ pub fn ap_gemm_routed_gated<R: Runtime>(
     if tokens == 0 {
         return Ok(true);
     }
-    let item_tokens = tokens.min(ROUTE_CHUNK);
+    let item_tokens = tokens.min(chunk);
     if item_tokens > GATED_MAX_TOKENS {
         return Ok(false);
     }

@@ -47,7 +47,7 @@ fn check(
     let base = GemmConfig { gemv_min_items: 1, ..GemmConfig::for_client(client) };
     // The first kernel stays checked (bench-kernels compares against it); the persistent GEMV
     // takes items of at most 2 tokens unless switched off.
-    let few = items.iter().all(|i| i.tokens as usize <= GEMV_MAX_TOKENS);
+    let few = items.iter().all(|i| i.tokens as usize <= GEMV_HOST_MAX_TOKENS);
     let mut cfgs = vec![
         base,
         GemmConfig { warps: 2, rows_per_warp: 3, gemv: false, ..base },
@@ -648,12 +648,14 @@ fn routed_moe_matches_reference() {
     use kernels_cubecl::step::*;
     let client = client();
     let mut rng = StdRng::seed_from_u64(7);
-    // Six experts, and two experts that both get every token (16 > ROUTE_CHUNK: split items).
-    for shape in [
-        MoeShape { experts: 6, k: 2, renormalize: true, hidden: 64, inter: 48 },
-        MoeShape { experts: 2, k: 2, renormalize: false, hidden: 64, inter: 48 },
+    // Six experts, and two experts that both get every token (16 > ROUTE_CHUNK: split items),
+    // the latter also in items of four tokens (the GEMV's largest bucket).
+    for (shape, chunk) in [
+        (MoeShape { experts: 6, k: 2, renormalize: true, hidden: 64, inter: 48 }, ROUTE_CHUNK),
+        (MoeShape { experts: 2, k: 2, renormalize: false, hidden: 64, inter: 48 }, ROUTE_CHUNK),
+        (MoeShape { experts: 2, k: 2, renormalize: false, hidden: 64, inter: 48 }, 4),
     ] {
-        check_routed_moe(&client, &mut rng, shape);
+        check_routed_moe(&client, &mut rng, shape, chunk);
     }
 }
 
@@ -867,6 +869,7 @@ fn check_routed_moe(
     client: &ComputeClient<WgpuRuntime>,
     rng: &mut StdRng,
     shape: kernels_cubecl::step::MoeShape,
+    chunk: usize,
 ) {
     use kernels_cubecl::step::*;
     let (h, i) = (shape.hidden, shape.inter);
@@ -881,10 +884,11 @@ fn check_routed_moe(
     let planes = DeviceArray::from_slice(client, &pool.planes);
     let luts = DeviceArray::from_slice(client, &pool.luts);
     let slot_words = DeviceArray::from_slice(client, &expert_slot_words(shape, &slots).unwrap());
-    // The routed launches through the GEMV kernel (few items here; at most ROUTE_CHUNK tokens
+    // The routed launches through the GEMV kernel (few items here; at most `chunk` tokens
     // each, so every token count takes it).
     let cfg = GemmConfig { gemv_min_items: 1, ..GemmConfig::for_client(client) };
-    let bufs = RouteBuffers::new(client, shape);
+    let bufs = RouteBuffers::with_chunk(client, shape, chunk).unwrap();
+    assert!(RouteBuffers::with_chunk(client, shape, 3).is_err(), "a chunk of 3 tokens");
     for tokens in [1usize, 2, 5, 16] {
         let meta = DeviceArray::from_slice(client, &[tokens as u32]);
         let x = rand_vec(rng, tokens * h, 1.0);
@@ -911,6 +915,7 @@ fn check_routed_moe(
             &planes,
             &luts,
             &bufs.desc_gate_up,
+            chunk,
             shape.experts,
             2 * i,
             h,
@@ -931,7 +936,8 @@ fn check_routed_moe(
         kernels_cubecl::families::gated_act(client, rows, i, silu, &gu, (&act_rows, 2 * i)).unwrap();
         for (input, act, out) in [(&gu, Activation::SiluMul, &dn), (&act_rows, Activation::Applied, &dn2)] {
             let (e, desc) = (shape.experts, &bufs.desc_down);
-            ap_gemm_routed(client, cfg, &planes, &luts, desc, e, h, i, tokens, input, out, act).unwrap();
+            ap_gemm_routed(client, cfg, &planes, &luts, desc, chunk, e, h, i, tokens, input, out, act)
+                .unwrap();
         }
         assert_close(
             &read_f32(client, &dn2).unwrap()[..rows * h],
@@ -948,10 +954,25 @@ fn check_routed_moe(
                 DeviceArray::empty::<WgpuRuntime, f32>(client, rows * 2 * i),
             );
             let (e, desc) = (shape.experts, &bufs.desc_gate_up);
-            let gated =
-                |y| ap_gemm_routed_gated(client, cfg, &planes, &luts, desc, e, 2 * i, h, tokens, &xg, y, act);
+            let gated = |y| {
+                ap_gemm_routed_gated(
+                    client,
+                    cfg,
+                    &planes,
+                    &luts,
+                    desc,
+                    chunk,
+                    e,
+                    2 * i,
+                    h,
+                    tokens,
+                    &xg,
+                    y,
+                    act,
+                )
+            };
             let launched = gated(&fused).unwrap();
-            assert_eq!(launched, tokens <= GATED_MAX_TOKENS, "gated GEMV at {tokens} tokens");
+            assert_eq!(launched, tokens.min(chunk) <= GATED_MAX_TOKENS, "gated GEMV at {tokens} tokens");
             if !launched {
                 continue;
             }

@@ -691,6 +691,19 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
         self.dense_mma = mode;
     }
 
+    /// Most tokens per routed work item (default `kernels_cubecl::step::ROUTE_CHUNK`; one of
+    /// `ROUTE_CHUNK_CHOICES`): an expert with more tokens reads its weights once per item. For
+    /// benchmarks comparing them; the routing buffers are rebuilt.
+    pub fn set_route_chunk(&mut self, chunk: usize) -> Result<(), DecodeError> {
+        self.s.route = RouteBuffers::with_chunk(&self.client, self.cfg.moe_shape(), chunk)?;
+        Ok(())
+    }
+
+    /// Most tokens per routed work item (see [`Decoder::set_route_chunk`]).
+    pub fn route_chunk(&self) -> usize {
+        self.s.route.chunk()
+    }
+
     /// Kernel launches of the last step (all chunks).
     pub fn last_launches(&self) -> usize {
         self.launches
@@ -880,8 +893,9 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
         let expert_act = self.expert_act;
         let experts = |ex: &LayerPool<'_>| {
             let (gu, dn) = (&s.route.desc_gate_up, &s.route.desc_down);
+            let chunk = s.route.chunk();
             let routed = |desc, n, k, x, y, act| {
-                ap_gemm_routed(c, self.gemm, ex.planes, ex.luts, desc, e, n, k, t, x, y, act)
+                ap_gemm_routed(c, self.gemm, ex.planes, ex.luts, desc, chunk, e, n, k, t, x, y, act)
             };
             let fused = expert_act == ExpertAct::GateUpEpilogue
                 && ap_gemm_routed_gated(
@@ -890,6 +904,7 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
                     ex.planes,
                     ex.luts,
                     gu,
+                    chunk,
                     e,
                     2 * i,
                     h,

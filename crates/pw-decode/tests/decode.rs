@@ -306,9 +306,11 @@ fn gemma4_multimodal_layout_f32_cache() {
 /// Whole prompts prefilled through the decode kernels in chunks of `MAX_TOKENS` tokens (several
 /// tokens of one sequence per chunk, prompts crossing chunk boundaries and, on Gemma, its
 /// sliding window of 8), then two decode steps: every next-token logit against the reference.
-fn check_prefill(dir: &Path, tol: f32) {
+fn check_prefill(dir: &Path, tol: f32, route_chunk: usize) {
     let (reference, experts, client) = setup(dir);
     let mut dec = Decoder::<WgpuRuntime, f32>::load(&client, dir, &experts, 40, 4, 48).unwrap();
+    dec.set_route_chunk(route_chunk).unwrap();
+    assert_eq!(dec.route_chunk(), route_chunk);
     let prompts: Vec<(u64, Vec<u32>)> = vec![
         (1, (0..20).map(|i| (i * 7 + 1) % 50).collect()),
         (2, vec![1, 90, 91, 92, 93]),
@@ -340,12 +342,21 @@ fn check_prefill(dir: &Path, tol: f32) {
 
 #[test]
 fn mixtral_shipped_chunked_prefill() {
-    check_prefill(&asset("tiny-mixtral"), F32_KV_TOL);
+    check_prefill(&asset("tiny-mixtral"), F32_KV_TOL, kernels_cubecl::step::ROUTE_CHUNK);
+}
+
+/// Prefill steps of 16 tokens give the tiny Mixtral's experts several tokens each: routed
+/// items of 4 and 8 tokens (the GEMV's larger buckets) against the Burn reference.
+#[test]
+fn mixtral_shipped_chunked_prefill_wide_route_items() {
+    for chunk in [4, 8] {
+        check_prefill(&asset("tiny-mixtral"), F32_KV_TOL, chunk);
+    }
 }
 
 #[test]
 fn gemma4_fixture_chunked_prefill_past_the_window() {
-    check_prefill(&fixture("gemma4"), F32_KV_TOL);
+    check_prefill(&fixture("gemma4"), F32_KV_TOL, kernels_cubecl::step::ROUTE_CHUNK);
 }
 
 /// Launches of one layer of the fast path, by kind (the RMSNorms are folded into the GEMMs and

@@ -1,0 +1,103 @@
+//! The CUDA C++ that CubeCL's CUDA compiler writes for the persistent expert GEMV, produced
+//! from the kernel's IR on any runtime's client: the GEMV's registers, spills and instruction
+//! mix on `sm_90a` can then be read off `nvcc -cubin -Xptxas -v` and `cuobjdump -sass` on a
+//! machine without a GPU (`scripts/sass_gemv.sh`), where issue 5 asks for instructions per
+//! weight and device time is scarce.
+//!
+//! The IR does not depend on the client's device here: the kernel reads no device property at
+//! expansion, every launch-shape choice is a comptime argument ([`crate::gemv_plan`] for the
+//! target's hardware), and CUDA's compiler options are the ones `cubecl-cuda` sets on sm_90
+//! (fast math, grid constants, 32-lane warps).
+
+use cubecl::ir::{ElemType, HardwareProperties, StorageType, UIntKind};
+use cubecl::prelude::*;
+use cubecl::{Compiler, ExecutionMode};
+
+use crate::{Activation, GemmConfig, GemvPlan, KernelError, gemv};
+
+/// The H200's hardware properties as `cubecl-cuda` reads them (132 SMs, 232448 bytes of
+/// opt-in shared memory per cube, 1024 units per cube, 32-lane warps), for [`crate::gemv_plan`]
+/// without the device.
+pub fn h200_hardware() -> HardwareProperties {
+    HardwareProperties {
+        load_width: 128,
+        plane_size_min: 32,
+        plane_size_max: 32,
+        max_bindings: u32::MAX,
+        max_shared_memory_size: 232_448,
+        max_cube_count: (i32::MAX as u32, 65_535, 65_535),
+        max_units_per_cube: 1024,
+        max_cube_dim: (1024, 1024, 64),
+        num_streaming_multiprocessors: Some(132),
+        num_cpu_cores: None,
+        num_tensor_cores: Some(4),
+        min_tensor_cores_dim: Some(8),
+        max_vector_size: 16,
+    }
+}
+
+/// The GEMM configuration the CUDA runtime picks on the H200 (what
+/// [`GemmConfig::for_client`] returns there).
+pub fn h200_gemm_config() -> GemmConfig {
+    GemmConfig::for_hardware(&h200_hardware(), true)
+}
+
+/// CUDA C++ source of [`gemv::ap_gemv_kernel`] for `plan` (from [`crate::gemv_plan`] with
+/// `cfg`), as the CUDA runtime would compile it; `client` only hosts the IR expansion.
+#[allow(clippy::too_many_arguments)]
+pub fn gemv_cuda_source<R: Runtime>(
+    client: &ComputeClient<R>,
+    cfg: GemmConfig,
+    plan: &GemvPlan,
+    n_items: usize,
+    counted: bool,
+    act: Activation,
+    lut_slots: usize,
+) -> Result<String, KernelError> {
+    let settings = KernelSettings::default()
+        .cube_dim(CubeDim::new_1d((plan.warps * cfg.plane_size) as u32))
+        .address_type(AddressType::U32);
+    let arr = || ArrayCompilationArg { inplace: None };
+    macro_rules! define {
+        ($xf:ty) => {
+            gemv::ap_gemv_kernel::ApGemvKernel::<$xf, R>::new(
+                settings,
+                client.clone(),
+                arr(),
+                arr(),
+                arr(),
+                arr(),
+                arr(),
+                (),
+                n_items,
+                plan.tb,
+                cfg.plane_size,
+                plan.warps,
+                cfg.gemv_rows,
+                cfg.gemv_words_per_lane,
+                plan.x_words,
+                act.code(),
+                lut_slots,
+                cfg.unrolled,
+                cfg.lut_mode(),
+                plan.glu,
+                counted,
+                cfg.gemv_prefetch,
+            )
+            .define()
+        };
+    }
+    let definition = if cfg.gemv_x_half { define!(half::f16) } else { define!(f32) };
+    let mut options = <cubecl::cuda::CudaCompiler as Compiler>::CompilationOptions::default();
+    options.supports_features.fast_math = true;
+    options.supports_features.grid_constants = true;
+    let kernel = cubecl::cuda::CudaCompiler::default()
+        .compile(
+            definition,
+            &options,
+            ExecutionMode::Unchecked,
+            StorageType::Scalar(ElemType::UInt(UIntKind::U32)),
+        )
+        .map_err(|e| KernelError::Config(format!("CUDA compilation of the GEMV: {e}")))?;
+    Ok(kernel.to_string())
+}
