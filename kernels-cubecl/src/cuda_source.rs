@@ -60,29 +60,10 @@ pub fn gemv_cuda_source<R: Runtime>(
     let arr = || ArrayCompilationArg { inplace: None };
     macro_rules! define {
         ($xf:ty) => {
-            gemv::ap_gemv_kernel::ApGemvKernel::<$xf, R>::new(
-                settings,
-                client.clone(),
-                arr(),
-                arr(),
-                arr(),
-                arr(),
-                arr(),
-                (),
-                n_items,
-                plan.tb,
-                cfg.plane_size,
-                plan.warps,
-                cfg.gemv_rows,
-                cfg.gemv_words_per_lane,
-                plan.x_words,
-                act.code(),
-                lut_slots,
-                cfg.unrolled,
-                cfg.lut_mode(),
-                plan.glu,
-                counted,
-                cfg.gemv_prefetch,
+            crate::gemv_comptime_call!(
+                gemv::ap_gemv_kernel::ApGemvKernel::<$xf, R>::new,
+                (settings, client.clone(), arr(), arr(), arr(), arr(), arr(), ()),
+                (cfg, plan, n_items, act, lut_slots, counted)
             )
             .define()
         };

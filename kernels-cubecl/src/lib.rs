@@ -323,6 +323,33 @@ pub const GEMV_ROWS: usize = 2;
 /// `benches/results/sass-gemv.md`), a grid still to be timed against this one.
 pub const GEMV_WARPS_PER_SM: usize = 24;
 
+/// Calls `$f` (the GEMV kernel's launch, or its kernel definition's constructor) with the
+/// leading arguments `$pre` and then [`gemv::ap_gemv_kernel`]'s comptime arguments for one
+/// launch of `$cfg` and `$plan`, in declaration order: the one list both share.
+macro_rules! gemv_comptime_call {
+    ($f:path, ($($pre:expr),* $(,)?), ($cfg:expr, $plan:expr, $n_items:expr, $act:expr, $lut_slots:expr, $counted:expr)) => {
+        $f(
+            $($pre,)*
+            $n_items,
+            $plan.tb,
+            $cfg.plane_size,
+            $plan.warps,
+            $cfg.gemv_rows,
+            $cfg.gemv_words_per_lane,
+            $plan.x_words,
+            $act.code(),
+            $lut_slots,
+            $cfg.unrolled,
+            $cfg.lut_mode(),
+            $plan.glu,
+            $counted,
+            $cfg.gemv_prefetch,
+        )
+    };
+}
+#[cfg(feature = "cuda")]
+pub(crate) use gemv_comptime_call;
+
 /// The persistent GEMV's launch shape and comptime arguments for one launch (see
 /// [`gemv_plan`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -429,30 +456,20 @@ pub(crate) fn launch_gemv<R: Runtime>(
         // The staged element type is a generic of the kernel: one call per type.
         macro_rules! launch {
             ($xf:ty) => {
-                gemv::ap_gemv_kernel::launch_unchecked::<$xf, R>(
-                    client,
-                    CubeCount::Static(plan.cubes as u32, 1, 1),
-                    CubeDim::new_1d(threads as u32),
-                    planes.arg(),
-                    luts.arg(),
-                    desc.arg(),
-                    x.arg(),
-                    y.arg(),
-                    n_items as u32,
-                    n_items,
-                    plan.tb,
-                    cfg.plane_size,
-                    plan.warps,
-                    cfg.gemv_rows,
-                    cfg.gemv_words_per_lane,
-                    plan.x_words,
-                    act.code(),
-                    lut_slots,
-                    cfg.unrolled,
-                    cfg.lut_mode(),
-                    plan.glu,
-                    counted,
-                    cfg.gemv_prefetch,
+                gemv_comptime_call!(
+                    gemv::ap_gemv_kernel::launch_unchecked::<$xf, R>,
+                    (
+                        client,
+                        CubeCount::Static(plan.cubes as u32, 1, 1),
+                        CubeDim::new_1d(threads as u32),
+                        planes.arg(),
+                        luts.arg(),
+                        desc.arg(),
+                        x.arg(),
+                        y.arg(),
+                        n_items as u32
+                    ),
+                    (cfg, plan, n_items, act, lut_slots, counted)
                 )
             };
         }
