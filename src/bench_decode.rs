@@ -351,7 +351,10 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
             .flat_map(|(c, w)| prefetches.iter().map(move |p| (c, w, *p)))
             .flat_map(|(c, w, p)| chunks.iter().map(move |k| (c, w, p, *k)));
         for (((act_name, act), &fused_max, (mma_name, mma), x_half), wps, prefetch, chunk) in combos {
-            dec.set_route_chunk(chunk).context("--route-chunk")?;
+            // Rebuilding the routing buffers only when the chunk changes.
+            if dec.route_chunk() != chunk {
+                dec.set_route_chunk(chunk).context("--route-chunk")?;
+            }
             let g = dec.gemm_config_mut();
             g.gemv_x_half = x_half;
             g.gemv_warps_per_sm = wps;

@@ -36,6 +36,7 @@ pub fn sass_gemv(a: &SassGemvArgs) -> Result<()> {
     }
     let client = cubecl::wgpu::WgpuRuntime::client(&cubecl::wgpu::WgpuDevice::DefaultDevice);
     let hw = h200_hardware();
+    let sms = hw.num_streaming_multiprocessors.unwrap_or(1) as usize;
     let mut index = vec![];
     for (model, experts, hidden, inter, gated) in MODELS {
         for &tokens in &a.tokens {
@@ -73,7 +74,7 @@ pub fn sass_gemv(a: &SassGemvArgs) -> Result<()> {
                         "x": if x_half { "f16" } else { "f32" }, "prefetch": prefetch, "gemv": true,
                         "rows": cfg.gemv_rows, "words_per_lane": cfg.gemv_words_per_lane,
                         "warps": plan.warps, "cubes": plan.cubes, "tb": plan.tb, "glu": plan.glu,
-                        "shared_bytes": plan.shared_bytes, "cubes_per_sm": plan.cubes / 132}));
+                        "shared_bytes": plan.shared_bytes, "cubes_per_sm": plan.cubes / sms}));
                 }
             }
         }

@@ -679,20 +679,16 @@ impl RouteBuffers {
         shape: MoeShape,
         chunk: usize,
     ) -> Result<Self, KernelError> {
-        if !ROUTE_CHUNK_CHOICES.contains(&chunk) {
-            return Err(bad(format!("route chunk {chunk}: expected one of {ROUTE_CHUNK_CHOICES:?}")));
-        }
+        check_route_chunk(chunk)?;
         let n = MAX_TOKENS * shape.k;
-        let chunks = MAX_TOKENS / chunk;
+        // Both tables: `experts · chunks` items and the header slot.
+        let table = (shape.experts * (MAX_TOKENS / chunk) + 1) * gemm::DESC_WORDS;
         Ok(Self {
             weights: DeviceArray::empty::<R, f32>(client, n),
             gather: DeviceArray::empty::<R, u32>(client, n),
             pos: DeviceArray::empty::<R, u32>(client, n),
-            desc_gate_up: DeviceArray::empty::<R, u32>(
-                client,
-                (shape.experts * chunks + 1) * gemm::DESC_WORDS,
-            ),
-            desc_down: DeviceArray::empty::<R, u32>(client, (shape.experts * chunks + 1) * gemm::DESC_WORDS),
+            desc_gate_up: DeviceArray::empty::<R, u32>(client, table),
+            desc_down: DeviceArray::empty::<R, u32>(client, table),
             chunk,
             no_counts: DeviceArray::empty::<R, u32>(client, 1),
             no_mass: DeviceArray::empty::<R, f32>(client, 1),
@@ -1254,6 +1250,15 @@ pub fn moe_combine<R: Runtime>(
     Ok(())
 }
 
+/// `chunk` is one of [`ROUTE_CHUNK_CHOICES`].
+fn check_route_chunk(chunk: usize) -> Result<(), KernelError> {
+    if ROUTE_CHUNK_CHOICES.contains(&chunk) {
+        Ok(())
+    } else {
+        Err(bad(format!("route chunk {chunk}: expected one of {ROUTE_CHUNK_CHOICES:?}")))
+    }
+}
+
 /// Work items of a routed launch over `experts` (`experts · MAX_TOKENS / chunk`), with the
 /// launch configuration, the chunk and the descriptor table's length (with its header slot)
 /// checked.
@@ -1263,11 +1268,7 @@ fn routed_items(
     chunk: usize,
     experts: usize,
 ) -> Result<usize, KernelError> {
-    if !ROUTE_CHUNK_CHOICES.contains(&chunk) {
-        return Err(bad(format!(
-            "routed gemm: route chunk {chunk}, expected one of {ROUTE_CHUNK_CHOICES:?}"
-        )));
-    }
+    check_route_chunk(chunk)?;
     let items = experts * (MAX_TOKENS / chunk);
     cfg.check()?;
     need("routed gemm descriptors", desc, (items + 1) * gemm::DESC_WORDS)?;

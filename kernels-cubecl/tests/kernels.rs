@@ -649,7 +649,7 @@ fn routed_moe_matches_reference() {
     let client = client();
     let mut rng = StdRng::seed_from_u64(7);
     // Six experts, and two experts that both get every token (16 > ROUTE_CHUNK: split items),
-    // the latter also in items of four tokens (the GEMV's largest bucket).
+    // the latter also in items of four tokens (a larger GEMV bucket).
     for (shape, chunk) in [
         (MoeShape { experts: 6, k: 2, renormalize: true, hidden: 64, inter: 48 }, ROUTE_CHUNK),
         (MoeShape { experts: 2, k: 2, renormalize: false, hidden: 64, inter: 48 }, ROUTE_CHUNK),
