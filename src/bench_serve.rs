@@ -267,6 +267,7 @@ where
         max_batch: a.max_batch,
         max_context,
         max_prefill_tokens: 4 * a.prompt[1],
+        max_waiting: 4096,
         eos_token_ids: vec![],
     };
     let rec = UsageRecorder::default();

@@ -232,6 +232,16 @@ fn run_ppl<B: Backend>(
     let pb = bar(token_windows(ids, args.ctx).len(), "windows");
     let result = perplexity(&loaded.model, ids, args.ctx, args.batch, device, |n| pb.inc(n as u64));
     pb.finish_and_clear();
+    if !result.ppl().is_finite() {
+        bail!(
+            "the perplexity of {} on {} is not finite (summed NLL {} over {} tokens): the model gives \
+             NaN or infinite logits — check its weights",
+            args.model.display(),
+            args.text.display(),
+            result.nll,
+            result.tokens
+        );
+    }
     Ok(result)
 }
 

@@ -9,7 +9,7 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use burn::tensor::backend::Backend;
 use pw_models::AnyModel;
-use pw_serve::server::{ServerState, serve};
+use pw_serve::server::{ServerOptions, ServerState, serve};
 use pw_serve::{
     BurnStepModel, ChatMessage, ChatTemplate, Engine, EngineConfig, Event, GenerateRequest, SamplingParams,
     StepModel, UsageRecorder,
@@ -89,6 +89,19 @@ pub struct ServeArgs {
     /// Planner options (with --fast --gpu-memory-gb).
     #[command(flatten)]
     pub planner: PlannerArgs,
+    /// Require `Authorization: Bearer KEY` on /v1/* (401 otherwise).
+    #[arg(long, conflicts_with = "api_key_file")]
+    pub api_key: Option<String>,
+    /// Read the API key from the first line of this file (keeps it out of the process list).
+    #[arg(long)]
+    pub api_key_file: Option<PathBuf>,
+    /// Most requests waiting for admission; more are answered 429.
+    #[arg(long, default_value_t = 1024)]
+    pub max_waiting: usize,
+    /// Seconds a client has to send a request's headers (also closes idle connections) and,
+    /// separately, its body.
+    #[arg(long, default_value_t = 30.0)]
+    pub http_timeout_s: f64,
 }
 
 /// Planner options of the fast path (with --gpu-memory-gb).
@@ -195,8 +208,9 @@ fn resolve(kind: ServeDevice) -> ServeDevice {
 fn fast_model(args: &ServeArgs, dir: &Path, max_context: usize) -> Result<(Box<dyn StepModel>, String, u64)> {
     let config = pw_hf::ModelConfig::from_dir(dir)?;
     let kv = pw_serve::KvLayout::from_config(&config, 2);
-    let kv_budget_bytes =
-        args.kv_budget_bytes.unwrap_or(kv.bytes_for(max_context) * args.max_batch.max(1) as u64);
+    let kv_budget_bytes = args
+        .kv_budget_bytes
+        .unwrap_or(kv.bytes_for(max_context).saturating_mul(args.max_batch.max(1) as u64));
     let budget = match args.gpu_memory_gb {
         Some(gb) if !(gb.is_finite() && gb > 0.0) => {
             bail!("--gpu-memory-gb must be a positive number, got {gb}")
@@ -295,14 +309,19 @@ where
     let eos_token_ids = pw_serve::eos_token_ids(dir)?;
     let kv = model.kv_layout().clone();
     let weight_bytes = model.weight_bytes();
-    let kv_budget_bytes =
-        fast_kv.or(args.kv_budget_bytes).unwrap_or(kv.bytes_for(max_context) * args.max_batch.max(1) as u64);
+    let kv_budget_bytes = fast_kv
+        .or(args.kv_budget_bytes)
+        .unwrap_or(kv.bytes_for(max_context).saturating_mul(args.max_batch.max(1) as u64));
+    if fast_kv.is_none() {
+        check_host_kv(kv_budget_bytes, max_context, args)?;
+    }
     let config = EngineConfig {
         admission: args.admission,
         kv_budget_bytes,
         max_batch: args.max_batch,
         max_context,
         max_prefill_tokens: 2048,
+        max_waiting: args.max_waiting,
         eos_token_ids,
     };
     let rec = UsageRecorder::default();
@@ -324,7 +343,9 @@ where
         return once(args, &engine, &tokenizer, chat.as_ref(), prompt, &rec);
     }
 
-    let state = Arc::new(ServerState::new(engine.handle(), tokenizer, chat, name.clone()));
+    let options = server_options(args)?;
+    let state =
+        Arc::new(ServerState::new(engine.handle(), tokenizer, chat, name.clone()).with_options(options));
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting tokio")?;
     rt.block_on(async {
         let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
@@ -342,6 +363,51 @@ where
         .context("serving HTTP")
     })?;
     engine.shutdown();
+    Ok(())
+}
+
+/// The HTTP limits and key of `args`.
+fn server_options(args: &ServeArgs) -> Result<ServerOptions> {
+    let t = args.http_timeout_s;
+    if !(t.is_finite() && t > 0.0) {
+        bail!("--http-timeout-s must be a positive number of seconds, got {t}");
+    }
+    let api_key = match (&args.api_key, &args.api_key_file) {
+        (Some(k), _) => Some(k.clone()),
+        (None, Some(f)) => {
+            let text = std::fs::read_to_string(f)
+                .with_context(|| format!("reading --api-key-file {}", f.display()))?;
+            Some(text.lines().next().unwrap_or("").trim().to_string())
+        }
+        (None, None) => None,
+    };
+    if api_key.as_ref().is_some_and(|k| k.is_empty()) {
+        bail!("the API key is empty (--api-key / --api-key-file)");
+    }
+    let timeout = std::time::Duration::from_secs_f64(t);
+    Ok(ServerOptions { api_key, header_timeout: timeout, body_timeout: timeout, ..Default::default() })
+}
+
+/// The CPU path's KV cache lives in host memory: refuse a budget the machine does not have
+/// (Linux's `MemAvailable`; elsewhere nothing is checked).
+fn check_host_kv(kv_budget_bytes: u64, max_context: usize, args: &ServeArgs) -> Result<()> {
+    let Ok(meminfo) = std::fs::read_to_string("/proc/meminfo") else { return Ok(()) };
+    let available = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map(|kb| kb.saturating_mul(1024));
+    if let Some(available) = available
+        && kv_budget_bytes > available
+    {
+        bail!(
+            "the KV cache budget of {kv_budget_bytes} bytes ({}) exceeds the {available} bytes of memory \
+             available: lower --max-context (now {max_context}, from max_position_embeddings of config.json \
+             unless given), --max-batch ({}) or --kv-budget-bytes",
+            if args.kv_budget_bytes.is_some() { "--kv-budget-bytes" } else { "context × max batch" },
+            args.max_batch
+        );
+    }
     Ok(())
 }
 

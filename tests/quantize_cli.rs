@@ -324,3 +324,36 @@ fn generate_runs_a_quantized_model_through_paged_experts() {
         run(&["generate", "--model", src.path().to_str().unwrap(), "--prompt", "w1", "--bits", "4"]);
     assert!(!ok && err.contains("pagedweight.json"), "{err}");
 }
+
+/// Weights that give NaN logits make `eval-ppl` fail, naming the cause, instead of printing
+/// `"ppl":null` and exiting 0.
+#[test]
+fn eval_ppl_fails_on_non_finite_logits() {
+    let tmp = model_dir("mixtral");
+    let path = tmp.path().join("model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let norm = "model.norm.weight";
+    let mut tensors: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(name, v)| (name, v.dtype(), v.shape().to_vec(), v.data().to_vec()))
+        .collect();
+    let (_, dtype, _, data) = tensors.iter_mut().find(|t| t.0 == norm).expect("the fixture has a final norm");
+    assert_eq!(*dtype, safetensors::Dtype::F32);
+    for w in data.chunks_exact_mut(4) {
+        w.copy_from_slice(&f32::NAN.to_le_bytes());
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .map(|(n, d, s, b)| (n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap()))
+        .collect();
+    safetensors::serialize_to_file(views, None, &path).unwrap();
+    let heldout = tmp.path().join("t.txt");
+    std::fs::write(&heldout, text(40, 2)).unwrap();
+    let (ok, out, err) =
+        run(&["eval-ppl", "--model", tmp.path().to_str().unwrap(), "--text", heldout.to_str().unwrap()]);
+    assert!(!ok, "eval-ppl succeeded on NaN weights: {out}");
+    assert!(err.contains("not finite"), "{err}");
+    assert!(!out.contains("null"), "{out}");
+}

@@ -173,3 +173,27 @@ fn bench_serve_scaled_down(model: &str) {
         assert!(r["bit_mix"].is_array(), "{r}");
     }
 }
+
+/// Issue 32, 2: a context of 10^12 tokens, from config.json or `--max-context`, is refused at
+/// start with the field and the bytes named, not a panic or an allocation failure.
+#[test]
+fn an_absurd_context_is_refused_at_start() {
+    let dir = fixture_with_tokenizer();
+    let model = dir.path().to_str().unwrap();
+    let o = Command::new(bin())
+        .args(["serve", "--model", model, "--max-context", "1000000000000", "--once", "w7"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(err.contains("--max-context") && err.contains("bytes") && !err.contains("panicked"), "{err}");
+    let cfg_path = dir.path().join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    cfg["max_position_embeddings"] = serde_json::json!(1_000_000_000_000u64);
+    std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+    let o = Command::new(bin()).args(["serve", "--model", model, "--once", "w7"]).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(err.contains("max_position_embeddings") && !err.contains("panicked"), "{err}");
+}

@@ -445,9 +445,18 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
                 None
             } else {
                 Some(match cfg.family {
-                    Family::Mixtral => src
-                        .mat(&[(&format!("{p}.block_sparse_moe.gate.weight"), e)], h)
-                        .or_else(|_| src.mat(&[(&format!("{p}.mlp.gate.weight"), e)], h))?,
+                    // transformers 5 may save the router as `mlp.gate`: fall back only when the
+                    // Mixtral name is missing, and report that name if both are.
+                    Family::Mixtral => match src.mat(&[(&format!("{p}.block_sparse_moe.gate.weight"), e)], h)
+                    {
+                        Err(first @ DecodeError::Hf(pw_hf::HfError::MissingTensor { .. })) => src
+                            .mat(&[(&format!("{p}.mlp.gate.weight"), e)], h)
+                            .map_err(|second| match second {
+                                DecodeError::Hf(pw_hf::HfError::MissingTensor { .. }) => first,
+                                other => other,
+                            })?,
+                        other => other?,
+                    },
                     Family::Qwen2Moe => src.mat(&[(&format!("{p}.mlp.gate.weight"), e)], h)?,
                     Family::Gemma4 => src.mat(&[(&format!("{p}.router.proj.weight"), e)], h)?,
                 })

@@ -2,13 +2,13 @@
 //! tokenizer files, a versioned manifest, and safetensors shards holding the
 //! blocks' planes and LUTs plus every non-expert tensor unchanged.
 
-use crate::block::check_range;
 use crate::{ApBlock, FormatError, StFile, TensorMap, write_tensors};
+use pw_quant::{MAX_BITS, MIN_BITS};
 use safetensors::Dtype;
 use safetensors::tensor::TensorView;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
-use std::path::{Path, PathBuf};
+use std::path::{Component, Path, PathBuf};
 
 /// File name of the manifest inside a checkpoint directory.
 pub const MANIFEST_FILE: &str = "pagedweight.json";
@@ -62,6 +62,74 @@ impl BlockEntry {
     pub fn bytes_at(&self, bits: u8) -> (usize, usize) {
         (bits as usize * self.rows * self.cols.div_ceil(32) * 4, self.rows * (1usize << bits) * 2)
     }
+
+    /// [`Self::bytes_at`], `None` where a count overflows `usize` (an untrusted manifest).
+    pub fn checked_bytes_at(&self, bits: u8) -> Option<(usize, usize)> {
+        let planes =
+            (bits as usize).checked_mul(self.rows)?.checked_mul(self.cols.div_ceil(32))?.checked_mul(4)?;
+        let lut = self.rows.checked_mul(1usize.checked_shl(bits.into())?)?.checked_mul(2)?;
+        Some((planes, lut))
+    }
+}
+
+/// Checks that a file name from the manifest stays inside the checkpoint directory: relative,
+/// non-empty, no `..` component. The reason is the error text.
+fn check_relative(name: &str) -> Result<(), String> {
+    let path = Path::new(name);
+    if name.is_empty() || name.contains('\0') {
+        return Err(format!("{name:?} is not a file name"));
+    }
+    if path.has_root() || path.is_absolute() {
+        return Err(format!("`{name}` is an absolute path; files must lie inside the checkpoint directory"));
+    }
+    let mut normal = false;
+    for c in path.components() {
+        match c {
+            Component::Normal(_) => normal = true,
+            Component::CurDir => {}
+            Component::ParentDir => {
+                return Err(format!(
+                    "`{name}` has a `..` component; files must lie inside the checkpoint directory"
+                ));
+            }
+            Component::RootDir | Component::Prefix(_) => {
+                return Err(format!(
+                    "`{name}` is an absolute path; files must lie inside the checkpoint directory"
+                ));
+            }
+        }
+    }
+    if !normal {
+        return Err(format!("`{name}` names no file"));
+    }
+    Ok(())
+}
+
+/// Resolves a file name the manifest checked with [`check_relative`] against the checkpoint
+/// directory, following symlinks: a target outside the directory (or, for a checkpoint inside
+/// the Hugging Face cache `<repo>/snapshots/<rev>/`, outside `<repo>/blobs/`, where the cache's
+/// links point) or anything but a regular file is refused. A missing file resolves to its joined
+/// path, so opening it reports the I/O error with that path.
+fn resolve_inside(dir: &Path, canon_dir: &Path, name: &str) -> Result<PathBuf, String> {
+    let joined = dir.join(name);
+    let Ok(real) = joined.canonicalize() else { return Ok(joined) };
+    let hub_blobs = canon_dir
+        .parent()
+        .filter(|snapshots| snapshots.file_name().is_some_and(|n| n == "snapshots"))
+        .and_then(Path::parent)
+        .map(|repo| repo.join("blobs"));
+    let inside = real.starts_with(canon_dir) || hub_blobs.is_some_and(|b| real.starts_with(b));
+    if !inside {
+        return Err(format!(
+            "`{name}` resolves to {}, outside the checkpoint directory {}",
+            real.display(),
+            canon_dir.display()
+        ));
+    }
+    if !real.is_file() {
+        return Err(format!("`{name}` resolves to {}, which is not a regular file", real.display()));
+    }
+    Ok(real)
 }
 
 /// The manifest (`pagedweight.json`).
@@ -81,6 +149,139 @@ pub struct Manifest {
 }
 
 impl Manifest {
+    /// Parses manifest JSON and [validates](Self::validate) it; `path` is the manifest file,
+    /// named in every error.
+    pub fn from_json_str(text: &str, path: &Path) -> Result<Self, FormatError> {
+        let bad = |reason: String| FormatError::Manifest { path: path.to_path_buf(), reason };
+        let value: serde_json::Value = serde_json::from_str(text).map_err(|e| bad(e.to_string()))?;
+        // Magic and version first, so a newer format says so instead of failing on a field.
+        let magic = value.get("magic").and_then(|v| v.as_str()).unwrap_or_default();
+        if magic != MAGIC {
+            return Err(FormatError::Magic {
+                path: path.to_path_buf(),
+                found: magic.into(),
+                expected: MAGIC,
+            });
+        }
+        let version = value.get("version").and_then(|v| v.as_u64()).unwrap_or(0);
+        if version != u64::from(VERSION) {
+            let found = u32::try_from(version).unwrap_or(u32::MAX);
+            return Err(FormatError::Version { path: path.to_path_buf(), found, supported: VERSION });
+        }
+        let manifest: Manifest = serde_json::from_value(value).map_err(|e| bad(e.to_string()))?;
+        manifest.validate(path)?;
+        Ok(manifest)
+    }
+
+    /// Checks every entry without touching the shards: bit ranges inside `3..=8`, non-empty
+    /// shapes whose byte counts fit in `usize`, one sensitivity per stored bit-width, no two
+    /// blocks with one name or one (layer, expert, kind), a gate_up and a down of one expert
+    /// that agree on `[2·I, H]` / `[H, I]`, one shape per (layer, kind), and every file a
+    /// relative path inside the checkpoint directory. `path` is the manifest file, for errors.
+    pub fn validate(&self, path: &Path) -> Result<(), FormatError> {
+        let err = |entry: String, field: &str, reason: String| FormatError::ManifestEntry {
+            path: path.to_path_buf(),
+            entry,
+            field: field.into(),
+            reason,
+        };
+        let label = |i: usize| format!("block `{}` (blocks[{i}])", self.blocks[i].name);
+        let mut by_name: HashMap<&str, usize> = HashMap::new();
+        let mut by_key: HashMap<(usize, usize, BlockKind), usize> = HashMap::new();
+        let mut by_layer: HashMap<(usize, BlockKind), usize> = HashMap::new();
+        let mut total = 0usize;
+        for (i, b) in self.blocks.iter().enumerate() {
+            if b.name.is_empty() {
+                return Err(err(label(i), "name", "is empty".into()));
+            }
+            for (field, bits) in [("min_bits", b.min_bits), ("max_bits", b.max_bits)] {
+                if !(MIN_BITS..=MAX_BITS).contains(&bits) {
+                    return Err(err(label(i), field, format!("{bits} is outside {MIN_BITS}..={MAX_BITS}")));
+                }
+            }
+            if b.min_bits > b.max_bits {
+                let reason = format!("{} exceeds max_bits {}", b.min_bits, b.max_bits);
+                return Err(err(label(i), "min_bits", reason));
+            }
+            for (field, n) in [("rows", b.rows), ("cols", b.cols)] {
+                if n == 0 {
+                    return Err(err(label(i), field, "is 0: the block is empty".into()));
+                }
+            }
+            if b.kind == BlockKind::GateUp && !b.rows.is_multiple_of(2) {
+                let reason = format!("{} is odd, but gate_up stacks gate and up rows [2·I, H]", b.rows);
+                return Err(err(label(i), "rows", reason));
+            }
+            let want = (b.max_bits - b.min_bits + 1) as usize;
+            if b.sensitivity.len() != want {
+                let reason = format!(
+                    "has {} entries, bits {}..={} need {want}",
+                    b.sensitivity.len(),
+                    b.min_bits,
+                    b.max_bits
+                );
+                return Err(err(label(i), "sensitivity", reason));
+            }
+            if let Some(s) = b.sensitivity.iter().find(|s| !(s.is_finite() && **s >= 0.0)) {
+                return Err(err(label(i), "sensitivity", format!("{s} is not a finite error >= 0")));
+            }
+            let bytes = b.checked_bytes_at(b.max_bits).and_then(|(p, l)| p.checked_add(l));
+            total = bytes.and_then(|n| total.checked_add(n)).ok_or_else(|| {
+                let reason = format!(
+                    "{} rows x {} cols at {} bits: the byte count overflows",
+                    b.rows, b.cols, b.max_bits
+                );
+                err(label(i), "rows", reason)
+            })?;
+            check_relative(&b.file).map_err(|reason| err(label(i), "file", reason))?;
+            if let Some(j) = by_name.insert(&b.name, i) {
+                return Err(err(label(i), "name", format!("duplicates blocks[{j}]")));
+            }
+            if let Some(j) = by_key.insert((b.layer, b.expert, b.kind), i) {
+                let reason =
+                    format!("layer {} expert {} {:?} is also {}", b.layer, b.expert, b.kind, label(j));
+                return Err(err(label(i), "kind", reason));
+            }
+            let first = *by_layer.entry((b.layer, b.kind)).or_insert(i);
+            let f = &self.blocks[first];
+            if (f.rows, f.cols) != (b.rows, b.cols) {
+                let reason = format!(
+                    "shape {}x{} differs from {}x{} of {} in the same layer",
+                    b.rows,
+                    b.cols,
+                    f.rows,
+                    f.cols,
+                    label(first)
+                );
+                return Err(err(label(i), "rows", reason));
+            }
+        }
+        // gate_up [2·I, H] and down [H, I] of one expert.
+        for (g, gu) in self.blocks.iter().enumerate().filter(|(_, b)| b.kind == BlockKind::GateUp) {
+            let Some(&d) = by_key.get(&(gu.layer, gu.expert, BlockKind::Down)) else { continue };
+            let dn = &self.blocks[d];
+            if gu.cols != dn.rows || dn.cols.checked_mul(2) != Some(gu.rows) {
+                let reason = format!(
+                    "gate_up {}x{} and down {}x{} ({}) disagree: expected [2·I, H] and [H, I]",
+                    gu.rows,
+                    gu.cols,
+                    dn.rows,
+                    dn.cols,
+                    label(d)
+                );
+                return Err(err(label(g), "rows", reason));
+            }
+        }
+        for (name, file) in &self.dense {
+            let entry = format!("dense tensor `{name}`");
+            if name.is_empty() {
+                return Err(err(entry, "dense", "a tensor name is empty".into()));
+            }
+            check_relative(file).map_err(|reason| err(entry, "file", reason))?;
+        }
+        Ok(())
+    }
+
     /// Lowest and highest bit-width stored by any block, `None` without blocks.
     pub fn bit_range(&self) -> Option<(u8, u8)> {
         let lo = self.blocks.iter().map(|b| b.min_bits).max()?;
@@ -219,10 +420,12 @@ impl CheckpointWriter {
         Ok(())
     }
 
-    /// Writes the last shard and the manifest.
+    /// Writes the last shard and the manifest, after [validating](Manifest::validate) it so
+    /// that a checkpoint this writes always opens (a block added twice is refused here).
     pub fn finish(mut self) -> Result<Manifest, FormatError> {
-        self.flush()?;
         let path = self.dir.join(MANIFEST_FILE);
+        self.manifest.validate(&path)?;
+        self.flush()?;
         let json = serde_json::to_string_pretty(&self.manifest).expect("manifest serialises");
         std::fs::write(&path, json).map_err(|e| FormatError::io(&path, e))?;
         Ok(self.manifest)
@@ -239,51 +442,31 @@ pub struct Checkpoint {
 }
 
 impl Checkpoint {
-    /// Opens and validates the checkpoint in `dir`.
+    /// Opens and validates the checkpoint in `dir`. Every file the manifest names is resolved
+    /// inside `dir` (see [`Manifest::validate`]); a symlink that leads out of it is refused.
     pub fn open(dir: impl AsRef<Path>) -> Result<Self, FormatError> {
         let dir = dir.as_ref().to_path_buf();
         let mpath = dir.join(MANIFEST_FILE);
         let text = std::fs::read_to_string(&mpath).map_err(|e| FormatError::io(&mpath, e))?;
-        let value: serde_json::Value = serde_json::from_str(&text)
-            .map_err(|e| FormatError::Manifest { path: mpath.clone(), reason: e.to_string() })?;
-        // Magic and version first, so a newer format says so instead of failing on a field.
-        let magic = value.get("magic").and_then(|v| v.as_str()).unwrap_or_default();
-        if magic != MAGIC {
-            return Err(FormatError::Magic { path: mpath, found: magic.into(), expected: MAGIC });
-        }
-        let version = value.get("version").and_then(|v| v.as_u64()).unwrap_or(0) as u32;
-        if version != VERSION {
-            return Err(FormatError::Version { path: mpath, found: version, supported: VERSION });
-        }
-        let manifest: Manifest = serde_json::from_value(value)
-            .map_err(|e| FormatError::Manifest { path: mpath.clone(), reason: e.to_string() })?;
+        let manifest = Manifest::from_json_str(&text, &mpath)?;
+        let canon_dir = dir.canonicalize().map_err(|e| FormatError::io(&dir, e))?;
 
         let mut files = HashMap::new();
-        let names = manifest.blocks.iter().map(|b| &b.file).chain(manifest.dense.values());
-        for name in names {
+        let blocks = manifest
+            .blocks
+            .iter()
+            .enumerate()
+            .map(|(i, b)| (format!("block `{}` (blocks[{i}])", b.name), &b.file));
+        let dense = manifest.dense.iter().map(|(name, file)| (format!("dense tensor `{name}`"), file));
+        for (entry, name) in blocks.chain(dense) {
             if !files.contains_key(name) {
-                files.insert(name.clone(), StFile::open(dir.join(name))?);
+                let path = resolve_inside(&dir, &canon_dir, name).map_err(|reason| {
+                    FormatError::ManifestEntry { path: mpath.clone(), entry, field: "file".into(), reason }
+                })?;
+                files.insert(name.clone(), StFile::open(path)?);
             }
         }
         for b in &manifest.blocks {
-            check_range(&b.name, b.min_bits, b.max_bits)?;
-            if b.rows == 0 || b.cols == 0 {
-                return Err(FormatError::Block {
-                    block: b.name.clone(),
-                    reason: format!("shape {}x{} is empty", b.rows, b.cols),
-                });
-            }
-            if b.sensitivity.len() != (b.max_bits - b.min_bits + 1) as usize {
-                return Err(FormatError::Block {
-                    block: b.name.clone(),
-                    reason: format!(
-                        "sensitivity has {} entries for bits {}..={}",
-                        b.sensitivity.len(),
-                        b.min_bits,
-                        b.max_bits
-                    ),
-                });
-            }
             let f = &files[&b.file];
             f.expect(
                 &format!("{}.planes", b.name),

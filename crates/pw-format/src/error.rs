@@ -80,6 +80,19 @@ pub enum FormatError {
         /// Dtype found.
         found: String,
     },
+    /// A manifest entry is invalid: a field out of range, a duplicate, shapes that disagree, or a
+    /// file outside the checkpoint directory. Names the manifest, the entry and the field.
+    #[error("{path}: {entry}: field `{field}`: {reason}")]
+    ManifestEntry {
+        /// The manifest file.
+        path: PathBuf,
+        /// The entry, e.g. ``block `layers.0.experts.1.down` (blocks[3])``.
+        entry: String,
+        /// The field at fault.
+        field: String,
+        /// What is wrong.
+        reason: String,
+    },
     /// A value in a block is inconsistent (bit range, sizes).
     #[error("block `{block}`: {reason}")]
     Block {

@@ -64,4 +64,6 @@ pub use safetensors::Dtype;
 pub use st::{StFile, TensorMap, view_to_f32, write_tensors};
 
 #[cfg(test)]
+mod fuzz;
+#[cfg(test)]
 mod tests;

@@ -28,8 +28,8 @@ impl StFile {
         let file = std::fs::File::open(&path).map_err(|e| FormatError::io(&path, e))?;
         // SAFETY: the mapping is read-only; files are not modified while loaded.
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| FormatError::io(&path, e))?;
-        let (header, meta) = SafeTensors::read_metadata(&map)
-            .map_err(|e| FormatError::Safetensors { path: path.clone(), reason: e.to_string() })?;
+        let (header, meta) =
+            read_header(&map).map_err(|reason| FormatError::Safetensors { path: path.clone(), reason })?;
         Ok(Self { path, map, header, meta })
     }
 
@@ -100,6 +100,32 @@ impl StFile {
         })?;
         Ok((data, t.shape().to_vec()))
     }
+}
+
+/// Parses and validates the header of a whole safetensors file: its length and metadata.
+///
+/// Refuses first any tensor that ends past the end of the file: safetensors 0.6 sums the
+/// offsets with the header length, and offsets near `usize::MAX` overflow that sum (a panic
+/// where overflow checks are on). Headers this cannot parse are left to safetensors to report.
+pub(crate) fn read_header(bytes: &[u8]) -> Result<(usize, Metadata), String> {
+    let header = bytes.get(..8).and_then(|n| {
+        let n = usize::try_from(u64::from_le_bytes(n.try_into().ok()?)).ok()?;
+        bytes.get(8..8usize.checked_add(n)?)
+    });
+    if let Some(header) = header
+        && let Ok(serde_json::Value::Object(map)) = serde_json::from_slice::<serde_json::Value>(header)
+    {
+        let data = (bytes.len() - 8 - header.len()) as u64;
+        for (name, info) in &map {
+            let end = info.get("data_offsets").and_then(|o| o.get(1)).and_then(serde_json::Value::as_u64);
+            if let Some(end) = end.filter(|&e| e > data) {
+                return Err(format!(
+                    "tensor `{name}` ends at data offset {end}, past the {data} data bytes of the file"
+                ));
+            }
+        }
+    }
+    SafeTensors::read_metadata(bytes).map_err(|e| e.to_string())
 }
 
 /// Owned tensors by name: dtype, shape, little-endian bytes.

@@ -82,7 +82,8 @@ fn bytes_scale_with_bits() {
 
 fn write_checkpoint(dir: &Path, shard_bytes: usize) -> (ApBlock, ApBlock, Manifest) {
     let (_, gu) = random_block(20, 16, 48, 3, 8);
-    let (_, dn) = random_block(21, 24, 8, 4, 7);
+    // gate_up [2·I, H] and down [H, I] of one expert: I = 8, H = 48.
+    let (_, dn) = random_block(21, 48, 8, 4, 7);
     let mut w = CheckpointWriter::create(dir).unwrap().with_shard_bytes(shard_bytes);
     w.set_model_type(Some("mixtral".into()));
     let meta = |name: &str, kind| BlockMeta {
@@ -158,15 +159,22 @@ fn missing_tensor_is_named() {
 fn shape_mismatch_is_named() {
     let dir = tempfile::tempdir().unwrap();
     write_checkpoint(dir.path(), DEFAULT_SHARD_BYTES);
-    edit_manifest(dir.path(), |v| v["blocks"][0]["rows"] = 17.into());
+    // A manifest consistent in itself (I = 9) that the stored tensors (I = 8) contradict.
+    edit_manifest(dir.path(), |v| {
+        v["blocks"][0]["rows"] = 18.into();
+        v["blocks"][1]["cols"] = 9.into();
+    });
     let (e, s) = open_err(dir.path());
     assert!(matches!(e, FormatError::Shape { .. }), "{e:?}");
-    assert!(s.contains("layers.0.experts.1.gate_up.planes") && s.contains("[8, 17, 2]"), "{s}");
+    assert!(s.contains("layers.0.experts.1.gate_up.planes") && s.contains("[8, 18, 2]"), "{s}");
     edit_manifest(dir.path(), |v| {
         v["blocks"][0]["rows"] = 16.into();
+        v["blocks"][1]["cols"] = 8.into();
         v["blocks"][0]["sensitivity"] = serde_json::json!([1.0]);
     });
-    assert!(matches!(open_err(dir.path()).0, FormatError::Block { .. }));
+    let (e, s) = open_err(dir.path());
+    assert!(matches!(&e, FormatError::ManifestEntry { field, .. } if field == "sensitivity"), "{e:?}");
+    assert!(s.contains("has 1 entries, bits 3..=8 need 6"), "{s}");
 }
 
 #[test]
@@ -193,4 +201,263 @@ fn invalid_bit_range_is_rejected() {
     let bad = vec![f32::NAN; 64];
     let e = ApBlock::quantize("layer.w", &bad, None, 2, 32, 3, 8).unwrap_err();
     assert!(e.to_string().contains("layer.w") && e.to_string().contains("row 0, column 0"), "{e}");
+}
+
+/// Writes one block per `(layer, expert, kind, rows, cols)` (bits 3..=8) and the manifest.
+fn write_blocks(dir: &Path, specs: &[(usize, usize, BlockKind, usize, usize)]) -> Manifest {
+    let mut w = CheckpointWriter::create(dir).unwrap();
+    for (i, &(layer, expert, kind, rows, cols)) in specs.iter().enumerate() {
+        let (_, b) = random_block(30 + i as u64, rows, cols, 3, 8);
+        let name = format!("layers.{layer}.experts.{expert}.{kind:?}");
+        w.add_block(BlockMeta { name, layer, expert, kind, sources: vec![] }, &b).unwrap();
+    }
+    w.finish().unwrap()
+}
+
+/// The error of opening `dir`, checked to be a [`FormatError::ManifestEntry`] on `field` whose
+/// text names the manifest file and `entry`.
+fn entry_err(dir: &Path, entry: &str, field: &str) -> String {
+    let (e, s) = open_err(dir);
+    assert!(matches!(&e, FormatError::ManifestEntry { field: f, .. } if f == field), "{e:?}");
+    assert!(s.contains(MANIFEST_FILE) && s.contains(entry) && s.contains(&format!("`{field}`")), "{s}");
+    s
+}
+
+#[test]
+fn absolute_block_file_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    write_checkpoint(dir.path(), DEFAULT_SHARD_BYTES);
+    // The very shard, by its absolute path: opened without complaint before.
+    let abs = dir.path().join("pw-00001.safetensors").to_str().unwrap().to_string();
+    edit_manifest(dir.path(), |v| v["blocks"][0]["file"] = abs.clone().into());
+    let s = entry_err(dir.path(), "block `layers.0.experts.1.gate_up` (blocks[0])", "file");
+    assert!(s.contains("absolute path"), "{s}");
+}
+
+#[test]
+fn parent_dir_block_file_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ck = tmp.path().join("ck");
+    write_checkpoint(&ck, DEFAULT_SHARD_BYTES);
+    // The shard now sits beside the checkpoint directory, reached by `..`.
+    std::fs::rename(ck.join("pw-00001.safetensors"), tmp.path().join("pw-00001.safetensors")).unwrap();
+    edit_manifest(&ck, |v| {
+        for b in v["blocks"].as_array_mut().unwrap() {
+            b["file"] = "../pw-00001.safetensors".into();
+        }
+        v["dense"]["model.embed_tokens.weight"] = "../pw-00001.safetensors".into();
+    });
+    let s = entry_err(&ck, "blocks[0]", "file");
+    assert!(s.contains("`..` component"), "{s}");
+}
+
+#[test]
+fn dense_file_outside_the_directory_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ck = tmp.path().join("ck");
+    write_checkpoint(&ck, DEFAULT_SHARD_BYTES);
+    std::fs::copy(ck.join("pw-00001.safetensors"), tmp.path().join("other.safetensors")).unwrap();
+    edit_manifest(&ck, |v| v["dense"]["model.embed_tokens.weight"] = "sub/../../other.safetensors".into());
+    entry_err(&ck, "dense tensor `model.embed_tokens.weight`", "file");
+}
+
+#[cfg(unix)]
+#[test]
+fn symlink_out_of_the_directory_is_refused_and_one_inside_is_not() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ck = tmp.path().join("ck");
+    write_checkpoint(&ck, DEFAULT_SHARD_BYTES);
+    let outside = tmp.path().join("elsewhere.safetensors");
+    std::fs::rename(ck.join("pw-00001.safetensors"), &outside).unwrap();
+    std::os::unix::fs::symlink(&outside, ck.join("pw-00001.safetensors")).unwrap();
+    let s = entry_err(&ck, "blocks[0]", "file");
+    assert!(s.contains("outside the checkpoint directory") && s.contains("elsewhere.safetensors"), "{s}");
+    // A link that stays inside the directory is fine.
+    std::fs::remove_file(ck.join("pw-00001.safetensors")).unwrap();
+    std::fs::rename(&outside, ck.join("real.safetensors")).unwrap();
+    std::os::unix::fs::symlink("real.safetensors", ck.join("pw-00001.safetensors")).unwrap();
+    Checkpoint::open(&ck).unwrap();
+    // So is the Hugging Face cache layout: snapshots/<rev>/file -> ../../blobs/<hash>.
+    let repo = tmp.path().join("models--x--y");
+    let (snap, blobs) = (repo.join("snapshots/abc"), repo.join("blobs"));
+    std::fs::create_dir_all(&snap).unwrap();
+    std::fs::create_dir_all(&blobs).unwrap();
+    std::fs::rename(ck.join("real.safetensors"), blobs.join("f00d")).unwrap();
+    std::os::unix::fs::symlink("../../blobs/f00d", snap.join("pw-00001.safetensors")).unwrap();
+    std::fs::copy(ck.join(MANIFEST_FILE), snap.join(MANIFEST_FILE)).unwrap();
+    Checkpoint::open(&snap).unwrap();
+    // A link to something that is not a regular file is refused too.
+    std::fs::remove_file(ck.join("pw-00001.safetensors")).unwrap();
+    std::fs::create_dir(ck.join("adir")).unwrap();
+    std::os::unix::fs::symlink("adir", ck.join("pw-00001.safetensors")).unwrap();
+    let s = entry_err(&ck, "blocks[0]", "file");
+    assert!(s.contains("not a regular file"), "{s}");
+}
+
+#[test]
+fn duplicate_block_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    write_checkpoint(dir.path(), DEFAULT_SHARD_BYTES);
+    // The same entry twice: opened before, and counted twice by every byte total.
+    edit_manifest(dir.path(), |v| {
+        let b = v["blocks"][1].clone();
+        v["blocks"].as_array_mut().unwrap().push(b);
+    });
+    let s = entry_err(dir.path(), "block `layers.0.experts.1.down` (blocks[2])", "name");
+    assert!(s.contains("duplicates blocks[1]"), "{s}");
+}
+
+#[test]
+fn two_blocks_for_one_layer_expert_kind_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let gu = (0, 1, BlockKind::GateUp, 16, 64);
+    write_blocks(dir.path(), &[gu, (0, 2, BlockKind::GateUp, 16, 64)]);
+    // Distinct names and tensors, one key.
+    edit_manifest(dir.path(), |v| v["blocks"][1]["expert"] = 1.into());
+    let s = entry_err(dir.path(), "block `layers.0.experts.2.GateUp` (blocks[1])", "kind");
+    assert!(s.contains("layer 0 expert 1 GateUp is also block `layers.0.experts.1.GateUp`"), "{s}");
+}
+
+#[test]
+fn bit_range_errors_name_the_manifest_and_field() {
+    let dir = tempfile::tempdir().unwrap();
+    write_checkpoint(dir.path(), DEFAULT_SHARD_BYTES);
+    edit_manifest(dir.path(), |v| v["blocks"][0]["min_bits"] = 9.into());
+    let s = entry_err(dir.path(), "blocks[0]", "min_bits");
+    assert!(s.contains("9 is outside 3..=8"), "{s}");
+    edit_manifest(dir.path(), |v| {
+        v["blocks"][0]["min_bits"] = 3.into();
+        v["blocks"][1]["max_bits"] = 2.into();
+    });
+    entry_err(dir.path(), "blocks[1]", "max_bits");
+    edit_manifest(dir.path(), |v| {
+        v["blocks"][1]["max_bits"] = 7.into();
+        v["blocks"][1]["min_bits"] = 8.into();
+    });
+    let s = entry_err(dir.path(), "block `layers.0.experts.1.down` (blocks[1])", "min_bits");
+    assert!(s.contains("8 exceeds max_bits 7"), "{s}");
+}
+
+#[test]
+fn gate_up_and_down_of_one_expert_must_agree() {
+    let dir = tempfile::tempdir().unwrap();
+    // Written as two experts, each alone and consistent: gate_up [16, 64], down [48, 8].
+    write_blocks(dir.path(), &[(0, 1, BlockKind::GateUp, 16, 64), (0, 2, BlockKind::Down, 48, 8)]);
+    // Made one expert, every tensor still matches its entry, but H is 64 for one and 48 for the other.
+    edit_manifest(dir.path(), |v| v["blocks"][1]["expert"] = 1.into());
+    let s = entry_err(dir.path(), "blocks[0]", "rows");
+    assert!(s.contains("gate_up 16x64 and down 48x8") && s.contains("blocks[1]"), "{s}");
+}
+
+#[test]
+fn experts_of_one_layer_share_a_shape() {
+    let dir = tempfile::tempdir().unwrap();
+    write_blocks(dir.path(), &[(0, 0, BlockKind::Down, 48, 8), (1, 1, BlockKind::Down, 40, 8)]);
+    edit_manifest(dir.path(), |v| v["blocks"][1]["layer"] = 0.into());
+    let s = entry_err(dir.path(), "blocks[1]", "rows");
+    assert!(s.contains("shape 40x8 differs from 48x8"), "{s}");
+}
+
+#[test]
+fn odd_gate_up_rows_zero_shapes_and_bad_sensitivity_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    write_checkpoint(dir.path(), DEFAULT_SHARD_BYTES);
+    edit_manifest(dir.path(), |v| v["blocks"][0]["rows"] = 15.into());
+    entry_err(dir.path(), "blocks[0]", "rows");
+    edit_manifest(dir.path(), |v| {
+        v["blocks"][0]["rows"] = 16.into();
+        v["blocks"][1]["cols"] = 0.into();
+    });
+    entry_err(dir.path(), "blocks[1]", "cols");
+    edit_manifest(dir.path(), |v| {
+        v["blocks"][1]["cols"] = 8.into();
+        v["blocks"][1]["sensitivity"][2] = (-1.0).into();
+    });
+    let s = entry_err(dir.path(), "blocks[1]", "sensitivity");
+    assert!(s.contains("-1 is not a finite error"), "{s}");
+}
+
+#[test]
+fn byte_counts_that_overflow_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    write_checkpoint(dir.path(), DEFAULT_SHARD_BYTES);
+    // 8 planes x 2^62 rows x 4 bytes overflows usize; gate_up and down kept in agreement.
+    let rows = 1u64 << 62;
+    edit_manifest(dir.path(), |v| {
+        v["blocks"][0]["rows"] = rows.into();
+        v["blocks"][1]["cols"] = (rows / 2).into();
+    });
+    let s = entry_err(dir.path(), "blocks[0]", "rows");
+    assert!(s.contains("overflows"), "{s}");
+    // Each block fits (1.75 · 2^63 bytes at 3 bits) but the two together do not.
+    let block = |layer| BlockEntry {
+        name: format!("layers.{layer}.down"),
+        layer,
+        expert: 0,
+        kind: BlockKind::Down,
+        rows: 1 << 59,
+        cols: 32,
+        min_bits: 3,
+        max_bits: 3,
+        file: "pw-00001.safetensors".into(),
+        sensitivity: vec![0.0],
+        sources: vec![],
+    };
+    let mut m = Manifest {
+        magic: MAGIC.into(),
+        version: VERSION,
+        model_type: None,
+        blocks: vec![block(0)],
+        dense: Default::default(),
+    };
+    m.validate(Path::new(MANIFEST_FILE)).unwrap();
+    m.blocks.push(block(1));
+    let e = m.validate(Path::new(MANIFEST_FILE)).unwrap_err().to_string();
+    assert!(e.contains("blocks[1]") && e.contains("overflows"), "{e}");
+}
+
+#[test]
+fn writer_refuses_a_block_added_twice() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, b) = random_block(40, 16, 64, 3, 8);
+    let mut w = CheckpointWriter::create(dir.path()).unwrap();
+    let meta =
+        || BlockMeta { name: "b".into(), layer: 0, expert: 0, kind: BlockKind::GateUp, sources: vec![] };
+    w.add_block(meta(), &b).unwrap();
+    w.add_block(meta(), &b).unwrap();
+    let e = w.finish().unwrap_err().to_string();
+    assert!(e.contains("duplicates blocks[0]"), "{e}");
+    assert!(!dir.path().join(MANIFEST_FILE).exists(), "no manifest for a refused checkpoint");
+}
+
+/// A header whose eight tensors of 2^61 − 1 bytes end at 2^64 − 8, with no data.
+pub(crate) fn offsets_near_usize_max() -> Vec<u8> {
+    let size = (1u64 << 61) - 1;
+    let entries: Vec<String> = (0..8u64)
+        .map(|k| {
+            format!(
+                r#""t{k}":{{"dtype":"U8","shape":[{size}],"data_offsets":[{},{}]}}"#,
+                k * size,
+                (k + 1) * size
+            )
+        })
+        .collect();
+    let header = format!("{{{}}}", entries.join(","));
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(header.as_bytes());
+    bytes
+}
+
+#[test]
+fn shard_offsets_that_overflow_are_an_error_not_a_panic() {
+    // safetensors 0.6 overflows adding the header length to these offsets (a panic in test builds).
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("pw-00001.safetensors");
+    std::fs::write(&path, offsets_near_usize_max()).unwrap();
+    let e = StFile::open(&path).unwrap_err();
+    assert!(matches!(e, FormatError::Safetensors { .. }), "{e:?}");
+    assert!(
+        e.to_string().contains("pw-00001.safetensors") && e.to_string().contains("past the 0 data bytes"),
+        "{e}"
+    );
 }

@@ -4,6 +4,10 @@ use serde_json::{Map, Value};
 
 use crate::{HfError, Result};
 
+/// Most decoder layers a config may declare: per-layer tables are sized from
+/// `num_hidden_layers` while parsing, and no supported model comes near this.
+pub const MAX_LAYERS: usize = 4096;
+
 /// How the rotary frequencies are laid out.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum RopeKind {
@@ -317,6 +321,19 @@ impl<'a> Fields<'a> {
         self.opt_usize(field)?.ok_or_else(|| self.err(field, "missing"))
     }
 
+    /// `num_hidden_layers`: positive and at most [`MAX_LAYERS`], since per-layer tables are
+    /// allocated from it before any tensor is read.
+    fn layers(&self) -> Result<usize> {
+        let n = self.positive("num_hidden_layers")?;
+        if n > MAX_LAYERS {
+            return Err(self.err(
+                "num_hidden_layers",
+                format!("{n} exceeds the {MAX_LAYERS} layers this reader allows"),
+            ));
+        }
+        Ok(n)
+    }
+
     fn positive(&self, field: &str) -> Result<usize> {
         let v = self.req_usize(field)?;
         if v == 0 {
@@ -336,6 +353,16 @@ impl<'a> Fields<'a> {
 
     fn f64_or(&self, field: &str, default: f64) -> Result<f64> {
         Ok(self.opt_f64(field)?.unwrap_or(default))
+    }
+
+    /// A finite number > 0 (rotary bases, scaling factors, norm epsilons: zero or a negative
+    /// value would turn activations into NaN, not into an error).
+    fn pos_f64_or(&self, field: &str, default: f64) -> Result<f64> {
+        let v = self.f64_or(field, default)?;
+        if !(v.is_finite() && v > 0.0) {
+            return Err(self.err(field, format!("{v} must be a positive number")));
+        }
+        Ok(v)
     }
 
     fn bool_or(&self, field: &str, default: bool) -> Result<bool> {
@@ -377,12 +404,16 @@ impl<'a> Fields<'a> {
         match self.get("eos_token_id") {
             None => Ok(Vec::new()),
             Some(Value::Number(n)) => Ok(vec![
-                n.as_u64().ok_or_else(|| self.err("eos_token_id", "expected a non-negative integer"))? as u32,
+                n.as_u64()
+                    .and_then(|x| u32::try_from(x).ok())
+                    .ok_or_else(|| self.err("eos_token_id", "expected a token id (0..2^32)"))?,
             ]),
             Some(Value::Array(a)) => a
                 .iter()
                 .map(|v| {
-                    v.as_u64().map(|x| x as u32).ok_or_else(|| self.err("eos_token_id", "expected integers"))
+                    v.as_u64()
+                        .and_then(|x| u32::try_from(x).ok())
+                        .ok_or_else(|| self.err("eos_token_id", "expected token ids (0..2^32)"))
                 })
                 .collect(),
             Some(v) => Err(self.err("eos_token_id", format!("unexpected value {v}"))),
@@ -423,7 +454,7 @@ impl<'a> Fields<'a> {
             }
         }
         Ok(RopeSpec {
-            theta: self.f64_or("rope_theta", default_theta)?,
+            theta: self.pos_f64_or("rope_theta", default_theta)?,
             kind: RopeKind::Default,
             factor: 1.0,
         })
@@ -432,8 +463,8 @@ impl<'a> Fields<'a> {
     /// This object is one rope-parameters dict.
     fn rope_spec(&self, default_theta: f64) -> Result<RopeSpec> {
         let ty = self.opt_str("rope_type")?.unwrap_or_else(|| "default".into());
-        let theta = self.f64_or("rope_theta", default_theta)?;
-        let factor = self.f64_or("factor", 1.0)?;
+        let theta = self.pos_f64_or("rope_theta", default_theta)?;
+        let factor = self.pos_f64_or("factor", 1.0)?;
         let kind = match ty.as_str() {
             "default" => {
                 let p = self.f64_or("partial_rotary_factor", 1.0)?;
@@ -447,7 +478,11 @@ impl<'a> Fields<'a> {
             }
             "linear" => RopeKind::Default,
             "proportional" => {
-                RopeKind::Proportional { partial_rotary_factor: self.f64_or("partial_rotary_factor", 1.0)? }
+                let p = self.f64_or("partial_rotary_factor", 1.0)?;
+                if !(p > 0.0 && p <= 1.0) {
+                    return Err(self.err("partial_rotary_factor", format!("{p} is outside (0, 1]")));
+                }
+                RopeKind::Proportional { partial_rotary_factor: p }
             }
             other => return Err(self.err("rope_type", format!("unsupported rope type `{other}`"))),
         };
@@ -484,11 +519,11 @@ fn parse_mixtral(f: &Fields) -> Result<MixtralConfig> {
         vocab_size: f.positive("vocab_size")?,
         hidden_size: f.positive("hidden_size")?,
         intermediate_size: f.positive("intermediate_size")?,
-        num_hidden_layers: f.positive("num_hidden_layers")?,
+        num_hidden_layers: f.layers()?,
         num_attention_heads,
         num_key_value_heads,
         head_dim: f.head_dim()?,
-        rms_norm_eps: f.f64_or("rms_norm_eps", 1e-5)?,
+        rms_norm_eps: f.pos_f64_or("rms_norm_eps", 1e-5)?,
         rope: f.rope_single(1e6)?,
         sliding_window: f.opt_usize("sliding_window")?.filter(|&w| w > 0),
         num_local_experts: f.positive("num_local_experts")?,
@@ -511,12 +546,12 @@ fn check_gqa(f: &Fields, heads: usize, kv: usize) -> Result<()> {
 }
 
 fn parse_qwen2_moe(f: &Fields) -> Result<Qwen2MoeConfig> {
-    let n = f.positive("num_hidden_layers")?;
+    let n = f.layers()?;
     let num_attention_heads = f.positive("num_attention_heads")?;
     let num_key_value_heads = f.opt_usize("num_key_value_heads")?.unwrap_or(num_attention_heads);
     check_gqa(f, num_attention_heads, num_key_value_heads)?;
-    let mlp_only: Vec<usize> = match f.get("mlp_only_layers") {
-        None => Vec::new(),
+    let mlp_only: std::collections::BTreeSet<usize> = match f.get("mlp_only_layers") {
+        None => Default::default(),
         Some(v) => v
             .as_array()
             .ok_or_else(|| f.err("mlp_only_layers", "expected a list"))?
@@ -549,7 +584,7 @@ fn parse_qwen2_moe(f: &Fields) -> Result<Qwen2MoeConfig> {
         num_attention_heads,
         num_key_value_heads,
         head_dim: f.head_dim()?,
-        rms_norm_eps: f.f64_or("rms_norm_eps", 1e-6)?,
+        rms_norm_eps: f.pos_f64_or("rms_norm_eps", 1e-6)?,
         rope: f.rope_single(1e6)?,
         layer_windows,
         qkv_bias: f.bool_or("qkv_bias", true)?,
@@ -575,7 +610,7 @@ fn parse_qwen2_moe(f: &Fields) -> Result<Qwen2MoeConfig> {
 }
 
 fn parse_gemma4(f: &Fields, multimodal: bool) -> Result<Gemma4Config> {
-    let n = f.positive("num_hidden_layers")?;
+    let n = f.layers()?;
     if f.opt_usize("hidden_size_per_layer_input")?.unwrap_or(0) > 0 {
         return Err(f.err(
             "hidden_size_per_layer_input",
@@ -648,8 +683,8 @@ fn parse_gemma4(f: &Fields, multimodal: bool) -> Result<Gemma4Config> {
         }
     } else {
         // Legacy flat form.
-        let theta = f.f64_or("rope_theta", 1e6)?;
-        let local = f.f64_or("rope_local_base_freq", 1e4)?;
+        let theta = f.pos_f64_or("rope_theta", 1e6)?;
+        let local = f.pos_f64_or("rope_local_base_freq", 1e4)?;
         (
             RopeSpec { theta: local, kind: RopeKind::Default, factor: 1.0 },
             RopeSpec { theta, kind: RopeKind::Default, factor: 1.0 },
@@ -663,7 +698,7 @@ fn parse_gemma4(f: &Fields, multimodal: bool) -> Result<Gemma4Config> {
         intermediate_size: f.positive("intermediate_size")?,
         num_attention_heads: heads,
         layers,
-        rms_norm_eps: f.f64_or("rms_norm_eps", 1e-6)?,
+        rms_norm_eps: f.pos_f64_or("rms_norm_eps", 1e-6)?,
         sliding_window: f.opt_usize("sliding_window")?.unwrap_or(512),
         rope_sliding,
         rope_full,
@@ -772,5 +807,39 @@ mod tests {
         assert!(e.contains("text_config.num_experts"), "{e}");
         let e = parse(r#"{"model_type":"llama"}"#).unwrap_err().to_string();
         assert!(e.contains("unsupported model type `llama`"), "{e}");
+    }
+
+    #[test]
+    fn layer_count_is_bounded_before_tables_are_sized_from_it() {
+        // 10^15 layers once asked for a 1 PB per-layer table while parsing.
+        let q = r#"{"model_type":"qwen2_moe","vocab_size":8,"hidden_size":8,"intermediate_size":8,
+            "num_hidden_layers":1000000000000000,"num_attention_heads":2}"#;
+        let e = parse(q).unwrap_err().to_string();
+        assert!(e.contains("num_hidden_layers") && e.contains("exceeds the 4096 layers"), "{e}");
+        let g = GEMMA_RELEASE.replace("\"num_hidden_layers\":30", "\"num_hidden_layers\":1000000000000000");
+        let e = parse(&g).unwrap_err().to_string();
+        assert!(e.contains("text_config.num_hidden_layers"), "{e}");
+    }
+
+    #[test]
+    fn bad_numbers_are_errors_not_nan_or_truncation() {
+        let m = r#"{"model_type":"mixtral","vocab_size":8,"hidden_size":8,"intermediate_size":8,
+            "num_hidden_layers":1,"num_attention_heads":2,"num_local_experts":2,"num_experts_per_tok":1"#;
+        for (extra, field) in [
+            (r#","eos_token_id":4294967297}"#, "eos_token_id"),
+            (r#","eos_token_id":[2,4294967296]}"#, "eos_token_id"),
+            (r#","rope_theta":0}"#, "rope_theta"),
+            (r#","rms_norm_eps":-1e-5}"#, "rms_norm_eps"),
+            (r#","rope_parameters":{"rope_type":"linear","factor":0}}"#, "rope_parameters.factor"),
+        ] {
+            let e = parse(&format!("{m}{extra}")).unwrap_err().to_string();
+            assert!(e.contains(&format!("field `{field}`")), "{extra}: {e}");
+        }
+        parse(&format!("{m}}}")).unwrap();
+        let e =
+            parse(&GEMMA_RELEASE.replace("\"partial_rotary_factor\":0.25", "\"partial_rotary_factor\":1.5"))
+                .unwrap_err()
+                .to_string();
+        assert!(e.contains("partial_rotary_factor") && e.contains("outside (0, 1]"), "{e}");
     }
 }

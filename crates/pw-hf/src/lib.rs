@@ -6,10 +6,15 @@
 
 mod config;
 mod error;
+#[cfg(test)]
+mod fuzz;
+#[cfg(test)]
+mod mutate;
 mod safetensors_io;
 
 pub use config::{
-    Activation, Gemma4Config, Gemma4LayerSpec, MixtralConfig, ModelConfig, Qwen2MoeConfig, RopeKind, RopeSpec,
+    Activation, Gemma4Config, Gemma4LayerSpec, MAX_LAYERS, MixtralConfig, ModelConfig, Qwen2MoeConfig,
+    RopeKind, RopeSpec,
 };
 pub use error::HfError;
 pub use safetensors_io::{Checkpoint, DType, HostTensor};

@@ -1,6 +1,6 @@
 use std::collections::BTreeMap;
 use std::fs::File;
-use std::path::{Path, PathBuf};
+use std::path::{Component, Path, PathBuf};
 
 use half::{bf16, f16};
 use memmap2::Mmap;
@@ -35,6 +35,8 @@ impl std::fmt::Display for DType {
     }
 }
 
+/// Our dtype of a safetensors dtype; every one we cannot read keeps its own name (`I16`, `U64`,
+/// …) so that an error says which dtype it met.
 fn dtype_of(d: safetensors::Dtype) -> DType {
     use safetensors::Dtype as D;
     match d {
@@ -44,10 +46,48 @@ fn dtype_of(d: safetensors::Dtype) -> DType {
         D::I64 => DType::I64,
         D::F64 => DType::Other("F64"),
         D::I32 => DType::Other("I32"),
+        D::U32 => DType::Other("U32"),
+        D::U64 => DType::Other("U64"),
+        D::I16 => DType::Other("I16"),
+        D::U16 => DType::Other("U16"),
+        D::I8 => DType::Other("I8"),
         D::U8 => DType::Other("U8"),
         D::BOOL => DType::Other("BOOL"),
-        _ => DType::Other("unsupported"),
+        D::F8_E5M2 => DType::Other("F8_E5M2"),
+        D::F8_E4M3 => DType::Other("F8_E4M3"),
+        D::F8_E8M0 => DType::Other("F8_E8M0"),
+        D::F6_E2M3 => DType::Other("F6_E2M3"),
+        D::F6_E3M2 => DType::Other("F6_E3M2"),
+        D::F4 => DType::Other("F4"),
+        // A dtype added to safetensors after this was written.
+        _ => DType::Other("an unknown safetensors dtype"),
     }
+}
+
+/// Checks that no tensor of a safetensors header ends past the end of the `len`-byte file,
+/// before `SafeTensors::read_metadata` sums the offsets: offsets near `usize::MAX` overflow
+/// that sum, which panics in builds with overflow checks. Headers it cannot parse are left to
+/// `read_metadata` to report.
+pub(crate) fn check_data_offsets(bytes: &[u8]) -> std::result::Result<(), String> {
+    let Some(n) = bytes.get(..8).map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes"))) else {
+        return Ok(());
+    };
+    let Some(header) = usize::try_from(n).ok().and_then(|n| bytes.get(8..8usize.checked_add(n)?)) else {
+        return Ok(());
+    };
+    let Ok(serde_json::Value::Object(map)) = serde_json::from_slice::<serde_json::Value>(header) else {
+        return Ok(());
+    };
+    let data = (bytes.len() - 8 - header.len()) as u64;
+    for (name, info) in &map {
+        let end = info.get("data_offsets").and_then(|o| o.get(1)).and_then(serde_json::Value::as_u64);
+        if let Some(end) = end.filter(|&e| e > data) {
+            return Err(format!(
+                "tensor `{name}` ends at data offset {end}, past the {data} data bytes of the file"
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// A tensor read to the host as `f32`, row-major.
@@ -127,6 +167,18 @@ impl Checkpoint {
             }
             let mut paths = Vec::new();
             for name in names {
+                let inside = !name.is_empty()
+                    && Path::new(&name)
+                        .components()
+                        .all(|c| matches!(c, Component::Normal(_) | Component::CurDir));
+                if !inside {
+                    let tensor = map.iter().find(|(_, f)| f.as_str() == Some(&name)).map_or("", |(t, _)| t);
+                    return Err(HfError::Config {
+                        path: index.clone(),
+                        field: format!("weight_map.{tensor}"),
+                        message: format!("shard `{name}` is not a file name inside {}", dir.display()),
+                    });
+                }
                 let p = dir.join(&name);
                 if let Err(source) = File::open(&p) {
                     return Err(HfError::MissingShard { index: index.clone(), shard: name, source });
@@ -142,35 +194,51 @@ impl Checkpoint {
         Self::from_files(dir, &files)
     }
 
-    /// Opens the given safetensors files as one checkpoint (names must not repeat).
+    /// Opens the given safetensors files as one checkpoint; a tensor name found in two files
+    /// is an error naming both.
     pub fn from_files(dir: PathBuf, files: &[PathBuf]) -> Result<Self> {
-        let mut shards = Vec::new();
-        let mut entries = BTreeMap::new();
+        let mut ck = Self { dir, shards: Vec::new(), entries: BTreeMap::new() };
         for path in files {
             let map = map_file(path).map_err(|source| HfError::Io { path: path.clone(), source })?;
-            let bad = |e: safetensors::SafeTensorError| HfError::Safetensors {
-                path: path.clone(),
-                message: e.to_string(),
-            };
-            let (header_len, meta) = SafeTensors::read_metadata(&map).map_err(bad)?;
-            let base = 8 + header_len;
-            for (name, info) in meta.tensors() {
-                let (s, e) = info.data_offsets;
-                entries.insert(
-                    name,
-                    Entry {
-                        shard: shards.len(),
-                        dtype: dtype_of(info.dtype),
-                        raw_dtype: info.dtype,
-                        shape: info.shape.clone(),
-                        start: base + s,
-                        end: base + e,
-                    },
-                );
-            }
-            shards.push(Shard { path: path.clone(), map });
+            ck.add_shard(path.clone(), map)?;
         }
-        Ok(Self { dir, shards, entries })
+        Ok(ck)
+    }
+
+    /// A checkpoint of no files yet, for [`Self::add_shard`].
+    #[cfg(test)]
+    pub(crate) fn empty(dir: PathBuf) -> Self {
+        Self { dir, shards: Vec::new(), entries: BTreeMap::new() }
+    }
+
+    /// Parses the header of one mapped safetensors file and adds its tensors.
+    pub(crate) fn add_shard(&mut self, path: PathBuf, map: Mmap) -> Result<()> {
+        let bad = |message: String| HfError::Safetensors { path: path.clone(), message };
+        check_data_offsets(&map).map_err(bad)?;
+        let (header_len, meta) = SafeTensors::read_metadata(&map).map_err(|e| bad(e.to_string()))?;
+        let base = 8 + header_len;
+        let mut tensors: Vec<_> = meta.tensors().into_iter().collect();
+        tensors.sort_by(|a, b| a.0.cmp(&b.0));
+        for (name, info) in tensors {
+            if let Some(other) = self.entries.get(&name) {
+                return Err(bad(format!(
+                    "tensor `{name}` is also in {}",
+                    self.shards[other.shard].path.display()
+                )));
+            }
+            let (s, e) = info.data_offsets;
+            let entry = Entry {
+                shard: self.shards.len(),
+                dtype: dtype_of(info.dtype),
+                raw_dtype: info.dtype,
+                shape: info.shape.clone(),
+                start: base + s,
+                end: base + e,
+            };
+            self.entries.insert(name, entry);
+        }
+        self.shards.push(Shard { path, map });
+        Ok(())
     }
 
     /// The model directory.
@@ -321,5 +389,60 @@ mod tests {
         std::fs::write(dir.path().join("model.safetensors.index.json"), "{").unwrap();
         let e = Checkpoint::open(dir.path()).unwrap_err().to_string();
         assert!(e.contains("model.safetensors.index.json") && e.contains("JSON"), "{e}");
+    }
+
+    #[test]
+    fn unsupported_dtype_names_tensor_file_and_dtype() {
+        let dir = tempfile::tempdir().unwrap();
+        use safetensors::Dtype as D;
+        let path = dir.path().join("model.safetensors");
+        write(
+            &path,
+            vec![("model.layers.0.w", D::I16, vec![2], vec![1, 0, 2, 0]), ("u", D::U64, vec![1], vec![0; 8])],
+        );
+        let ck = Checkpoint::open(dir.path()).unwrap();
+        assert_eq!(ck.info("model.layers.0.w").unwrap().0, DType::Other("I16"));
+        let e = ck.read_f32("model.layers.0.w").unwrap_err().to_string();
+        assert!(e.contains("`model.layers.0.w`") && e.contains(path.to_str().unwrap()), "{e}");
+        assert!(e.contains("dtype I16") && !e.contains("unsupported"), "{e}");
+        let e = ck.read_i64("u").unwrap_err().to_string();
+        assert!(e.contains("`u`") && e.contains("dtype U64, expected I64"), "{e}");
+    }
+
+    #[test]
+    fn offsets_that_overflow_are_an_error_not_a_panic() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("model.safetensors"), crate::fuzz::offsets_near_usize_max()).unwrap();
+        let e = Checkpoint::open(dir.path()).unwrap_err().to_string();
+        assert!(e.contains("model.safetensors") && e.contains("past the 0 data bytes"), "{e}");
+    }
+
+    #[test]
+    fn index_shards_stay_inside_the_directory() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("model");
+        std::fs::create_dir(&dir).unwrap();
+        use safetensors::Dtype as D;
+        write(&tmp.path().join("outside.safetensors"), vec![("x", D::F32, vec![1], vec![0; 4])]);
+        for shard in ["../outside.safetensors", "/etc/hostname", ""] {
+            let index = format!(r#"{{"weight_map":{{"x":"{shard}"}}}}"#);
+            std::fs::write(dir.join("model.safetensors.index.json"), index).unwrap();
+            let e = Checkpoint::open(&dir).unwrap_err().to_string();
+            assert!(e.contains("weight_map.x") && e.contains("not a file name inside"), "{shard}: {e}");
+        }
+    }
+
+    #[test]
+    fn a_tensor_in_two_shards_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        use safetensors::Dtype as D;
+        write(&dir.path().join("a.safetensors"), vec![("x", D::F32, vec![1], vec![0; 4])]);
+        write(&dir.path().join("b.safetensors"), vec![("x", D::F32, vec![1], vec![0; 4])]);
+        let files = [dir.path().join("a.safetensors"), dir.path().join("b.safetensors")];
+        let e = Checkpoint::from_files(dir.path().into(), &files).unwrap_err().to_string();
+        assert!(
+            e.contains("b.safetensors") && e.contains("`x` is also in") && e.contains("a.safetensors"),
+            "{e}"
+        );
     }
 }

@@ -54,6 +54,11 @@ impl BlockTables {
         self.capacity - self.free.len()
     }
 
+    /// Most tokens one sequence's table can address.
+    pub fn max_tokens(&self) -> usize {
+        self.max_blocks * self.block_size
+    }
+
     /// Tokens cached for `seq`.
     pub fn len(&self, seq: SeqId) -> Result<usize, KvError> {
         self.seqs.get(&seq).map(|s| s.len).ok_or(KvError::UnknownSeq(seq))
@@ -82,7 +87,7 @@ impl BlockTables {
     /// Makes room for `n` more tokens of `seq` and returns their slots
     /// (`block · block_size + offset`), in token order. All or nothing.
     pub fn append(&mut self, seq: SeqId, n: usize) -> Result<Vec<u32>, KvError> {
-        let max_tokens = self.max_blocks * self.block_size;
+        let max_tokens = self.max_tokens();
         let needed = self.blocks_needed(seq, n)?;
         let s = self.seqs.get_mut(&seq).ok_or(KvError::UnknownSeq(seq))?;
         if s.len + n > max_tokens {

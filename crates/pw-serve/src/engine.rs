@@ -15,7 +15,7 @@ use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
 use crate::{
     BoundaryHook, BoundaryState, DecodeSlot, IncrementalDetokenizer, KvLayout, Metrics, PrefillSlot,
-    ServeError, StepModel, StopText,
+    SeqOutcome, ServeError, StepError, StepModel, StopText,
 };
 
 /// How admission reserves KV memory.
@@ -58,6 +58,9 @@ pub struct EngineConfig {
     /// Prompt tokens prefilled per step at most (one prompt is always allowed), so running
     /// sequences keep decoding while long prompts arrive.
     pub max_prefill_tokens: usize,
+    /// Most requests waiting for admission; beyond it `submit` refuses with
+    /// [`ServeError::Overloaded`] (HTTP 429) instead of queueing without bound.
+    pub max_waiting: usize,
     /// Tokens that end a sequence unless the request sets `ignore_eos`.
     pub eos_token_ids: Vec<u32>,
 }
@@ -297,7 +300,9 @@ impl EngineHandle {
         if p.max_tokens == 0 {
             return Err(ServeError::invalid("max_tokens", "max_tokens must be at least 1"));
         }
-        if req.prompt.len() + p.max_tokens > l.config.max_context {
+        // Checked: a max_tokens near usize::MAX must not wrap past the context check.
+        let total = req.prompt.len().checked_add(p.max_tokens).filter(|&n| n <= l.config.max_context);
+        let Some(total) = total else {
             return Err(ServeError::invalid(
                 "max_tokens",
                 format!(
@@ -307,7 +312,7 @@ impl EngineHandle {
                     l.config.max_context
                 ),
             ));
-        }
+        };
         if !(p.temperature.is_finite() && p.temperature >= 0.0) {
             return Err(ServeError::invalid("temperature", "temperature must be a finite number ≥ 0"));
         }
@@ -320,7 +325,7 @@ impl EngineHandle {
                 format!("token id {bad} is outside the vocabulary of {}", l.vocab_size),
             ));
         }
-        let projected = l.kv.bytes_for(req.prompt.len() + p.max_tokens);
+        let projected = l.kv.bytes_for(total);
         if projected > l.config.kv_budget_bytes {
             return Err(ServeError::invalid(
                 "max_tokens",
@@ -333,14 +338,24 @@ impl EngineHandle {
                 ),
             ));
         }
+        let mut queued = None;
+        self.metrics.update(|m| {
+            if m.queue_length >= l.config.max_waiting as u64 {
+                queued = Some(m.queue_length);
+            } else {
+                m.requests_total += 1;
+                m.queue_length += 1;
+            }
+        });
+        if let Some(n) = queued {
+            return Err(ServeError::Overloaded(format!(
+                "{n} requests are waiting, the most this server queues; retry later"
+            )));
+        }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = unbounded_channel();
         let pending = Pending { id, req, projected, tx, submitted: Instant::now() };
         self.tx.send(Msg::Submit(pending)).map_err(|_| ServeError::EngineStopped)?;
-        self.metrics.update(|m| {
-            m.requests_total += 1;
-            m.queue_length += 1;
-        });
         Ok(RequestStream { id, rx })
     }
 
@@ -390,6 +405,9 @@ impl Engine {
         if config.max_context == 0 {
             return Err(ServeError::invalid("max_context", "max_context must be at least 1"));
         }
+        if config.max_waiting == 0 {
+            return Err(ServeError::invalid("max_waiting", "max_waiting must be at least 1"));
+        }
         let limits = Arc::new(Limits {
             vocab_size: model.vocab_size(),
             kv: model.kv_layout().clone(),
@@ -399,7 +417,7 @@ impl Engine {
         let metrics = Arc::new(Metrics::default());
         let mut model = model;
         // The paged memory's state from the start (a first boundary, before any step).
-        let memory = model.boundary().map_err(|e| ServeError::Model(e.0))?;
+        let memory = model.boundary().map_err(|e| ServeError::Model(e.to_string()))?;
         metrics.update(|m| {
             m.kv_budget_bytes = config.kv_budget_bytes;
             m.weight_bytes = limits.weight_bytes;
@@ -420,6 +438,8 @@ impl Engine {
             active: Vec::new(),
             reserved: 0,
             step: 0,
+            oom_strikes: 0,
+            batch_cap: usize::MAX,
             seed_base: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64),
         };
         let thread = std::thread::Builder::new()
@@ -481,6 +501,10 @@ struct Active {
     last_token_at: Option<Instant>,
 }
 
+/// Consecutive steps a model may answer [`StepError::OutOfMemory`] (each followed by a
+/// boundary, where the planner can free memory) before the sequences involved fail.
+const OOM_RETRIES: u32 = 256;
+
 /// Pause between boundaries of an idle engine whose memory has not settled.
 const IDLE_BOUNDARY: std::time::Duration = std::time::Duration::from_millis(1);
 
@@ -502,6 +526,11 @@ struct Worker {
     reserved: u64,
     step: u64,
     seed_base: u64,
+    /// Consecutive steps that produced nothing because the model was out of KV memory.
+    oom_strikes: u32,
+    /// Most sequences running at once as the model's memory allows: lowered when it runs out
+    /// of KV memory, lifted once a sequence ends and frees some.
+    batch_cap: usize,
 }
 
 /// What happened to a sequence after its new token.
@@ -514,20 +543,37 @@ enum After {
 }
 
 /// Runs `f`, turning a panic inside the model into a step error so the engine keeps serving.
-fn guarded<T>(f: impl FnOnce() -> Result<T, crate::StepError>) -> Result<T, String> {
+fn guarded<T>(f: impl FnOnce() -> Result<T, StepError>) -> Result<T, StepError> {
     match std::panic::catch_unwind(AssertUnwindSafe(f)) {
-        Ok(Ok(v)) => Ok(v),
-        Ok(Err(e)) => Err(e.0),
-        Err(panic) => Err(panic
-            .downcast_ref::<String>()
-            .cloned()
-            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-            .unwrap_or_else(|| "the model panicked".into())),
+        Ok(r) => r,
+        Err(panic) => Err(StepError::Failed(
+            panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "the model panicked".into()),
+        )),
+    }
+}
+
+/// Ends `seqs` with `msg` (their KV is freed with the step's other ended sequences).
+fn fail_all(seqs: impl Iterator<Item = Active>, msg: &str, ended: &mut Vec<(Active, After)>) {
+    for a in seqs {
+        let _ = a.tx.send(Event::Failed(msg.to_string()));
+        ended.push((a, After::Failed));
     }
 }
 
 /// Hands a sequence its new token: detokenizes, applies the stop rules and sends the events.
-fn deliver(a: &mut Active, tok: u32, tokenizer: &Tokenizer, eos: &[u32], metrics: &Metrics) -> After {
+/// A sequence ends at `max_context` tokens whatever its `max_tokens`.
+fn deliver(
+    a: &mut Active,
+    tok: u32,
+    tokenizer: &Tokenizer,
+    eos: &[u32],
+    max_context: usize,
+    metrics: &Metrics,
+) -> After {
     let now = Instant::now();
     let gap = now.duration_since(a.last_token_at.unwrap_or(a.submitted)).as_secs_f64();
     let first = a.last_token_at.is_none();
@@ -561,7 +607,7 @@ fn deliver(a: &mut Active, tok: u32, tokenizer: &Tokenizer, eos: &[u32], metrics
     let stop_token = (!a.params.ignore_eos && eos.contains(&tok)) || a.params.stop_token_ids.contains(&tok);
     let reason = if stop_token {
         Some(FinishReason::Stop)
-    } else if a.generated >= a.params.max_tokens {
+    } else if a.generated >= a.params.max_tokens || a.tokens.len() >= max_context {
         Some(FinishReason::Length)
     } else {
         None
@@ -644,6 +690,7 @@ impl Worker {
             }
         }
         if cancelled > 0 {
+            self.batch_cap = usize::MAX;
             self.metrics.update(|m| m.requests_cancelled_total += cancelled);
         }
     }
@@ -671,9 +718,7 @@ impl Worker {
         while self.reserved > self.config.kv_budget_bytes && self.active.len() > 1 {
             let Some(i) = (0..self.active.len()).max_by_key(|&i| self.active[i].id) else { break };
             let a = self.active.swap_remove(i);
-            self.release(&a);
-            let at = self.preempted.partition_point(|p| p.id < a.id);
-            self.preempted.insert(at, a);
+            self.requeue(a);
             preempted += 1;
         }
         if preempted > 0 {
@@ -702,7 +747,7 @@ impl Worker {
                 }
                 (None, None) => break,
             };
-            if self.active.len() + admitted.len() >= self.config.max_batch
+            if self.active.len() + admitted.len() >= self.config.max_batch.min(self.batch_cap)
                 || self.reserved + need > self.config.kv_budget_bytes
                 || (!admitted.is_empty() && prefill_tokens + len > self.config.max_prefill_tokens)
             {
@@ -760,39 +805,31 @@ impl Worker {
         let mut ended: Vec<(Active, After)> = Vec::new();
 
         if !self.active.is_empty() {
+            let mut running = std::mem::take(&mut self.active);
             let model = &mut self.model;
             let result = {
-                let mut slots: Vec<DecodeSlot<'_>> = self
-                    .active
+                let mut slots: Vec<DecodeSlot<'_>> = running
                     .iter_mut()
                     .map(|a| DecodeSlot { seq: a.id, last: a.last, sampler: &mut a.sampler })
                     .collect();
                 guarded(|| model.decode(&mut slots))
             };
-            let result = result.and_then(|t| {
-                if t.len() == self.active.len() {
-                    Ok(t)
-                } else {
-                    Err(format!("decode returned {} tokens for {} sequences", t.len(), self.active.len()))
-                }
-            });
-            match result {
-                Ok(new) => {
-                    tokens += new.len();
-                    let running = std::mem::take(&mut self.active);
-                    for (mut a, t) in running.into_iter().zip(new) {
-                        match deliver(&mut a, t, &self.tokenizer, &eos, &self.metrics) {
-                            After::Running => self.active.push(a),
-                            after => ended.push((a, after)),
-                        }
+            match self.outcomes(result, running.len()) {
+                Ok(outcomes) => tokens += self.settle(running, outcomes, &eos, &mut ended),
+                Err(StepError::OutOfMemory(_)) if self.oom_strikes < OOM_RETRIES => {
+                    // Nothing ran: the latest request makes room (as in `preempt`), the others
+                    // decode next step.
+                    self.oom_strikes += 1;
+                    if running.len() > 1 {
+                        let newest = (0..running.len()).max_by_key(|&i| running[i].id).unwrap_or(0);
+                        let a = running.swap_remove(newest);
+                        self.requeue(a);
+                        self.metrics.update(|m| m.requests_preempted_total += 1);
                     }
+                    self.batch_cap = running.len();
+                    self.active = running;
                 }
-                Err(msg) => {
-                    for a in std::mem::take(&mut self.active) {
-                        let _ = a.tx.send(Event::Failed(msg.clone()));
-                        ended.push((a, After::Failed));
-                    }
-                }
+                Err(e) => fail_all(running.into_iter(), &e.to_string(), &mut ended),
             }
         }
 
@@ -805,34 +842,29 @@ impl Worker {
                     .collect();
                 guarded(|| model.prefill(&mut slots))
             };
-            let n = admitted.len();
-            let result = result.and_then(|t| {
-                if t.len() == n {
-                    Ok(t)
-                } else {
-                    Err(format!("prefill returned {} tokens for {n} sequences", t.len()))
-                }
-            });
-            match result {
-                Ok(new) => {
-                    tokens += new.len();
-                    for ((mut a, _), t) in admitted.into_iter().zip(new) {
-                        match deliver(&mut a, t, &self.tokenizer, &eos, &self.metrics) {
-                            After::Running => self.active.push(a),
-                            after => ended.push((a, after)),
-                        }
+            let admitted: Vec<Active> = admitted.into_iter().map(|(a, _)| a).collect();
+            match self.outcomes(result, admitted.len()) {
+                Ok(outcomes) => tokens += self.settle(admitted, outcomes, &eos, &mut ended),
+                Err(StepError::OutOfMemory(_)) if self.oom_strikes < OOM_RETRIES => {
+                    // Nothing ran: the new sequences wait, first in line, for the memory.
+                    self.oom_strikes += 1;
+                    self.batch_cap = self.active.len().max(1);
+                    for a in admitted {
+                        self.requeue(a);
                     }
                 }
-                Err(msg) => {
-                    for (a, _) in admitted {
-                        let _ = a.tx.send(Event::Failed(msg.clone()));
-                        ended.push((a, After::Failed));
-                    }
-                }
+                Err(e) => fail_all(admitted.into_iter(), &e.to_string(), &mut ended),
             }
+        }
+        if tokens > 0 {
+            self.oom_strikes = 0;
         }
 
         let (mut finished, mut cancelled, mut failed) = (0, 0, 0);
+        if !ended.is_empty() {
+            // Memory came back: the batch may grow again.
+            self.batch_cap = usize::MAX;
+        }
         for (a, after) in &ended {
             self.release(a);
             match after {
@@ -853,6 +885,56 @@ impl Worker {
         tokens
     }
 
+    /// A model call's outcomes, one per slot, or the error of the whole call.
+    fn outcomes(
+        &self,
+        result: Result<Vec<SeqOutcome>, StepError>,
+        n: usize,
+    ) -> Result<Vec<SeqOutcome>, StepError> {
+        let outcomes = result?;
+        if outcomes.len() != n {
+            return Err(StepError::failed(format!(
+                "the model returned {} outcomes for {n} sequences",
+                outcomes.len()
+            )));
+        }
+        Ok(outcomes)
+    }
+
+    /// Hands each sequence its outcome: a token goes on to [`deliver`]; an error ends that
+    /// sequence alone. Returns the tokens generated.
+    fn settle(
+        &mut self,
+        seqs: Vec<Active>,
+        outcomes: Vec<SeqOutcome>,
+        eos: &[u32],
+        ended: &mut Vec<(Active, After)>,
+    ) -> usize {
+        let mut tokens = 0;
+        for (mut a, outcome) in seqs.into_iter().zip(outcomes) {
+            match outcome {
+                Ok(t) => {
+                    tokens += 1;
+                    let max_context = self.config.max_context;
+                    match deliver(&mut a, t, &self.tokenizer, eos, max_context, &self.metrics) {
+                        After::Running => self.active.push(a),
+                        after => ended.push((a, after)),
+                    }
+                }
+                Err(e) => fail_all(std::iter::once(a), &e.to_string(), ended),
+            }
+        }
+        tokens
+    }
+
+    /// Frees a running sequence's KV and puts it, state intact, among the preempted (oldest
+    /// request first): it resumes by recomputing its tokens.
+    fn requeue(&mut self, a: Active) {
+        self.release(&a);
+        let at = self.preempted.partition_point(|p| p.id < a.id);
+        self.preempted.insert(at, a);
+    }
+
     /// The model's own boundary (planner and page commits); its state goes to the metrics.
     fn memory_boundary(&mut self) -> Option<crate::MemoryState> {
         let model = &mut self.model;
@@ -864,10 +946,11 @@ impl Worker {
                 }
                 state
             }
-            Err(msg) => {
+            Err(e) => {
                 // The model's memory state is unknown: end what runs, keep serving.
                 self.settled = true;
                 let failed = self.active.len() as u64;
+                let msg = e.to_string();
                 for a in std::mem::take(&mut self.active) {
                     let _ = a.tx.send(Event::Failed(msg.clone()));
                     self.release(&a);

@@ -33,6 +33,9 @@ pub enum ServeError {
         /// What is wrong.
         message: String,
     },
+    /// Too many requests are waiting; the client should retry later.
+    #[error("{0}")]
+    Overloaded(String),
     /// The engine thread has stopped.
     #[error("the engine has stopped")]
     EngineStopped,

@@ -12,7 +12,7 @@ use pw_decode::{DecodeConfig, ExpertBlocks, MixtralDecoder};
 use pw_hf::{Checkpoint, ModelConfig};
 use pw_pages::Accountant;
 
-use crate::model::{DecodeSlot, PrefillSlot, SeqId, StepError, StepModel};
+use crate::model::{DecodeSlot, PrefillSlot, SeqId, SeqOutcome, StepError, StepModel};
 use crate::paged::PagedMemory;
 use crate::{KvLayout, MemoryOptions, MemoryState, ServeError, WeightPolicy};
 
@@ -96,6 +96,7 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
             o.bits,
         )
         .map_err(model)?;
+        check_context(client, &cfg, size_of::<KV>(), o.max_context, &plan).map_err(model)?;
         let b = plan.initial_bits;
         experts.bits = experts.blocks.iter().map(|l| vec![(b, b); l.len()]).collect();
         let accountant = Accountant::new(plan.budget);
@@ -135,6 +136,7 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
             o.bits,
         )
         .map_err(model)?;
+        check_context(client, &cfg, size_of::<KV>(), o.max_context, &plan).map_err(model)?;
         let accountant = Accountant::new(plan.budget);
         let dec = MixtralDecoder::synthetic_paged(
             client,
@@ -159,11 +161,11 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
         let (layers, experts) = (dec.config().layers, dec.config().experts);
         let block_bytes = dec.kv_block_bytes() as u64;
         let kv = pool_layout(dec.config(), size_of::<KV>());
-        let mem =
-            PagedMemory::new(accountant, block_bytes, layers, experts, memory.clone()).map_err(|e| e.0)?;
+        let mem = PagedMemory::new(accountant, block_bytes, layers, experts, memory.clone())
+            .map_err(|e| e.to_string())?;
         let mut me = Self { dec, kv, block_bytes, live: HashSet::new(), mem, kv_capacity: plan.kv_capacity };
-        me.warm_up(max_batch).map_err(|e| e.0)?;
-        me.boundary().map_err(|e| e.0)?;
+        me.warm_up(max_batch).map_err(|e| e.to_string())?;
+        me.boundary().map_err(|e| e.to_string())?;
         Ok(me)
     }
 
@@ -186,7 +188,7 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
         while b <= max_batch.clamp(1, STEP_BATCH) {
             let seqs: Vec<SeqId> = (0..b as u64).map(|i| u64::MAX - i).collect();
             for &s in &seqs {
-                self.dec.add_sequence(s).map_err(|e| StepError(e.to_string()))?;
+                self.dec.add_sequence(s).map_err(|e| StepError::failed(e.to_string()))?;
             }
             let step: Vec<(SeqId, u32)> = seqs.iter().map(|&s| (s, 0)).collect();
             let res = self.step(&step);
@@ -200,25 +202,70 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
     }
 
     /// Reserves, under the memory budget, the KV blocks in use plus those that appending
-    /// its count of tokens to each listed sequence will take.
+    /// its count of tokens to each listed sequence will take. A shortage is
+    /// [`StepError::OutOfMemory`] with nothing changed.
     fn lease(&mut self, appends: impl Iterator<Item = (SeqId, usize)>) -> Result<(), StepError> {
         let t = self.dec.kv_tables();
         let mut needed = t.used_blocks();
         for (s, tokens) in appends {
-            needed += t.blocks_needed(s, tokens).map_err(|e| StepError(e.to_string()))?;
+            needed += t.blocks_needed(s, tokens).map_err(|e| StepError::failed(e.to_string()))?;
         }
         self.mem.reserve(&mut self.dec, needed as u64)
     }
 
+    /// Appends one token to each sequence of `batch` and returns their logits. The blocks of
+    /// the whole step are leased before the first launch, so a shortage changes nothing.
     fn step(&mut self, batch: &[(SeqId, u32)]) -> Result<Vec<Vec<f32>>, StepError> {
-        let mut out = Vec::with_capacity(batch.len());
-        for chunk in batch.chunks(STEP_BATCH) {
-            // Lease the blocks this launch will append before it runs.
-            self.lease(chunk.iter().map(|&(s, _)| (s, 1)))?;
-            out.extend(self.dec.step(chunk).map_err(|e| StepError(e.to_string()))?);
-        }
-        Ok(out)
+        self.lease(batch.iter().map(|&(s, _)| (s, 1)))?;
+        self.dec.step(batch).map_err(|e| StepError::failed(e.to_string()))
     }
+
+    /// Whether `seq`, holding `held` tokens, can take `extra` more: a sequence that would
+    /// outgrow its table fails alone, before the step.
+    fn room(&self, seq: SeqId, held: usize, extra: usize) -> Result<(), StepError> {
+        let max = self.dec.kv_tables().max_tokens();
+        match held.checked_add(extra) {
+            Some(n) if n <= max => Ok(()),
+            _ => Err(StepError::failed(format!(
+                "sequence {seq}: {held} + {extra} tokens exceed the context of {max} tokens"
+            ))),
+        }
+    }
+}
+
+/// Refuses, before anything is allocated, a context length whose KV cache cannot exist: one
+/// sequence at `max_context` must fit the KV capacity, and each layer's K or V pool must fit
+/// the device's largest buffer.
+fn check_context<R: Runtime>(
+    client: &ComputeClient<R>,
+    cfg: &DecodeConfig,
+    elem_bytes: usize,
+    max_context: usize,
+    plan: &MemoryPlan,
+) -> Result<(), String> {
+    let geometry = cfg.kv_geometry(BLOCK, elem_bytes, max_context);
+    let block_bytes = geometry.block_bytes() as u64;
+    let one_seq = (max_context.div_ceil(BLOCK) as u64).saturating_mul(block_bytes);
+    if one_seq > plan.kv_capacity {
+        return Err(format!(
+            "a context of {max_context} tokens (--max-context, else max_position_embeddings in config.json) \
+             needs {one_seq} bytes of KV cache for one sequence, more than the {} bytes the KV cache has; \
+             lower --max-context or give the cache more memory",
+            plan.kv_capacity
+        ));
+    }
+    let widest = cfg.attn.iter().map(|a| a.kv_heads * a.head_dim).max().unwrap_or(0) as u64;
+    let pool = (plan.kv_blocks as u64).saturating_mul((BLOCK * elem_bytes) as u64).saturating_mul(widest);
+    let largest = client.properties().memory.max_page_size;
+    if pool > largest {
+        return Err(format!(
+            "a KV cache of {} blocks (sized from a context of {max_context} tokens × the batch, or \
+             --kv-budget-bytes) needs K/V buffers of {pool} bytes per layer; the device's largest \
+             buffer is {largest} bytes: lower --max-context, --max-batch or --kv-budget-bytes",
+            plan.kv_blocks
+        ));
+    }
+    Ok(())
 }
 
 /// Budget, initial bits and cache size of a load.
@@ -255,11 +302,11 @@ impl MemoryPlan {
         expert_bytes: impl Fn(u8) -> u64,
         bits: u8,
     ) -> Result<Self, String> {
-        let slack = max_batch.max(1) as u64 * block_bytes;
+        let slack = (max_batch.max(1) as u64).saturating_mul(block_bytes);
         let Some(budget) = m.budget_bytes else {
             // No limit: the cache is sized from the engine's KV budget, the weights stay put.
-            let kv_blocks = kv_budget_bytes.div_ceil(block_bytes) as usize + max_batch.max(1);
-            let budget = expert_bytes(bits) + kv_blocks as u64 * block_bytes;
+            let kv_blocks = (kv_budget_bytes.div_ceil(block_bytes) as usize).saturating_add(max_batch.max(1));
+            let budget = expert_bytes(bits).saturating_add((kv_blocks as u64).saturating_mul(block_bytes));
             return Ok(Self { budget, initial_bits: bits, kv_blocks, kv_capacity: kv_budget_bytes });
         };
         let reserve = match m.policy {
@@ -296,9 +343,9 @@ impl MemoryPlan {
     }
 }
 
-fn sample(sampler: &mut pw_models::Sampler, seq: SeqId, logits: &[f32]) -> Result<u32, StepError> {
+fn sample(sampler: &mut pw_models::Sampler, seq: SeqId, logits: &[f32]) -> SeqOutcome {
     if logits.iter().any(|x| x.is_nan()) {
-        return Err(StepError(format!("sequence {seq}: the model produced NaN logits")));
+        return Err(StepError::failed(format!("sequence {seq}: the model produced NaN logits")));
     }
     Ok(sampler.sample(logits))
 }
@@ -319,23 +366,50 @@ where
         (self.dec.expert_bytes() + self.dec.dense_bytes()) as u64
     }
 
-    fn prefill(&mut self, batch: &mut [PrefillSlot<'_>]) -> Result<Vec<u32>, StepError> {
-        for s in batch.iter() {
-            self.dec.add_sequence(s.seq).map_err(|e| StepError(e.to_string()))?;
-            self.live.insert(s.seq);
+    fn prefill(&mut self, batch: &mut [PrefillSlot<'_>]) -> Result<Vec<SeqOutcome>, StepError> {
+        let mut out: Vec<SeqOutcome> =
+            batch.iter().map(|s| self.room(s.seq, 0, s.prompt.len()).map(|()| 0)).collect();
+        let run: Vec<usize> = (0..batch.len()).filter(|&i| out[i].is_ok()).collect();
+        for &i in &run {
+            self.dec.add_sequence(batch[i].seq).map_err(|e| StepError::failed(e.to_string()))?;
+            self.live.insert(batch[i].seq);
         }
         // Lease the blocks of the whole prompts, then prefill them in chunks (a prompt of n
-        // tokens costs ⌈n / 16⌉ decode launches, not n).
-        self.lease(batch.iter().map(|s| (s.seq, s.prompt.len())))?;
-        let prompts: Vec<(SeqId, &[u32])> = batch.iter().map(|s| (s.seq, s.prompt)).collect();
-        let logits = self.dec.prefill(&prompts).map_err(|e| StepError(e.to_string()))?;
-        batch.iter_mut().zip(&logits).map(|(s, l)| sample(s.sampler, s.seq, l)).collect()
+        // tokens costs ⌈n / 16⌉ decode launches, not n). Without the memory, the new sequences
+        // are dropped again and the engine retries them later.
+        if let Err(e) = self.lease(run.iter().map(|&i| (batch[i].seq, batch[i].prompt.len()))) {
+            for &i in &run {
+                self.release(batch[i].seq);
+            }
+            return Err(e);
+        }
+        let prompts: Vec<(SeqId, &[u32])> = run.iter().map(|&i| (batch[i].seq, batch[i].prompt)).collect();
+        let logits = self.dec.prefill(&prompts).map_err(|e| StepError::failed(e.to_string()))?;
+        for (&i, l) in run.iter().zip(&logits) {
+            out[i] = sample(batch[i].sampler, batch[i].seq, l);
+        }
+        Ok(out)
     }
 
-    fn decode(&mut self, batch: &mut [DecodeSlot<'_>]) -> Result<Vec<u32>, StepError> {
-        let step: Vec<(SeqId, u32)> = batch.iter().map(|s| (s.seq, s.last)).collect();
+    fn decode(&mut self, batch: &mut [DecodeSlot<'_>]) -> Result<Vec<SeqOutcome>, StepError> {
+        let t = self.dec.kv_tables();
+        let mut out: Vec<SeqOutcome> = batch
+            .iter()
+            .map(|s| {
+                let held = t.len(s.seq).map_err(|e| StepError::failed(e.to_string()))?;
+                self.room(s.seq, held, 1).map(|()| 0)
+            })
+            .collect();
+        let run: Vec<usize> = (0..batch.len()).filter(|&i| out[i].is_ok()).collect();
+        if run.is_empty() {
+            return Ok(out);
+        }
+        let step: Vec<(SeqId, u32)> = run.iter().map(|&i| (batch[i].seq, batch[i].last)).collect();
         let logits = self.step(&step)?;
-        batch.iter_mut().zip(&logits).map(|(s, l)| sample(s.sampler, s.seq, l)).collect()
+        for (&i, l) in run.iter().zip(&logits) {
+            out[i] = sample(batch[i].sampler, batch[i].seq, l);
+        }
+        Ok(out)
     }
 
     fn release(&mut self, seq: SeqId) {

@@ -47,12 +47,14 @@ impl KvLayout {
         Self { layers }
     }
 
-    /// Bytes a sequence of `tokens` tokens holds in the cache.
+    /// Bytes a sequence of `tokens` tokens holds in the cache (saturating at `u64::MAX`, so an
+    /// absurd request compares as too large instead of wrapping).
     pub fn bytes_for(&self, tokens: usize) -> u64 {
-        self.layers
-            .iter()
-            .map(|l| l.bytes_per_token * l.window.map_or(tokens, |w| tokens.min(w)) as u64)
-            .sum()
+        self.layers.iter().fold(0u64, |sum, l| {
+            sum.saturating_add(
+                l.bytes_per_token.saturating_mul(l.window.map_or(tokens, |w| tokens.min(w)) as u64),
+            )
+        })
     }
 
     /// Bytes per token on a model without sliding windows (upper bound otherwise).

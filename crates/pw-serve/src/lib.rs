@@ -33,7 +33,7 @@ pub use fast::{FastOptions, FastStepModel, load_fast};
 pub use hook::{BoundaryHook, BoundaryState, MemoryState, UsageRecord, UsageRecorder};
 pub use kv::{KvLayout, LayerKv, max_context};
 pub use metrics::{Metrics, MetricsSnapshot};
-pub use model::{BurnStepModel, DecodeSlot, PrefillSlot, SeqId, StepError, StepModel};
+pub use model::{BurnStepModel, DecodeSlot, PrefillSlot, SeqId, SeqOutcome, StepError, StepModel};
 pub use paged::{MemoryOptions, WeightPolicy};
 /// The planner options [`MemoryOptions`] carries.
 pub use pw_planner::{PlannerConfig, RoutingConfig};

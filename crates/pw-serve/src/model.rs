@@ -34,10 +34,28 @@ pub struct DecodeSlot<'a> {
     pub sampler: &'a mut Sampler,
 }
 
-/// The model failed during a step (the engine ends the step's sequences with an error).
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct StepError(pub String);
+/// Why a step, or one sequence of it, did not produce a token.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StepError {
+    /// The model failed. Returned for the whole call, it ends every sequence of the call;
+    /// returned for one slot, that sequence only.
+    #[error("{0}")]
+    Failed(String),
+    /// The step needs more KV memory than the budget has now. Nothing ran and no state
+    /// changed: the engine preempts or requeues sequences and retries after a boundary.
+    #[error("{0}")]
+    OutOfMemory(String),
+}
+
+impl StepError {
+    /// A [`StepError::Failed`] with `message`.
+    pub fn failed(message: impl Into<String>) -> Self {
+        Self::Failed(message.into())
+    }
+}
+
+/// One sequence's result in a step: its new token, or why it failed (that sequence only).
+pub type SeqOutcome = Result<u32, StepError>;
 
 /// The per-step model work the engine schedules.
 ///
@@ -56,11 +74,14 @@ pub trait StepModel: Send {
     /// Bytes of the model's weights resident on its device.
     fn weight_bytes(&self) -> u64;
 
-    /// Runs the prompts of new sequences and samples each one's first token.
-    fn prefill(&mut self, batch: &mut [PrefillSlot<'_>]) -> Result<Vec<u32>, StepError>;
+    /// Runs the prompts of new sequences and samples each one's first token, one outcome per
+    /// slot in order. An `Err` of the whole call is about every slot; a sequence that failed
+    /// alone is an `Err` in its slot and the others go on.
+    fn prefill(&mut self, batch: &mut [PrefillSlot<'_>]) -> Result<Vec<SeqOutcome>, StepError>;
 
-    /// Extends every sequence of `batch` by its `last` token and samples the next one.
-    fn decode(&mut self, batch: &mut [DecodeSlot<'_>]) -> Result<Vec<u32>, StepError>;
+    /// Extends every sequence of `batch` by its `last` token and samples the next one (outcomes
+    /// as in [`StepModel::prefill`]).
+    fn decode(&mut self, batch: &mut [DecodeSlot<'_>]) -> Result<Vec<SeqOutcome>, StepError>;
 
     /// Frees a sequence's KV state (unknown ids are ignored).
     fn release(&mut self, seq: SeqId);
@@ -96,7 +117,7 @@ impl<B: Backend, M: CausalLm<B>> BurnStepModel<B, M> {
         let logits = self.model.forward(ids_tensor::<B>(ids, &self.device), cache, None);
         let row = last_logits(logits);
         if row.iter().any(|x| x.is_nan()) {
-            return Err(StepError(format!("sequence {seq}: the model produced NaN logits")));
+            return Err(StepError::failed(format!("sequence {seq}: the model produced NaN logits")));
         }
         Ok(sampler.sample(&row))
     }
@@ -133,20 +154,23 @@ where
         self.weight_bytes
     }
 
-    fn prefill(&mut self, batch: &mut [PrefillSlot<'_>]) -> Result<Vec<u32>, StepError> {
-        batch.iter_mut().map(|s| self.run(s.seq, s.prompt, s.sampler)).collect()
+    fn prefill(&mut self, batch: &mut [PrefillSlot<'_>]) -> Result<Vec<SeqOutcome>, StepError> {
+        Ok(batch.iter_mut().map(|s| self.run(s.seq, s.prompt, s.sampler)).collect())
     }
 
-    fn decode(&mut self, batch: &mut [DecodeSlot<'_>]) -> Result<Vec<u32>, StepError> {
-        batch
+    fn decode(&mut self, batch: &mut [DecodeSlot<'_>]) -> Result<Vec<SeqOutcome>, StepError> {
+        Ok(batch
             .iter_mut()
             .map(|s| {
                 if !self.caches.contains_key(&s.seq) {
-                    return Err(StepError(format!("decode of sequence {} before its prefill", s.seq)));
+                    return Err(StepError::failed(format!(
+                        "decode of sequence {} before its prefill",
+                        s.seq
+                    )));
                 }
                 self.run(s.seq, &[s.last], s.sampler)
             })
-            .collect()
+            .collect())
     }
 
     fn release(&mut self, seq: SeqId) {

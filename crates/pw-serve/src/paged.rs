@@ -107,7 +107,7 @@ fn page_state(p: &ExpertPage) -> PageState {
 }
 
 fn err(e: impl std::fmt::Display) -> StepError {
-    StepError(e.to_string())
+    StepError::failed(e.to_string())
 }
 
 impl PagedMemory {
@@ -175,7 +175,7 @@ impl PagedMemory {
                 return Ok(());
             }
         }
-        Err(StepError(format!(
+        Err(StepError::OutOfMemory(format!(
             "the KV cache needs {blocks} blocks of {} bytes but the memory budget has room for {} more \
              ({} bytes of weights, {} of KV, budget {})",
             self.block_bytes,

@@ -10,20 +10,28 @@
 //!
 //! Sampling fields: `max_tokens` (`max_completion_tokens`), `temperature`, `top_p`, `top_k`,
 //! `seed`, `stop` (string or list), `stop_token_ids`, `ignore_eos`, `n` (1 only),
-//! `stream_options.include_usage`. Bad requests get a 4xx with OpenAI's error shape
-//! `{"error":{"message","type","param","code"}}`; a client that disconnects cancels its request.
+//! `stream_options.include_usage`. Every error status (400, 401, 404, 405, 408, 413, 415, 429,
+//! 500, 503) comes with OpenAI's error shape `{"error":{"message","type","param","code"}}`; a
+//! client that disconnects cancels its request.
+//!
+//! Untrusted clients: POST bodies must be `application/json` objects of at most
+//! [`ServerOptions::max_body_bytes`], sent within [`ServerOptions::body_timeout`]; headers (and
+//! the next request on an idle connection) within [`ServerOptions::header_timeout`]; with an
+//! [`ServerOptions::api_key`], `/v1/*` needs `Authorization: Bearer KEY`. Prompts are
+//! tokenized on a bounded blocking pool, after a byte check, never on the async runtime.
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::Router;
-use axum::body::Bytes;
-use axum::extract::State;
-use axum::http::{StatusCode, header};
+use axum::body::{Body, Bytes};
+use axum::extract::{Request, State};
+use axum::http::{Method, StatusCode, header};
+use axum::middleware::Next;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -40,6 +48,31 @@ use crate::{
 /// Most stop strings a request may give.
 const MAX_STOPS: usize = 16;
 
+/// Limits and access control of the HTTP server.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServerOptions {
+    /// Key clients must send as `Authorization: Bearer KEY` on `/v1/*` (`None`: no key).
+    pub api_key: Option<String>,
+    /// Most bytes of a request body (413 beyond).
+    pub max_body_bytes: usize,
+    /// Time a client has to send a request's headers, which also closes a connection idle
+    /// that long between requests.
+    pub header_timeout: Duration,
+    /// Time a client has to send a request's body (408 after).
+    pub body_timeout: Duration,
+}
+
+impl Default for ServerOptions {
+    fn default() -> Self {
+        Self {
+            api_key: None,
+            max_body_bytes: 2 << 20,
+            header_timeout: Duration::from_secs(30),
+            body_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
 /// Everything the handlers share.
 pub struct ServerState {
     engine: EngineHandle,
@@ -49,6 +82,12 @@ pub struct ServerState {
     created: u64,
     next_id: AtomicU64,
     bad_requests: AtomicU64,
+    options: ServerOptions,
+    /// Longest text a prompt may have: beyond it the prompt cannot fit the context whatever
+    /// it tokenizes to, so it is refused before tokenizing.
+    max_prompt_bytes: usize,
+    /// Bounds the tokenizations running at once (each may hold a large prompt).
+    tokenizing: tokio::sync::Semaphore,
 }
 
 impl ServerState {
@@ -60,6 +99,12 @@ impl ServerState {
         chat: Option<ChatTemplate>,
         model_name: impl Into<String>,
     ) -> Self {
+        // No token stands for more bytes than its longest vocabulary string (byte-level and
+        // `▁` spellings are at least as long as the text they cover); the factor leaves room
+        // for normalizers that shorten the text.
+        let longest = tokenizer.get_vocab(true).keys().map(String::len).max().unwrap_or(1).max(1);
+        let max_prompt_bytes = engine.config().max_context.saturating_mul(longest).saturating_mul(4);
+        let workers = std::thread::available_parallelism().map_or(2, |n| n.get());
         Self {
             engine,
             tokenizer,
@@ -68,7 +113,16 @@ impl ServerState {
             created: unix_now(),
             next_id: AtomicU64::new(1),
             bad_requests: AtomicU64::new(0),
+            options: ServerOptions::default(),
+            max_prompt_bytes,
+            tokenizing: tokio::sync::Semaphore::new(workers),
         }
+    }
+
+    /// The same state under `options`.
+    pub fn with_options(mut self, options: ServerOptions) -> Self {
+        self.options = options;
+        self
     }
 
     /// The engine behind the server.
@@ -90,16 +144,130 @@ pub fn router(state: Arc<ServerState>) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(not_found)
+        // `guard` enforces the body limit itself, with an OpenAI-shaped answer.
+        .layer(axum::extract::DefaultBodyLimit::disable())
+        .layer(axum::middleware::from_fn_with_state(state.clone(), guard))
         .with_state(state)
 }
 
-/// Serves on `listener` until `shutdown` resolves.
+/// Serves on `listener` until `shutdown` resolves, then lets open requests finish (for at
+/// most a minute). Connections get the state's header timeout, which also ends idle ones.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     state: Arc<ServerState>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(state)).with_graceful_shutdown(shutdown).await
+    let header_timeout = state.options.header_timeout;
+    let app = router(state);
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        let stream = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                // Out of descriptors and the like: wait instead of spinning.
+                Err(_) => {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        let _ = stream.set_nodelay(true);
+        let conn = hyper::server::conn::http1::Builder::new()
+            .timer(hyper_util::rt::TokioTimer::new())
+            .header_read_timeout(header_timeout)
+            .serve_connection(
+                hyper_util::rt::TokioIo::new(stream),
+                hyper_util::service::TowerToHyperService::new(app.clone()),
+            );
+        let conn = graceful.watch(conn);
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+    }
+    drop(listener);
+    let _ = tokio::time::timeout(Duration::from_secs(60), graceful.shutdown()).await;
+    Ok(())
+}
+
+/// Checks the key and the content type, reads the body under its size and time limits, and
+/// gives every error answer OpenAI's JSON shape (axum's own 405 and the like have none).
+async fn guard(State(state): State<Arc<ServerState>>, req: Request, next: Next) -> Response {
+    let (parts, body) = req.into_parts();
+    let checked = async {
+        if let Some(key) = &state.options.api_key
+            && parts.uri.path().starts_with("/v1/")
+        {
+            let sent = parts
+                .headers
+                .get(header::AUTHORIZATION)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.strip_prefix("Bearer "));
+            if !sent.is_some_and(|s| constant_time_eq(s.as_bytes(), key.as_bytes())) {
+                return Err(ApiError::status(
+                    StatusCode::UNAUTHORIZED,
+                    "missing or incorrect API key: send `Authorization: Bearer KEY`",
+                    Some("invalid_api_key"),
+                ));
+            }
+        }
+        if parts.method == Method::POST {
+            let json = parts
+                .headers
+                .get(header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.split(';').next())
+                .is_some_and(|m| m.trim().eq_ignore_ascii_case("application/json"));
+            if !json {
+                return Err(ApiError::status(
+                    StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                    "the body must be sent with `Content-Type: application/json`",
+                    None,
+                ));
+            }
+        }
+        let limit = state.options.max_body_bytes;
+        match tokio::time::timeout(state.options.body_timeout, axum::body::to_bytes(body, limit)).await {
+            Err(_) => Err(ApiError::status(
+                StatusCode::REQUEST_TIMEOUT,
+                format!("the body did not arrive within {} s", state.options.body_timeout.as_secs_f64()),
+                None,
+            )),
+            Ok(Err(_)) => Err(ApiError::status(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("the body is larger than {limit} bytes or was cut off"),
+                None,
+            )),
+            Ok(Ok(bytes)) => Ok(bytes),
+        }
+    }
+    .await;
+    let response = match checked {
+        Ok(bytes) => next.run(Request::from_parts(parts, Body::from(bytes))).await,
+        Err(e) => {
+            state.bad_requests.fetch_add(1, Ordering::Relaxed);
+            return e.into_response();
+        }
+    };
+    let status = response.status();
+    let is_json = response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/json"));
+    if (status.is_client_error() || status.is_server_error()) && !is_json {
+        if status.is_client_error() {
+            state.bad_requests.fetch_add(1, Ordering::Relaxed);
+        }
+        let reason = status.canonical_reason().unwrap_or("error").to_lowercase();
+        return ApiError::status(status, reason, None).into_response();
+    }
+    response
+}
+
+/// Compares a sent key with the real one in time independent of where they differ.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
 }
 
 /// An error answer in OpenAI's shape.
@@ -122,12 +290,24 @@ impl ApiError {
             code: None,
         }
     }
+
+    /// An error of `status`, typed as OpenAI types it.
+    fn status(status: StatusCode, message: impl Into<String>, code: Option<&'static str>) -> Self {
+        let kind = match status {
+            StatusCode::UNAUTHORIZED => "authentication_error",
+            StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
+            s if s.is_server_error() => "server_error",
+            _ => "invalid_request_error",
+        };
+        Self { status, kind, message: message.into(), param: None, code }
+    }
 }
 
 impl From<ServeError> for ApiError {
     fn from(e: ServeError) -> Self {
         match e {
             ServeError::InvalidRequest { param, message } => Self::bad(message, param),
+            ServeError::Overloaded(message) => Self::status(StatusCode::TOO_MANY_REQUESTS, message, None),
             ServeError::EngineStopped => Self {
                 status: StatusCode::SERVICE_UNAVAILABLE,
                 kind: "server_error",
@@ -237,8 +417,12 @@ struct ApiRequest {
     stream_options: Option<StreamOptions>,
 }
 
-/// Parses a JSON body, naming the field at fault.
+/// Parses a JSON object body, naming the field at fault.
 fn parse(body: &[u8]) -> Result<ApiRequest, ApiError> {
+    // serde reads a struct from a JSON array too (fields by position): refuse that shape.
+    if body.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'[') {
+        return Err(ApiError::bad("the body must be a JSON object, not an array", None));
+    }
     let de = &mut serde_json::Deserializer::from_slice(body);
     serde_path_to_error::deserialize(de).map_err(|e| {
         let path = e.path().to_string();
@@ -272,7 +456,20 @@ impl ServerState {
         }
     }
 
+    /// Tokenizes `text` (call it off the async runtime: see [`ServerState::blocking`]); a text
+    /// too long for the context whatever its tokens is refused first.
     fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>, ApiError> {
+        if text.len() > self.max_prompt_bytes {
+            return Err(ApiError::bad(
+                format!(
+                    "the prompt has {} bytes; no prompt over {} bytes fits the context of {} tokens",
+                    text.len(),
+                    self.max_prompt_bytes,
+                    self.engine.config().max_context
+                ),
+                Some("prompt"),
+            ));
+        }
         Ok(self
             .tokenizer
             .encode(text, add_special)
@@ -343,6 +540,18 @@ impl ServerState {
 
     fn next_id(&self, prefix: &str) -> String {
         format!("{prefix}-{}", self.next_id.fetch_add(1, Ordering::Relaxed))
+    }
+
+    /// Runs `f` (parsing, templating, tokenizing) on the blocking pool, a bounded number at
+    /// once, so large prompts never stall the async runtime.
+    async fn blocking<T: Send + 'static>(
+        self: &Arc<Self>,
+        f: impl FnOnce(&ServerState) -> Result<T, ApiError> + Send + 'static,
+    ) -> Result<T, ApiError> {
+        let internal = |m: String| ApiError::status(StatusCode::INTERNAL_SERVER_ERROR, m, None);
+        let _permit = self.tokenizing.acquire().await.map_err(|e| internal(e.to_string()))?;
+        let state = self.clone();
+        tokio::task::spawn_blocking(move || f(&state)).await.map_err(|e| internal(e.to_string()))?
     }
 }
 
@@ -497,7 +706,7 @@ async fn generate(
 }
 
 async fn completions(State(state): State<Arc<ServerState>>, body: Bytes) -> Result<Response, ApiError> {
-    let r = (|| {
+    let r = state.blocking(move |state| {
         let r = parse(&body)?;
         state.check_model(&r.model)?;
         let prompt = match &r.prompt {
@@ -510,7 +719,8 @@ async fn completions(State(state): State<Arc<ServerState>>, body: Bytes) -> Resu
             Some(Prompt::Tokens(ids)) => ids.clone(),
         };
         Ok((r, prompt))
-    })();
+    });
+    let r = r.await;
     let (r, prompt) = count_bad(&state, r)?;
     // 16 tokens is OpenAI's default for completions.
     let out = generate(state.clone(), r, prompt, Kind::Completion, Some(16)).await;
@@ -518,7 +728,7 @@ async fn completions(State(state): State<Arc<ServerState>>, body: Bytes) -> Resu
 }
 
 async fn chat_completions(State(state): State<Arc<ServerState>>, body: Bytes) -> Result<Response, ApiError> {
-    let r = (|| {
+    let r = state.blocking(move |state| {
         let r = parse(&body)?;
         state.check_model(&r.model)?;
         let Some(messages) = &r.messages else {
@@ -562,7 +772,8 @@ async fn chat_completions(State(state): State<Arc<ServerState>>, body: Bytes) ->
         // The template writes the BOS and role markers itself.
         let prompt = state.encode(&text, false)?;
         Ok((r, prompt))
-    })();
+    });
+    let r = r.await;
     let (r, prompt) = count_bad(&state, r)?;
     let out = generate(state.clone(), r, prompt, Kind::Chat, None).await;
     count_bad(&state, out)

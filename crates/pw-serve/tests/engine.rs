@@ -225,10 +225,16 @@ impl pw_serve::StepModel for Flaky {
     fn weight_bytes(&self) -> u64 {
         self.inner.weight_bytes()
     }
-    fn prefill(&mut self, batch: &mut [pw_serve::PrefillSlot<'_>]) -> Result<Vec<u32>, pw_serve::StepError> {
+    fn prefill(
+        &mut self,
+        batch: &mut [pw_serve::PrefillSlot<'_>],
+    ) -> Result<Vec<pw_serve::SeqOutcome>, pw_serve::StepError> {
         self.inner.prefill(batch)
     }
-    fn decode(&mut self, batch: &mut [pw_serve::DecodeSlot<'_>]) -> Result<Vec<u32>, pw_serve::StepError> {
+    fn decode(
+        &mut self,
+        batch: &mut [pw_serve::DecodeSlot<'_>],
+    ) -> Result<Vec<pw_serve::SeqOutcome>, pw_serve::StepError> {
         if self.fail.load(std::sync::atomic::Ordering::SeqCst) {
             panic!("device lost");
         }
@@ -270,4 +276,174 @@ fn a_failing_step_ends_its_sequences_and_the_engine_keeps_serving() {
     fail.store(false, std::sync::atomic::Ordering::SeqCst);
     let c = h.submit(GenerateRequest { prompt: vec![3, 4, 5], params }).unwrap().collect_blocking().unwrap();
     assert_eq!(c.tokens, common::reference(&common::load_model(), &[3, 4, 5], 5, false));
+}
+
+/// Wraps a model: one sequence's decodes fail in its own slot, and decodes of more than
+/// `room` sequences answer out-of-memory before running anything.
+struct Picky {
+    inner: Box<dyn pw_serve::StepModel>,
+    bad_seq: Option<pw_serve::SeqId>,
+    room: usize,
+    ooms: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl pw_serve::StepModel for Picky {
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+    fn kv_layout(&self) -> &pw_serve::KvLayout {
+        self.inner.kv_layout()
+    }
+    fn weight_bytes(&self) -> u64 {
+        self.inner.weight_bytes()
+    }
+    fn prefill(
+        &mut self,
+        batch: &mut [pw_serve::PrefillSlot<'_>],
+    ) -> Result<Vec<pw_serve::SeqOutcome>, pw_serve::StepError> {
+        self.inner.prefill(batch)
+    }
+    fn decode(
+        &mut self,
+        batch: &mut [pw_serve::DecodeSlot<'_>],
+    ) -> Result<Vec<pw_serve::SeqOutcome>, pw_serve::StepError> {
+        if batch.len() > self.room {
+            self.ooms.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            return Err(pw_serve::StepError::OutOfMemory(format!("room for {} sequences", self.room)));
+        }
+        let seqs: Vec<pw_serve::SeqId> = batch.iter().map(|s| s.seq).collect();
+        let mut out = self.inner.decode(batch)?;
+        for (o, s) in out.iter_mut().zip(seqs) {
+            if Some(s) == self.bad_seq {
+                *o = Err(pw_serve::StepError::failed(format!("sequence {s}: poisoned")));
+            }
+        }
+        Ok(out)
+    }
+    fn release(&mut self, seq: pw_serve::SeqId) {
+        self.inner.release(seq)
+    }
+    fn kv_bytes_held(&self) -> u64 {
+        self.inner.kv_bytes_held()
+    }
+}
+
+fn picky_engine(
+    bad_seq: Option<u64>,
+    room: usize,
+    cfg: pw_serve::EngineConfig,
+) -> (pw_serve::Engine, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    let inner = Box::new(
+        pw_serve::BurnStepModel::<common::B, _>::load(&common::fixture(), &Default::default()).unwrap(),
+    );
+    let ooms = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let engine = pw_serve::Engine::start(
+        Box::new(Picky { inner, bad_seq, room, ooms: ooms.clone() }),
+        std::sync::Arc::new(common::tokenizer()),
+        cfg,
+        Box::new(pw_serve::UsageRecorder::default()),
+    )
+    .unwrap();
+    (engine, ooms)
+}
+
+/// Issue 32, 1: the error of one sequence fails that sequence only; the others of the same
+/// steps complete with their reference tokens.
+#[test]
+fn an_error_of_one_sequence_fails_that_sequence_only() {
+    let model = common::load_model();
+    // Engine ids count from 1 in submission order: the second request is poisoned.
+    let (engine, _) = picky_engine(Some(2), usize::MAX, common::config(u64::MAX, 8));
+    let h = engine.handle();
+    let params = SamplingParams { ignore_eos: true, ..greedy(6) };
+    let prompts: Vec<Vec<u32>> = (0..4).map(|i| common::prompt(5 + i, i as u32)).collect();
+    let streams: Vec<_> = prompts
+        .iter()
+        .map(|p| h.submit(GenerateRequest { prompt: p.clone(), params: params.clone() }).unwrap())
+        .collect();
+    for (i, (s, p)) in streams.into_iter().zip(&prompts).enumerate() {
+        let id = s.id();
+        match s.collect_blocking() {
+            Err(ServeError::Step(msg)) => {
+                assert_eq!(id, 2, "request {i} failed: {msg}");
+                assert!(msg.contains("poisoned"), "{msg}");
+            }
+            Ok(c) => {
+                assert_ne!(id, 2, "the poisoned sequence completed");
+                assert_eq!(c.tokens, common::reference(&model, p, 6, false));
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+    let m = common::wait_metrics(&h, |m| m.requests_finished_total == 3 && m.requests_failed_total == 1);
+    assert_eq!((m.active_sequences, m.kv_bytes_used), (0, 0), "{m:?}");
+}
+
+/// A model out of KV memory makes the engine preempt and retry, never fail: every request
+/// completes with its reference tokens.
+#[test]
+fn out_of_memory_steps_preempt_instead_of_failing() {
+    let model = common::load_model();
+    let cfg =
+        pw_serve::EngineConfig { admission: pw_serve::Admission::Preempt, ..common::config(u64::MAX, 8) };
+    let (engine, ooms) = picky_engine(None, 2, cfg);
+    let h = engine.handle();
+    let params = SamplingParams { ignore_eos: true, ..greedy(8) };
+    let prompts: Vec<Vec<u32>> = (0..5).map(|i| common::prompt(6, 20 + i)).collect();
+    let streams: Vec<_> = prompts
+        .iter()
+        .map(|p| h.submit(GenerateRequest { prompt: p.clone(), params: params.clone() }).unwrap())
+        .collect();
+    for (s, p) in streams.into_iter().zip(&prompts) {
+        assert_eq!(s.collect_blocking().unwrap().tokens, common::reference(&model, p, 8, false));
+    }
+    let m = common::wait_metrics(&h, |m| m.requests_finished_total == 5);
+    assert_eq!(m.requests_failed_total, 0, "{m:?}");
+    assert!(ooms.load(std::sync::atomic::Ordering::SeqCst) >= 1, "the model never ran out");
+    assert!(m.requests_preempted_total >= 1, "{m:?}");
+}
+
+/// Issue 32, 1: `max_tokens` near `usize::MAX` is refused (it wrapped the context check), and
+/// no sequence ever grows past the context, whatever its `max_tokens`.
+#[test]
+fn max_tokens_cannot_wrap_past_the_context() {
+    let (engine, _) = common::engine(common::config(u64::MAX, 4), None);
+    let h = engine.handle();
+    for max in [usize::MAX, usize::MAX - 2, usize::MAX / 2 + 1] {
+        let r = h.submit(GenerateRequest { prompt: vec![3, 4, 5], params: greedy(max) });
+        match r {
+            Err(ServeError::InvalidRequest { param, .. }) => assert_eq!(param, Some("max_tokens")),
+            other => panic!("max_tokens {max}: {other:?}"),
+        }
+    }
+    // Exactly the context is allowed and ends there.
+    let params = SamplingParams { ignore_eos: true, ..greedy(256 - 3) };
+    let c = h.submit(GenerateRequest { prompt: vec![3, 4, 5], params }).unwrap().collect_blocking().unwrap();
+    assert_eq!(c.usage.prompt_tokens + c.usage.completion_tokens, 256);
+    assert_eq!(c.reason, FinishReason::Length);
+}
+
+/// Issue 32, 5: beyond `max_waiting` queued requests, `submit` refuses with `Overloaded`.
+#[test]
+fn a_full_queue_refuses_with_overloaded() {
+    let cfg = pw_serve::EngineConfig { max_waiting: 2, ..common::config(u64::MAX, 1) };
+    let (engine, _) = common::engine(cfg, Some(Duration::from_millis(20)));
+    let h = engine.handle();
+    let params = SamplingParams { ignore_eos: true, ..greedy(50) };
+    let mut streams = Vec::new();
+    let mut refused = 0;
+    for i in 0..8 {
+        match h.submit(GenerateRequest { prompt: common::prompt(4, i), params: params.clone() }) {
+            Ok(s) => streams.push(s),
+            Err(ServeError::Overloaded(msg)) => {
+                refused += 1;
+                assert!(msg.contains("waiting"), "{msg}");
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert!(refused >= 1 && streams.len() >= 2, "{refused} refused, {} queued", streams.len());
+    for s in streams {
+        assert_eq!(s.collect_blocking().unwrap().usage.completion_tokens, 50);
+    }
 }

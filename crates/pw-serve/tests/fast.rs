@@ -19,10 +19,11 @@ fn asset(name: &str) -> PathBuf {
 
 fn alone(model: &mut dyn StepModel, seq: u64, prompt: &[u32], n: usize) -> Vec<u32> {
     let mut s = Sampler::new(SamplingConfig { temperature: 0.0, ..Default::default() });
-    let mut out = model.prefill(&mut [PrefillSlot { seq, prompt, sampler: &mut s }]).unwrap();
+    let tokens = |o: Vec<pw_serve::SeqOutcome>| o.into_iter().map(Result::unwrap).collect::<Vec<u32>>();
+    let mut out = tokens(model.prefill(&mut [PrefillSlot { seq, prompt, sampler: &mut s }]).unwrap());
     while out.len() < n {
         let last = *out.last().unwrap();
-        out.extend(model.decode(&mut [DecodeSlot { seq, last, sampler: &mut s }]).unwrap());
+        out.extend(tokens(model.decode(&mut [DecodeSlot { seq, last, sampler: &mut s }]).unwrap()));
     }
     model.release(seq);
     out
@@ -62,6 +63,7 @@ fn batches_equal_alone(dir: &Path) {
         max_batch: 4,
         max_context: 128,
         max_prefill_tokens: 2048,
+        max_waiting: 4096,
         eos_token_ids: vec![2],
     };
     let rec = UsageRecorder::default();
@@ -81,4 +83,71 @@ fn batches_equal_alone(dir: &Path) {
         assert_eq!(&s.collect_blocking().unwrap().tokens, w, "prompt {p:?}");
     }
     assert!(rec.record().peak_active >= 2, "the requests ran together: {:?}", rec.record());
+}
+
+fn wgpu_client() -> cubecl::prelude::ComputeClient<WgpuRuntime> {
+    if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
+        // SAFETY: set once before any thread reads the environment.
+        unsafe { std::env::set_var("XDG_RUNTIME_DIR", std::env::temp_dir()) };
+    }
+    WgpuRuntime::client(&WgpuDevice::DefaultDevice)
+}
+
+/// Issue 32, 2: a context of 10^12 tokens (config.json or --max-context) is refused at load,
+/// naming the context and the bytes, before any cache is allocated.
+#[test]
+fn an_absurd_context_is_refused_at_load() {
+    let client = wgpu_client();
+    let dir = asset("tiny-mixtral");
+    let huge = 1_000_000_000_000;
+    // A KV budget too small for one sequence at that context.
+    let e =
+        FastStepModel::<WgpuRuntime, f32>::load(&client, &dir, 6, 1 << 22, 4, huge).err().expect("refused");
+    let msg = e.to_string();
+    assert!(msg.contains("1000000000000") && msg.contains("--max-context") && msg.contains("bytes"), "{msg}");
+    // The server's default budget (every batch slot at the full context) asks for pools larger
+    // than any device buffer.
+    let kv = pw_serve::KvLayout::from_config(&pw_hf::ModelConfig::from_dir(&dir).unwrap(), 4);
+    let budget = kv.bytes_for(huge).saturating_mul(4);
+    let e =
+        FastStepModel::<WgpuRuntime, f32>::load(&client, &dir, 6, budget, 4, huge).err().expect("refused");
+    let msg = e.to_string();
+    assert!(msg.contains("largest") && msg.contains("--max-context"), "{msg}");
+}
+
+/// Issue 32, 1: a sequence that reaches its table's end fails alone; the sequence decoding
+/// beside it in the same step goes on.
+#[test]
+fn a_sequence_at_the_context_end_fails_alone() {
+    let client = wgpu_client();
+    let dir = asset("tiny-mixtral");
+    let mut model = FastStepModel::<WgpuRuntime, f32>::load(&client, &dir, 6, 1 << 22, 4, 32).unwrap();
+    let mut s = Sampler::new(SamplingConfig { temperature: 0.0, ..Default::default() });
+    let mut t = Sampler::new(SamplingConfig { temperature: 0.0, ..Default::default() });
+    let full: Vec<u32> = (0..32).map(|i| 3 + i % 50).collect();
+    let short = [3u32, 4, 5];
+    let first = model
+        .prefill(&mut [
+            PrefillSlot { seq: 1, prompt: &full, sampler: &mut s },
+            PrefillSlot { seq: 2, prompt: &short, sampler: &mut t },
+        ])
+        .unwrap();
+    let (a, b) = (*first[0].as_ref().unwrap(), *first[1].as_ref().unwrap());
+    let out = model
+        .decode(&mut [
+            DecodeSlot { seq: 1, last: a, sampler: &mut s },
+            DecodeSlot { seq: 2, last: b, sampler: &mut t },
+        ])
+        .unwrap();
+    let msg = out[0].as_ref().err().expect("the full sequence cannot grow").to_string();
+    assert!(msg.contains("sequence 1") && msg.contains("32"), "{msg}");
+    assert!(out[1].is_ok(), "{:?}", out[1]);
+    // A prompt longer than the table fails alone at prefill too.
+    let long: Vec<u32> = vec![5; 40];
+    let out = model.prefill(&mut [PrefillSlot { seq: 3, prompt: &long, sampler: &mut s }]).unwrap();
+    assert!(out[0].is_err());
+    model.release(1);
+    model.release(2);
+    model.release(3);
+    assert_eq!(model.kv_bytes_held(), 0);
 }

@@ -5,7 +5,7 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pw_serve::server::{ServerState, serve};
+use pw_serve::server::{ServerOptions, ServerState, serve};
 use pw_serve::{ChatMessage, ChatTemplate, Engine, EngineConfig, UsageRecorder};
 use serde_json::{Value, json};
 
@@ -41,7 +41,18 @@ async fn serve_engine(
     tokenizer: tokenizers::Tokenizer,
     chat: Option<ChatTemplate>,
 ) -> TestServer {
-    let state = Arc::new(ServerState::new(engine.handle(), Arc::new(tokenizer), chat, MODEL));
+    serve_with(engine, rec, tokenizer, chat, ServerOptions::default()).await
+}
+
+async fn serve_with(
+    engine: Engine,
+    rec: UsageRecorder,
+    tokenizer: tokenizers::Tokenizer,
+    chat: Option<ChatTemplate>,
+    options: ServerOptions,
+) -> TestServer {
+    let state =
+        Arc::new(ServerState::new(engine.handle(), Arc::new(tokenizer), chat, MODEL).with_options(options));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
@@ -446,6 +457,7 @@ async fn the_planner_lowers_pages_under_16_concurrent_requests_and_raises_them_a
         max_batch: 16,
         max_context: 128,
         max_prefill_tokens: 2048,
+        max_waiting: 4096,
         eos_token_ids: pw_serve::eos_token_ids(&dir).unwrap(),
     };
     let rec = UsageRecorder::default();
@@ -565,4 +577,314 @@ async fn the_planner_lowers_pages_under_16_concurrent_requests_and_raises_them_a
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert_eq!(s.metric("pw_active_sequences").await, 0.0);
+}
+
+/// A server over the fixture with `options` (its chat template included).
+async fn start_with(cfg: EngineConfig, options: ServerOptions) -> TestServer {
+    let dir = common::model_dir();
+    let (engine, rec) = common::engine(cfg, None);
+    let chat = ChatTemplate::from_dir(dir.path()).unwrap();
+    serve_with(engine, rec, common::tokenizer(), chat, options).await
+}
+
+/// Asserts an OpenAI-shaped error answer of `status` whose message holds `needle`.
+async fn expect_error(r: reqwest::Response, status: u16, needle: &str) {
+    assert_eq!(r.status().as_u16(), status);
+    let ct = r.headers().get("content-type").map(|v| v.to_str().unwrap().to_string()).unwrap_or_default();
+    assert!(ct.starts_with("application/json"), "{status}: content-type {ct}");
+    let v: Value = r.json().await.unwrap();
+    let msg = v["error"]["message"].as_str().unwrap_or_else(|| panic!("{v}"));
+    assert!(msg.contains(needle), "{status}: {msg}");
+    assert!(v["error"]["type"].is_string(), "{v}");
+}
+
+/// Issue 32, 1: a `max_tokens` of u64::MAX is refused (it wrapped the context check), and the
+/// server goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_max_tokens_of_u64_max_is_refused() {
+    let s = start(cfg(), None).await;
+    for max in [u64::MAX, u64::MAX - 1, 1 << 63, usize::MAX as u64 / 2 + 1] {
+        let (status, v) =
+            s.post("/v1/completions", &json!({"model": MODEL, "prompt": "the", "max_tokens": max})).await;
+        assert_eq!(status, 400, "{max}: {v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains("context"), "{v}");
+        let (status, v) = s
+            .post(
+                "/v1/chat/completions",
+                &json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                        "max_completion_tokens": max}),
+            )
+            .await;
+        assert_eq!(status, 400, "{max}: {v}");
+    }
+    let (status, v) =
+        s.post("/v1/completions", &json!({"model": MODEL, "prompt": "the", "max_tokens": 2})).await;
+    assert_eq!(status, 200, "{v}");
+}
+
+/// Issue 32, 4: a prompt too long for the context whatever its tokens is refused by its bytes,
+/// before tokenizing; large prompts tokenize off the async runtime, so `/health` stays quick.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn huge_prompts_are_refused_by_bytes_and_health_stays_responsive() {
+    let s = start(cfg(), None).await;
+    let huge: String = "the cat ".repeat(240_000); // 1.9 MB
+    let t0 = Instant::now();
+    let r = s
+        .http
+        .post(format!("{}/v1/completions", s.base))
+        .json(&json!({"model": MODEL, "prompt": huge, "max_tokens": 1}))
+        .send()
+        .await
+        .unwrap();
+    expect_error(r, 400, "bytes").await;
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    // Prompts just under the byte bound still tokenize (and are refused for their tokens),
+    // several at once, while /health answers.
+    let long: String = "the ".repeat(1500);
+    let posts: Vec<_> = (0..8)
+        .map(|_| {
+            let (http, base, long) = (s.http.clone(), s.base.clone(), long.clone());
+            tokio::spawn(async move {
+                http.post(format!("{base}/v1/completions"))
+                    .json(&json!({"model": MODEL, "prompt": long, "max_tokens": 1}))
+                    .send()
+                    .await
+                    .unwrap()
+                    .status()
+                    .as_u16()
+            })
+        })
+        .collect();
+    let t0 = Instant::now();
+    let h = s.http.get(format!("{}/health", s.base)).send().await.unwrap();
+    assert_eq!(h.status(), 200);
+    assert!(t0.elapsed() < Duration::from_secs(2), "/health took {:?}", t0.elapsed());
+    for p in posts {
+        assert_eq!(p.await.unwrap(), 400);
+    }
+}
+
+/// Issue 32, 5: JSON content type, object bodies, API key, and OpenAI-shaped 401/405/413/415.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn content_type_key_body_shape_and_error_statuses() {
+    let options =
+        ServerOptions { api_key: Some("sk-test".into()), max_body_bytes: 4096, ..Default::default() };
+    let s = start_with(cfg(), options).await;
+    let url = format!("{}/v1/completions", s.base);
+    let ok = json!({"model": MODEL, "prompt": "the", "max_tokens": 2});
+    // Without a key, with a wrong one, with a right one.
+    expect_error(s.http.post(&url).json(&ok).send().await.unwrap(), 401, "API key").await;
+    expect_error(s.http.post(&url).bearer_auth("sk-nope").json(&ok).send().await.unwrap(), 401, "API key")
+        .await;
+    expect_error(s.http.get(format!("{}/v1/models", s.base)).send().await.unwrap(), 401, "API key").await;
+    let r = s.http.post(&url).bearer_auth("sk-test").json(&ok).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    // /health stays open for load balancers.
+    assert_eq!(s.http.get(format!("{}/health", s.base)).send().await.unwrap().status(), 200);
+    // A cross-site form or text/plain POST does not reach the API.
+    for ct in ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"] {
+        let r =
+            s.http.post(&url).bearer_auth("sk-test").header("content-type", ct).body(ok.to_string()).send();
+        expect_error(r.await.unwrap(), 415, "application/json").await;
+    }
+    let r = s.http.post(&url).bearer_auth("sk-test").body(ok.to_string()).send().await.unwrap();
+    expect_error(r, 415, "application/json").await;
+    let r = s
+        .http
+        .post(&url)
+        .bearer_auth("sk-test")
+        .header("content-type", "Application/JSON; charset=utf-8")
+        .body(ok.to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    // An array body is not a positional request.
+    let r = s.http.post(&url).bearer_auth("sk-test").json(&json!([MODEL, "the"])).send().await.unwrap();
+    expect_error(r, 400, "JSON object").await;
+    // 413 and 405 in OpenAI's shape.
+    let big = json!({"model": MODEL, "prompt": "x".repeat(5000)});
+    expect_error(s.http.post(&url).bearer_auth("sk-test").json(&big).send().await.unwrap(), 413, "4096")
+        .await;
+    expect_error(s.http.get(&url).bearer_auth("sk-test").send().await.unwrap(), 405, "method").await;
+}
+
+/// Issue 32, 5: a connection that sends nothing, or stops after part of its headers or body,
+/// is closed after the timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_and_slow_connections_are_closed() {
+    let timeout = Duration::from_millis(600);
+    let options = ServerOptions { header_timeout: timeout, body_timeout: timeout, ..Default::default() };
+    let s = start_with(cfg(), options).await;
+    let addr = s.base.trim_start_matches("http://").to_string();
+    // Blocking sockets on the blocking pool: (bytes sent, time until the server closed, answer).
+    let probe = move |bytes: &'static [u8]| {
+        let addr = addr.clone();
+        tokio::task::spawn_blocking(move || {
+            use std::io::{Read, Write};
+            let mut c = std::net::TcpStream::connect(&addr).unwrap();
+            c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            c.write_all(bytes).unwrap();
+            let t0 = Instant::now();
+            let mut buf = Vec::new();
+            let closed = c.read_to_end(&mut buf).is_ok();
+            (closed, t0.elapsed(), String::from_utf8_lossy(&buf).into_owned())
+        })
+    };
+    let partial: [&'static [u8]; 3] = [
+        b"",
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n",
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"mo",
+    ];
+    for bytes in partial {
+        let (closed, took, answer) = probe(bytes).await.unwrap();
+        let sent = String::from_utf8_lossy(bytes);
+        assert!(closed, "connection with {sent:?} still open after 10 s");
+        assert!(took >= timeout / 2, "closed too early: {took:?}");
+        // The server answers 408 for a stalled body, or just closes.
+        assert!(answer.is_empty() || answer.contains("408"), "{sent:?}: {answer}");
+    }
+    // A keep-alive connection idle after a request is closed too.
+    let (closed, _, answer) = probe(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n").await.unwrap();
+    assert!(closed, "idle keep-alive connection still open after 10 s");
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+}
+
+/// Mixed valid and invalid requests, mid-stream disconnects and oversized fields at once: no
+/// 5xx, every valid request completes, and the KV cache is empty afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn soak_mixed_traffic_loses_nothing() {
+    let s = Arc::new(start(common::config(common::kv_layout().bytes_for(256) * 3, 4), None).await);
+    let mut tasks = Vec::new();
+    for i in 0..48u64 {
+        let s = s.clone();
+        tasks.push(tokio::spawn(async move {
+            let url = format!("{}/v1/completions", s.base);
+            match i % 6 {
+                // Valid, whole answer.
+                0 | 1 => {
+                    let max = 4 + i % 9;
+                    let body = json!({"model": MODEL, "prompt": format!("the {i}"), "max_tokens": max,
+                                      "ignore_eos": true});
+                    let (status, v) = s.post("/v1/completions", &body).await;
+                    assert_eq!(status, 200, "{v}");
+                    assert_eq!(v["usage"]["completion_tokens"], max, "{v}");
+                    1
+                }
+                // Valid, streamed to the end.
+                2 => {
+                    let body = json!({"model": MODEL, "prompt": "and the", "max_tokens": 6, "stream": true,
+                                      "ignore_eos": true});
+                    let events = s.stream("/v1/completions", &body).await;
+                    assert_eq!(deltas(&events, false).1, "length");
+                    1
+                }
+                // Streamed, then the client goes away mid-stream.
+                3 => {
+                    let body = json!({"model": MODEL, "prompt": "the", "max_tokens": 200, "stream": true,
+                                      "ignore_eos": true});
+                    let mut r = s.http.post(&url).json(&body).send().await.unwrap();
+                    assert_eq!(r.status(), 200);
+                    let _ = r.chunk().await;
+                    drop(r);
+                    0
+                }
+                // Invalid: oversized fields, bad values, broken JSON.
+                4 => {
+                    let bodies = [
+                        json!({"model": MODEL, "prompt": "the", "max_tokens": u64::MAX}).to_string(),
+                        json!({"model": MODEL, "prompt": "the", "stop": vec!["x"; 1000]}).to_string(),
+                        json!({"model": "m".repeat(100_000), "prompt": "the"}).to_string(),
+                        json!({"model": MODEL, "prompt": vec![5u32; 100_000]}).to_string(),
+                        "{\"model\": \"tiny-mixtral\", \"prompt\": \"the\", ".repeat(200),
+                    ];
+                    for b in bodies {
+                        let (status, v) = s.post_raw("/v1/completions", &b).await;
+                        assert!((400..500).contains(&status), "{status}: {v}");
+                    }
+                    0
+                }
+                // Valid chat.
+                _ => {
+                    let body = json!({"model": MODEL, "messages": [{"role": "user", "content": "the cat"}],
+                                      "max_tokens": 3, "ignore_eos": true});
+                    let (status, v) = s.post("/v1/chat/completions", &body).await;
+                    assert_eq!(status, 200, "{v}");
+                    1
+                }
+            }
+        }));
+    }
+    let mut valid = 0;
+    for t in tasks {
+        valid += t.await.unwrap();
+    }
+    assert_eq!(valid, 8 + 8 + 8 + 8);
+    // Cancelled streams free their KV at the next step.
+    let t0 = Instant::now();
+    while s.metric("pw_kv_bytes_used").await != 0.0 || s.metric("pw_active_sequences").await != 0.0 {
+        assert!(t0.elapsed() < Duration::from_secs(20), "{}", s.metrics_text().await);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(s.metric("pw_requests_failed_total").await, 0.0);
+}
+
+/// Random and mutated request bodies never get a 5xx or a non-JSON answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fuzzed_request_bodies_get_clean_answers() {
+    use proptest::strategy::{Strategy, ValueTree};
+    use proptest::test_runner::{Config, TestRunner};
+    let s = start(common::config(u64::MAX, 8), None).await;
+    let seeds = [
+        json!({"model": MODEL, "prompt": "the", "max_tokens": 2}).to_string(),
+        json!({"model": MODEL, "prompt": [3, 4, 5], "max_tokens": 2, "stop": ["x"], "seed": 3}).to_string(),
+        json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+               "temperature": 0.5, "top_p": 0.9, "top_k": 4})
+        .to_string(),
+    ];
+    let mut runner = TestRunner::new(Config { cases: 600, ..Config::default() });
+    let bodies =
+        (0..seeds.len(), proptest::collection::vec((0usize..4, 0usize..4096, proptest::num::u8::ANY), 0..6))
+            .prop_map(move |(seed, edits)| {
+                let mut b = seeds[seed].clone().into_bytes();
+                for (op, at, byte) in edits {
+                    let at = at % (b.len() + 1);
+                    match op {
+                        0 if at < b.len() => b[at] = byte,
+                        1 => b.insert(at, byte),
+                        2 if at < b.len() => {
+                            b.remove(at);
+                        }
+                        3 => b.truncate(at),
+                        _ => {}
+                    }
+                }
+                b
+            });
+    let random = proptest::collection::vec(proptest::num::u8::ANY, 0..256);
+    for strategy in [bodies.boxed(), random.boxed()] {
+        for _ in 0..300 {
+            let body = strategy.new_tree(&mut runner).unwrap().current();
+            for path in ["/v1/completions", "/v1/chat/completions"] {
+                let r = s
+                    .http
+                    .post(format!("{}{path}", s.base))
+                    .header("content-type", "application/json")
+                    .body(body.clone())
+                    .send()
+                    .await
+                    .unwrap();
+                let status = r.status().as_u16();
+                let text = r.text().await.unwrap();
+                assert!(status < 500, "{status} for {:?}: {text}", String::from_utf8_lossy(&body));
+                let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| {
+                    panic!("{status} not JSON ({e}) for {:?}", String::from_utf8_lossy(&body))
+                });
+                if status >= 400 {
+                    assert!(v["error"]["message"].is_string(), "{v}");
+                }
+            }
+        }
+    }
+    assert_eq!(s.http.get(format!("{}/health", s.base)).send().await.unwrap().status(), 200);
 }

@@ -153,10 +153,10 @@ impl<M: StepModel> StepModel for Slow<M> {
     fn weight_bytes(&self) -> u64 {
         self.inner.weight_bytes()
     }
-    fn prefill(&mut self, batch: &mut [PrefillSlot<'_>]) -> Result<Vec<u32>, StepError> {
+    fn prefill(&mut self, batch: &mut [PrefillSlot<'_>]) -> Result<Vec<pw_serve::SeqOutcome>, StepError> {
         self.inner.prefill(batch)
     }
-    fn decode(&mut self, batch: &mut [DecodeSlot<'_>]) -> Result<Vec<u32>, StepError> {
+    fn decode(&mut self, batch: &mut [DecodeSlot<'_>]) -> Result<Vec<pw_serve::SeqOutcome>, StepError> {
         std::thread::sleep(self.delay);
         self.inner.decode(batch)
     }
@@ -176,6 +176,7 @@ pub fn config(kv_budget_bytes: u64, max_batch: usize) -> EngineConfig {
         max_batch,
         max_context: 256,
         max_prefill_tokens: 512,
+        max_waiting: 4096,
         eos_token_ids: vec![2],
     }
 }
