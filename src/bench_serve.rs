@@ -194,22 +194,6 @@ fn percentile(v: &mut [f64], p: f64) -> f64 {
     v[((v.len() - 1) as f64 * p).round() as usize]
 }
 
-/// Dense bytes of the synthetic model as the decoder stores them (f16 weights, f32 norms; the
-/// small per-layer vectors of Qwen / Gemma are left out).
-fn dense_bytes(c: &DecodeConfig) -> u64 {
-    let h = c.hidden as u64;
-    let per_layer: u64 = (0..c.layers)
-        .map(|l| {
-            let attn = (c.proj_rows(l) + c.heads * c.attn[l].head_dim) as u64 * h;
-            let router = if c.sparse[l] { c.experts as u64 * h } else { 0 };
-            let mlp = (c.mlp_rows(l) + c.mlp_inter(l)) as u64 * h;
-            (attn + router + mlp) * 2 + 2 * h * 4
-        })
-        .sum();
-    let heads = if c.tied { 1 } else { 2 };
-    per_layer + heads * c.vocab as u64 * h * 2 + h * 4
-}
-
 /// Expert bytes of the synthetic model with every page at `bits`.
 fn expert_bytes(c: &DecodeConfig, bits: u64) -> u64 {
     let (h, i) = (c.hidden as u64, c.inter as u64);
@@ -226,7 +210,7 @@ where
     let cfg = crate::bench_decode::shape(if a.model == "tiny" { "tiny-mixtral" } else { &a.model })?;
     let max_context = a.prompt[1] + a.output[1] + 16;
     let kv_per_token = cfg.attn.iter().map(|x| (x.kv_heads * x.head_dim * 2 * 2) as u64).sum::<u64>();
-    let dense = dense_bytes(&cfg);
+    let dense = cfg.dense_bytes();
     let gpu_bytes = match a.gpu_memory_gb {
         Some(gb) => (gb * 1e9) as u64,
         None => {

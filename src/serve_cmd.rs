@@ -216,9 +216,12 @@ fn fast_model(args: &ServeArgs, dir: &Path, max_context: usize) -> Result<(Box<d
             bail!("--gpu-memory-gb must be a positive number, got {gb}")
         }
         // The dense weights are not paged: the experts and the KV cache share the rest.
-        Some(gb) => Some(((gb * 1e9) as u64).checked_sub(dense_bytes(&config)).with_context(|| {
-            format!("--gpu-memory-gb {gb} is less than the dense weights ({} bytes)", dense_bytes(&config))
-        })?),
+        Some(gb) => {
+            let dense = pw_decode::DecodeConfig::from_model(&config)?.dense_bytes();
+            Some(((gb * 1e9) as u64).checked_sub(dense).with_context(|| {
+                format!("--gpu-memory-gb {gb} is less than the dense weights ({dense} bytes)")
+            })?)
+        }
         None => None,
     };
     let options = pw_serve::FastOptions {
@@ -247,17 +250,6 @@ fn fast_model(args: &ServeArgs, dir: &Path, max_context: usize) -> Result<(Box<d
     let client = cubecl::wgpu::WgpuRuntime::client(&cubecl::wgpu::WgpuDevice::DefaultDevice);
     let (m, cap) = pw_serve::load_fast(&client, dir, &options)?;
     Ok((m, format!("wgpu (fast path, {what})"), cap))
-}
-
-/// Bytes of the dense (non-expert) weights of a Mixtral config in f16 (norms in f32), as the
-/// fast path stores them.
-fn dense_bytes(config: &pw_hf::ModelConfig) -> u64 {
-    let pw_hf::ModelConfig::Mixtral(c) = config else { return 0 };
-    let (h, hd, l) = (c.hidden_size as u64, c.head_dim as u64, c.num_hidden_layers as u64);
-    let attn = h * (c.num_attention_heads as u64 + 2 * c.num_key_value_heads as u64) * hd
-        + h * c.num_attention_heads as u64 * hd;
-    let per_layer = (attn + c.num_local_experts as u64 * h) * 2 + 2 * h * 4;
-    l * per_layer + 2 * c.vocab_size as u64 * h * 2 + h * 4
 }
 
 /// Whether a CUDA device answers (the CUDA runtime panics when there is none).

@@ -277,8 +277,74 @@ impl DecodeConfig {
         KvGeometry { layers, block_size, elem_bytes, max_seq_len }
     }
 
+    /// Bytes of the dense weights on the device: matrices in f16 (attention, router, dense MLP,
+    /// shared expert, embedding and an untied head), norms, biases and scales in f32. The
+    /// memory budget subtracts it before it splits the rest between experts and the KV cache.
+    pub fn dense_bytes(&self) -> u64 {
+        let h = self.hidden as u64;
+        let per_layer: u64 = (0..self.layers)
+            .map(|l| {
+                let hd = self.attn[l].head_dim as u64;
+                let router = if self.sparse[l] { self.experts as u64 } else { 0 };
+                let f16s =
+                    (self.proj_rows(l) as u64 + self.heads as u64 * hd + router + self.mlp_rows(l) as u64)
+                        * h
+                        + h * self.mlp_inter(l) as u64;
+                let extra_f32s = match self.family {
+                    Family::Mixtral => 0,
+                    Family::Qwen2Moe => self.qkv_width(l) as u64,
+                    // q/k head norms, pre-FF, router scale, second pre-FF, three post-FF norms,
+                    // the per-expert scale and the layer scalar.
+                    Family::Gemma4 => 2 * hd + 6 * h + self.experts as u64 + 1,
+                };
+                f16s * 2 + (2 * h + extra_f32s) * 4
+            })
+            .sum();
+        let heads = if self.tied { 1 } else { 2 };
+        per_layer + heads * self.vocab as u64 * h * 2 + h * 4
+    }
+
     /// Parameters of the model, dense and expert, for reports.
     pub fn expert_params(&self) -> usize {
         self.sparse.iter().filter(|s| **s).count() * self.experts * 3 * self.hidden * self.inter
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use pw_hf::{Checkpoint, ModelConfig};
+
+    use super::DecodeConfig;
+
+    /// The checkpoint's non-expert tensors as the device holds them: matrices in f16, vectors
+    /// in f32.
+    fn checkpoint_dense_bytes(ckpt: &Checkpoint) -> u64 {
+        ckpt.names()
+            .filter(|n| !n.contains(".experts."))
+            .map(|n| {
+                let (_, shape) = ckpt.info(n).unwrap();
+                let elems: usize = shape.iter().product();
+                (elems * if shape.len() >= 2 { 2 } else { 4 }) as u64
+            })
+            .sum()
+    }
+
+    #[test]
+    fn dense_bytes_matches_the_checkpoint_of_every_family() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        for dir in [
+            "models/pw-models/tests/fixtures/mixtral",
+            "models/pw-models/tests/fixtures/qwen2_moe",
+            "models/pw-models/tests/fixtures/gemma4",
+            "assets/tiny-mixtral",
+            "assets/tiny-qwen2-moe",
+        ] {
+            let dir = root.join(dir);
+            let cfg = DecodeConfig::from_model(&ModelConfig::from_dir(&dir).unwrap()).unwrap();
+            let ckpt = Checkpoint::open(&dir).unwrap();
+            assert_eq!(cfg.dense_bytes(), checkpoint_dense_bytes(&ckpt), "{}", dir.display());
+        }
     }
 }

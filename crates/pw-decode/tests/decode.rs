@@ -440,3 +440,27 @@ fn launches_per_layer() {
         dec.set_expert_act(ExpertAct::GateUpEpilogue);
     }
 }
+
+/// A Mixtral checkpoint without a router is reported under Mixtral's key name, not under the
+/// `mlp.gate` fallback's (issue 32, 7).
+#[test]
+fn a_missing_mixtral_router_is_named_as_mixtral_names_it() {
+    let (_, experts, client) = setup(&fixture("mixtral"));
+    let tmp = tempfile::tempdir().unwrap();
+    for e in std::fs::read_dir(fixture("mixtral")).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, tmp.path().join(p.file_name().unwrap())).unwrap();
+    }
+    let path = tmp.path().join("model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let router = "model.layers.0.block_sparse_moe.gate.weight";
+    let kept: Vec<(String, safetensors::tensor::TensorView<'_>)> =
+        st.tensors().into_iter().filter(|(n, _)| n != router).collect();
+    assert!(kept.len() + 1 == st.len(), "the fixture has {router}");
+    safetensors::serialize_to_file(kept, None, &path).unwrap();
+    let e =
+        Decoder::<WgpuRuntime, f32>::load(&client, tmp.path(), &experts, 16, 4, 64).err().expect("no router");
+    let msg = e.to_string();
+    assert!(msg.contains(router) && !msg.contains("mlp.gate"), "{msg}");
+}

@@ -2,7 +2,7 @@
 //! attention over each sequence's full history.
 
 use cubecl::prelude::*;
-use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
+use cubecl::wgpu::WgpuRuntime;
 use half::f16;
 use kernels_cubecl::{DeviceArray, read_f32};
 use pw_kv::*;
@@ -77,11 +77,7 @@ fn capacity_grows_and_shrinks_over_free_blocks_only() {
 }
 
 fn client() -> ComputeClient<WgpuRuntime> {
-    if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
-        // SAFETY: set once before any thread reads the environment.
-        unsafe { std::env::set_var("XDG_RUNTIME_DIR", std::env::temp_dir()) };
-    }
-    WgpuRuntime::client(&WgpuDevice::DefaultDevice)
+    pw_testkit::wgpu_client()
 }
 
 /// Cached rows of one layer of one sequence, in token order.

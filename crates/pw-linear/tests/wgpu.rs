@@ -17,10 +17,6 @@ type Cpu = NdArray<f32>;
 const KERNEL_RTOL: f32 = 1e-4;
 
 fn device() -> WgpuDevice {
-    if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
-        // SAFETY: set once before any thread reads the environment.
-        unsafe { std::env::set_var("XDG_RUNTIME_DIR", std::env::temp_dir()) };
-    }
     WgpuDevice::DefaultDevice
 }
 

@@ -1,11 +1,7 @@
 //! Helpers shared by the test binaries.
 #![allow(dead_code)]
 
-use std::path::{Path, PathBuf};
-
-pub fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/pw-models/tests/fixtures").join(name)
-}
+pub use pw_testkit::fixture;
 
 /// Deterministic pseudo-random token ids below `vocab`.
 pub fn calib_ids(n: usize, vocab: u32, seed: u64) -> Vec<u32> {

@@ -3,19 +3,15 @@
 //! sequence produces alone, and their KV blocks come back. (That one sequence matches the Burn
 //! model is `pw-decode`'s test.)
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-use cubecl::Runtime;
-use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
+use cubecl::wgpu::WgpuRuntime;
 use pw_models::{Sampler, SamplingConfig};
 use pw_serve::{
     DecodeSlot, Engine, EngineConfig, FastStepModel, GenerateRequest, PrefillSlot, SamplingParams, StepModel,
     UsageRecorder,
 };
-
-fn asset(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets").join(name)
-}
+use pw_testkit::{asset, wgpu_client};
 
 fn alone(model: &mut dyn StepModel, seq: u64, prompt: &[u32], n: usize) -> Vec<u32> {
     let mut s = Sampler::new(SamplingConfig { temperature: 0.0, ..Default::default() });
@@ -40,11 +36,7 @@ fn fast_path_qwen2_moe_batches_equal_each_sequence_alone() {
 }
 
 fn batches_equal_alone(dir: &Path) {
-    if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
-        // SAFETY: set once before any thread reads the environment.
-        unsafe { std::env::set_var("XDG_RUNTIME_DIR", std::env::temp_dir()) };
-    }
-    let client = WgpuRuntime::client(&WgpuDevice::DefaultDevice);
+    let client = wgpu_client();
     let mut model = FastStepModel::<WgpuRuntime, f32>::load(&client, dir, 6, 1 << 22, 4, 128).unwrap();
     let tok = pw_serve::load_tokenizer(dir).unwrap();
     let prompts: Vec<Vec<u32>> = ["ROMEO.\nBut soft", "And God said, Let there be", "KING."]
@@ -83,14 +75,6 @@ fn batches_equal_alone(dir: &Path) {
         assert_eq!(&s.collect_blocking().unwrap().tokens, w, "prompt {p:?}");
     }
     assert!(rec.record().peak_active >= 2, "the requests ran together: {:?}", rec.record());
-}
-
-fn wgpu_client() -> cubecl::prelude::ComputeClient<WgpuRuntime> {
-    if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
-        // SAFETY: set once before any thread reads the environment.
-        unsafe { std::env::set_var("XDG_RUNTIME_DIR", std::env::temp_dir()) };
-    }
-    WgpuRuntime::client(&WgpuDevice::DefaultDevice)
 }
 
 /// Issue 32, 2: a context of 10^12 tokens (config.json or --max-context) is refused at load,

@@ -1,6 +1,6 @@
 //! Incremental detokenization with characters split across byte-fallback tokens.
 
-mod common;
+use crate::common;
 
 use pw_serve::IncrementalDetokenizer;
 

@@ -1,10 +1,8 @@
 //! The asynchronous CUDA mover (feature `cuda`; needs an NVIDIA GPU, run with
-//! `cargo test -p pw-pages --features cuda --test cuda`).
+//! `cargo test -p pw-pages --features cuda --test pages cuda`).
 #![cfg(feature = "cuda")]
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::prelude::*;
 use half::f16;

@@ -1,11 +1,9 @@
 //! The page table over a CubeCL device pool, with the grouped kernel reading
 //! it (wgpu; Mesa lavapipe in CI).
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use cubecl::prelude::*;
-use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
+use cubecl::wgpu::WgpuRuntime;
 use half::f16;
 use kernels_cubecl::*;
 use pw_format::BlockKind;
@@ -16,11 +14,7 @@ use rand::{Rng, SeedableRng};
 type Table = PagedWeights<ManualMover<CubePool<WgpuRuntime>>>;
 
 fn client() -> ComputeClient<WgpuRuntime> {
-    if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
-        // SAFETY: set once before any thread reads the environment.
-        unsafe { std::env::set_var("XDG_RUNTIME_DIR", std::env::temp_dir()) };
-    }
-    WgpuRuntime::client(&WgpuDevice::DefaultDevice)
+    pw_testkit::wgpu_client()
 }
 
 const EXPERTS: usize = 3;

@@ -1,7 +1,7 @@
 //! Shared test fixtures: the tiny Mixtral with a Llama-style byte-fallback tokenizer.
 #![allow(dead_code)]
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -19,7 +19,7 @@ pub type B = NdArray<f32>;
 
 /// The committed tiny Mixtral (vocab 96, context 256, eos 2).
 pub fn fixture() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/pw-models/tests/fixtures/mixtral")
+    pw_testkit::fixture("mixtral")
 }
 
 /// The chat template written into the test model directory.

@@ -1,6 +1,6 @@
 //! The HTTP server on a loopback port, driven by a real HTTP client.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -422,11 +422,7 @@ async fn the_planner_lowers_pages_under_16_concurrent_requests_and_raises_them_a
     use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
     use pw_serve::{FastOptions, FastStepModel, MemoryOptions, WeightPolicy};
 
-    if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
-        // SAFETY: set once before any thread reads the environment.
-        unsafe { std::env::set_var("XDG_RUNTIME_DIR", std::env::temp_dir()) };
-    }
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets/tiny-mixtral");
+    let dir = pw_testkit::asset("tiny-mixtral");
     let cfg = pw_hf::ModelConfig::from_dir(&dir).unwrap();
     let pw_hf::ModelConfig::Mixtral(mc) = &cfg else { panic!("not mixtral") };
     // Experts at 8 bits: planes (8 × rows × cols/32 words) + one 256-entry f16 LUT per row.

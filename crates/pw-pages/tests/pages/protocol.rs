@@ -1,9 +1,7 @@
 //! The commit protocol on host arenas, with transfers that finish only when
 //! the test says so.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use kernels_cubecl::{Activation, PoolImage, ap_gemm_reference};
 use pw_format::{ApBlock, BlockKind, BlockMeta, Checkpoint, CheckpointWriter};
 use pw_pages::*;

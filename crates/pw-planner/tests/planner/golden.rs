@@ -1,7 +1,7 @@
 //! Snapshot test: a fixed page table, routing state and residual factors, planned for a
 //! sequence of targets; the plans must match `tests/snapshots/plans.txt` byte for byte.
 //! A deliberate change of the planner's choices regenerates the file with
-//! `UPDATE_SNAPSHOTS=1 cargo test -p pw-planner --test golden` (review the diff).
+//! `UPDATE_SNAPSHOTS=1 cargo test -p pw-planner --test planner golden` (review the diff).
 
 use std::fmt::Write;
 

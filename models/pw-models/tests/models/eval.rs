@@ -1,12 +1,11 @@
 //! The perplexity convention: windows, positions, batching, f64 totals.
 
-use std::path::{Path, PathBuf};
-
 use burn::tensor::Tensor;
 use burn_ndarray::NdArray;
 use pw_models::eval::{Perplexity, perplexity, token_nll, token_windows};
 use pw_models::generate::ids_tensor;
 use pw_models::{AnyModel, CausalLm};
+use pw_testkit::fixture;
 
 type B = NdArray<f32>;
 
@@ -14,10 +13,6 @@ type B = NdArray<f32>;
 const BATCH_RTOL: f64 = 1e-6;
 /// Our NLL vs a host log-softmax in f64 from the logits: f32 log-softmax rounding.
 const NLL_RTOL: f64 = 1e-5;
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
-}
 
 fn ids(n: usize) -> Vec<u32> {
     (0..n).map(|i| ((i * 37 + 11) % 96) as u32).collect()

@@ -6,21 +6,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 fn fixture_with_tokenizer() -> tempfile::TempDir {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/pw-models/tests/fixtures/mixtral");
-    let tmp = tempfile::tempdir().unwrap();
-    for e in std::fs::read_dir(&src).unwrap() {
-        let p = e.unwrap().path();
-        std::fs::copy(&p, tmp.path().join(p.file_name().unwrap())).unwrap();
-    }
-    // A word-level tokenizer whose word `wN` is token N.
-    let words: serde_json::Map<String, serde_json::Value> =
-        (0..96).map(|i| (format!("w{i}"), serde_json::Value::from(i))).collect();
-    let tok = serde_json::json!({
-        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
-        "normalizer": null, "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": null,
-        "decoder": null, "model": {"type": "WordLevel", "vocab": words, "unk_token": "w0"}
-    });
-    std::fs::write(tmp.path().join("tokenizer.json"), tok.to_string()).unwrap();
+    let tmp = pw_testkit::fixture_copy("mixtral");
+    pw_testkit::write_word_tokenizer(tmp.path(), 96);
     tmp
 }
 
@@ -101,7 +88,6 @@ fn serve_on_port_zero_prints_its_url_and_answers() {
 fn once_fast_under_a_memory_budget_prints_the_bit_mix() {
     let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/tiny-mixtral");
     let o = Command::new(bin())
-        .env("XDG_RUNTIME_DIR", std::env::temp_dir())
         .args(["serve", "--fast", "--model", model.to_str().unwrap(), "--gpu-memory-gb", "0.035"])
         .args(["--once", "ROMEO.", "--max-tokens", "6"])
         .output()
@@ -113,7 +99,6 @@ fn once_fast_under_a_memory_budget_prints_the_bit_mix() {
     assert!(mem.contains("mean 8.00 bits"), "no pressure at this budget: {mem}");
     // A budget below the dense weights is refused with a hint.
     let o = Command::new(bin())
-        .env("XDG_RUNTIME_DIR", std::env::temp_dir())
         .args(["serve", "--fast", "--model", model.to_str().unwrap(), "--gpu-memory-gb", "0.001"])
         .args(["--once", "x"])
         .output()
@@ -140,7 +125,6 @@ fn bench_serve_scaled_down(model: &str) {
     let out = tempfile::tempdir().unwrap();
     let file = out.path().join("serve.json");
     let o = Command::new(bin())
-        .env("XDG_RUNTIME_DIR", std::env::temp_dir())
         .args(["bench-serve", "--device", "wgpu", "--model", model, "--requests", "6", "--rate", "40"])
         .args(["--prompt", "4,8", "--output", "4,10", "--max-batch", "4", "--kv-threshold-blocks", "2"])
         .args(["--out", file.to_str().unwrap()])

@@ -1,6 +1,6 @@
 //! GPU backends against the ndarray reference, layer by layer (`--features wgpu`; runs on any
-//! Vulkan device, lavapipe included: `XDG_RUNTIME_DIR=/tmp cargo test --features wgpu --test
-//! backend_parity`). This is the test that caught Burn fusion's wrong MoE results.
+//! Vulkan device, lavapipe included: `cargo test --features wgpu --test
+//! cli backend_parity`). This is the test that caught Burn fusion's wrong MoE results.
 #![cfg(feature = "wgpu")]
 
 use std::path::Path;

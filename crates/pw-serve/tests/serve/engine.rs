@@ -1,7 +1,7 @@
 //! The scheduler on the tiny Mixtral: batching keeps sequences apart, admission respects the
 //! KV budget, cancellation frees KV, sampling is reproducible.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

@@ -1,16 +1,12 @@
 //! `pagedweight logits` / `generate` end to end on the tiny transformers fixtures.
 
-use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use pw_hf::Checkpoint;
+use pw_testkit::{fixture, fixture_copy, write_word_tokenizer};
 
 /// Same bound as the library's f32 fixture tests.
 const F32_TOL: f32 = 5e-5;
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("models/pw-models/tests/fixtures").join(name)
-}
 
 fn reference(name: &str) -> Checkpoint {
     let dir = fixture(name);
@@ -49,34 +45,13 @@ fn logits_command_matches_transformers() {
     assert!(err < F32_TOL, "logits differ by {err}");
 }
 
-/// A word-level tokenizer whose word `wN` is token N, so text maps to known ids.
-fn write_tokenizer(dir: &Path, vocab: usize) {
-    let words: serde_json::Map<String, serde_json::Value> =
-        (0..vocab).map(|i| (format!("w{i}"), serde_json::Value::from(i))).collect();
-    let tok = serde_json::json!({
-        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
-        "normalizer": null, "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": null,
-        "decoder": null, "model": {"type": "WordLevel", "vocab": words, "unk_token": "w0"}
-    });
-    std::fs::write(dir.join("tokenizer.json"), tok.to_string()).unwrap();
-}
-
-fn copy_dir(name: &str) -> tempfile::TempDir {
-    let tmp = tempfile::tempdir().unwrap();
-    for e in std::fs::read_dir(fixture(name)).unwrap() {
-        let p = e.unwrap().path();
-        std::fs::copy(&p, tmp.path().join(p.file_name().unwrap())).unwrap();
-    }
-    tmp
-}
-
 #[test]
 fn generate_command_streams_the_greedy_continuation() {
     let r = reference("gemma4");
     let prompt: Vec<String> = r.read_i64("input_ids").unwrap().1.iter().map(|i| format!("w{i}")).collect();
     let want: Vec<String> = r.read_i64("generated").unwrap().1.iter().map(|i| format!("w{i}")).collect();
-    let dir = copy_dir("gemma4");
-    write_tokenizer(dir.path(), 96);
+    let dir = fixture_copy("gemma4");
+    write_word_tokenizer(dir.path(), 96);
     // The fixture's eos (id 1) must not cut the comparison short: transformers ran without it.
     let cfg = std::fs::read_to_string(dir.path().join("config.json")).unwrap();
     std::fs::write(dir.path().join("config.json"), cfg.replace("\"eos_token_id\": 1,", "")).unwrap();

@@ -1,13 +1,14 @@
 //! The three families against transformers 5.17 reference outputs (see
 //! `scripts/make_fixtures.py`), and KV-cached generation against full recomputation.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use burn::tensor::Tensor;
 use burn_ndarray::NdArray;
 use pw_hf::{Checkpoint, ModelConfig};
 use pw_models::generate::{argmax, ids_tensor, last_logits};
 use pw_models::{AnyModel, CausalLm, Sampler, SamplingConfig, Trace, generate};
+use pw_testkit::{fixture, fixture_copy};
 
 type B = NdArray<f32>;
 
@@ -19,10 +20,6 @@ const F32_TOL: f32 = 5e-5;
 const HALF_TOL: f32 = 5e-5;
 /// Cached decoding vs recomputing the whole sequence in our own implementation.
 const CACHE_TOL: f32 = 2e-5;
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
-}
 
 fn host(t: Tensor<B, 3>) -> (Vec<usize>, Vec<f32>) {
     let dims = t.dims().to_vec();
@@ -218,15 +215,6 @@ fn gemma4_config_from_multimodal_checkpoint() {
     assert!(c.layers[2].k_eq_v && !c.layers[2].sliding);
 }
 
-fn copy_fixture(name: &str) -> tempfile::TempDir {
-    let tmp = tempfile::tempdir().unwrap();
-    for entry in std::fs::read_dir(fixture(name)).unwrap() {
-        let p = entry.unwrap().path();
-        std::fs::copy(&p, tmp.path().join(p.file_name().unwrap())).unwrap();
-    }
-    tmp
-}
-
 fn load_err(dir: &Path) -> String {
     match AnyModel::<B>::load(dir, &Default::default()) {
         Ok(_) => panic!("{} loaded", dir.display()),
@@ -237,13 +225,13 @@ fn load_err(dir: &Path) -> String {
 #[test]
 fn bad_checkpoints_give_errors_that_name_the_culprit() {
     // Missing shard.
-    let tmp = copy_fixture("qwen2_moe_bf16");
+    let tmp = fixture_copy("qwen2_moe_bf16");
     std::fs::remove_file(tmp.path().join("model-00002-of-00004.safetensors")).unwrap();
     let e = load_err(tmp.path());
     assert!(e.contains("model-00002-of-00004.safetensors"), "{e}");
 
     // Wrong shape for the config.
-    let tmp = copy_fixture("mixtral");
+    let tmp = fixture_copy("mixtral");
     let cfg = std::fs::read_to_string(tmp.path().join("config.json")).unwrap();
     std::fs::write(
         tmp.path().join("config.json"),
@@ -266,7 +254,7 @@ fn bad_checkpoints_give_errors_that_name_the_culprit() {
     assert!(e.contains("model.safetensors"), "{e}");
 
     // Missing tensor.
-    let tmp = copy_fixture("gemma4");
+    let tmp = fixture_copy("gemma4");
     std::fs::copy(fixture("mixtral/model.safetensors"), tmp.path().join("model.safetensors")).unwrap();
     let e = load_err(tmp.path());
     assert!(e.contains("missing") && e.contains("model.layers.0"), "{e}");
@@ -363,10 +351,6 @@ fn quantize_fixture(name: &str, out: &Path) {
 }
 
 fn wgpu_device() -> burn_wgpu::WgpuDevice {
-    if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
-        // SAFETY: set once before any thread reads the environment.
-        unsafe { std::env::set_var("XDG_RUNTIME_DIR", std::env::temp_dir()) };
-    }
     burn_wgpu::WgpuDevice::DefaultDevice
 }
 

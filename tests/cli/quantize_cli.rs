@@ -1,18 +1,16 @@
 //! `pagedweight quantize` and `eval-ppl` end to end on the tiny transformers fixtures, with a
 //! word-level tokenizer (word `wN` is token N).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
+
+use pw_testkit::{fixture_copy, write_word_tokenizer};
 
 /// The bound for the shipped model: 8-bit perplexity within 0.5% of the original.
 const SHIPPED_Q8_RTOL: f64 = 5e-3;
 /// Perplexity of the 8-bit checkpoint vs the original (observed 4e-6 relative on the random
 /// Mixtral fixture, whose 8-bit logits differ by ~3e-4 of their scale).
 const PPL_Q8_RTOL: f64 = 1e-3;
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("models/pw-models/tests/fixtures").join(name)
-}
 
 fn run(args: &[&str]) -> (bool, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_pagedweight")).args(args).output().unwrap();
@@ -25,19 +23,8 @@ fn run(args: &[&str]) -> (bool, String, String) {
 
 /// Copy of a fixture with a word-level tokenizer over its 96 ids and a calib.txt.
 fn model_dir(name: &str) -> tempfile::TempDir {
-    let tmp = tempfile::tempdir().unwrap();
-    for e in std::fs::read_dir(fixture(name)).unwrap() {
-        let p = e.unwrap().path();
-        std::fs::copy(&p, tmp.path().join(p.file_name().unwrap())).unwrap();
-    }
-    let words: serde_json::Map<String, serde_json::Value> =
-        (0..96).map(|i| (format!("w{i}"), serde_json::Value::from(i))).collect();
-    let tok = serde_json::json!({
-        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
-        "normalizer": null, "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": null,
-        "decoder": null, "model": {"type": "WordLevel", "vocab": words, "unk_token": "w0"}
-    });
-    std::fs::write(tmp.path().join("tokenizer.json"), tok.to_string()).unwrap();
+    let tmp = fixture_copy(name);
+    write_word_tokenizer(tmp.path(), 96);
     std::fs::write(tmp.path().join("calib.txt"), text(120, 3)).unwrap();
     tmp
 }

@@ -1,0 +1,10 @@
+//! The binary's tests: each subcommand run as a user runs it (quantize-tensor, inspect,
+//! quantize, logits, generate, eval-ppl, serve), and the Burn backends agreeing.
+//!
+//! One test binary for the package: each binary links Burn and CubeCL anew.
+
+mod backend_parity;
+mod models_cli;
+mod quantize_cli;
+mod serve_cli;
+mod tensor_cli;
