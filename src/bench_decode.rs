@@ -10,8 +10,8 @@
 
 use anyhow::{Context, Result};
 use cubecl::prelude::*;
-use kernels_cubecl::step::{FUSED_ACT_MAX_TOKENS, MmaMode, MmaTuning};
-use kernels_cubecl::{Activation, sync};
+use kernels_cubecl::step::{MmaMode, MmaTuning, ROUTE_CHUNK};
+use kernels_cubecl::{Activation, GemmConfig, sync};
 use pw_decode::{AttnLayer, DecodeConfig, Decoder, ExpertAct, Family};
 use pw_pages::Accountant;
 use serde_json::{Value, json};
@@ -80,15 +80,9 @@ pub struct BenchDecodeArgs {
     #[arg(long, value_delimiter = ',', default_value = "off")]
     pub gemv_prefetch: Vec<String>,
     /// Where the routed experts' activation is computed (comma-separated, each measured):
-    /// `epilogue` (the gate_up GEMV's, the default), `launch` (a launch of its own) or `down`
-    /// (the down GEMV's input staging).
+    /// `epilogue` (the gate_up GEMV's, the default) or `launch` (a launch of its own).
     #[arg(long, value_delimiter = ',', default_value = "epilogue")]
     pub expert_act: Vec<String>,
-    /// Most tokens for which a dense MLP's down GEMM applies the activation in its loads
-    /// (comma-separated, each measured; default `FUSED_ACT_MAX_TOKENS`); above it the
-    /// activation is a launch of its own.
-    #[arg(long, value_delimiter = ',')]
-    pub mlp_act_fused_max: Vec<usize>,
     /// Where the dense GEMMs run (comma-separated, each measured): `auto` (the default: the
     /// matrix units from `MMA_MIN_TOKENS` tokens where the device has them), `off` (the plain
     /// kernel), `auto-w` (as `auto`, columns split until the grid holds 32 warps per SM) or
@@ -265,8 +259,7 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
             let at = match m.as_str() {
                 "epilogue" => ExpertAct::GateUpEpilogue,
                 "launch" => ExpertAct::Launch,
-                "down" => ExpertAct::InDown,
-                x => anyhow::bail!("--expert-act {x}: expected epilogue, launch or down"),
+                x => anyhow::bail!("--expert-act {x}: expected epilogue or launch"),
             };
             Ok((m.clone(), at))
         })
@@ -278,34 +271,14 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
         // then as many blocks as the largest batch needs.
         let geometry = cfg.kv_geometry(block, 2, max_seq);
         let kv_blocks = max_batch * max_seq.div_ceil(block);
-        let t = Instant::now();
         let first = &bits_list.first().context("--bits is empty")?.1;
-        let mut dec =
-            Decoder::<R, half::f16>::synthetic(&client, cfg.clone(), first, kv_blocks, block, max_seq)?;
-        let g = dec.gemm_config_mut();
-        g.gemv_min_items = a.gemv_min_items.unwrap_or(g.gemv_min_items);
-        g.gemv_words_per_lane = a.gemv_words.unwrap_or(g.gemv_words_per_lane);
-        g.warps = a.warps.unwrap_or(g.warps);
-        g.gemv_rows = a.gemv_rows.unwrap_or(g.gemv_rows);
-        g.check().context("--gemv-words / --gemv-rows / --warps")?;
-        let fused_router = dec.set_fused_router(!a.router_gemm);
-        sync(&client)?;
-        let accountant = Accountant::new(u64::MAX / 2);
-        let _weights =
-            accountant.lease(pw_pages::Use::Weights, (dec.dense_bytes() + dec.expert_bytes()) as u64)?;
-        let _kv = accountant.lease_kv_blocks(kv_blocks as u64, geometry.block_bytes() as u64)?;
-        eprintln!(
-            "{model}: dense {:.2} GB, KV {:.2} GB ({kv_blocks} blocks), built in {:.1} s",
-            dec.dense_bytes() as f64 / 1e9,
-            dec.kv_bytes() as f64 / 1e9,
-            t.elapsed().as_secs_f64()
-        );
+        let mut base = GemmConfig::for_client(&client);
+        base.gemv_min_items = a.gemv_min_items.unwrap_or(base.gemv_min_items);
+        base.gemv_words_per_lane = a.gemv_words.unwrap_or(base.gemv_words_per_lane);
+        base.warps = a.warps.unwrap_or(base.warps);
+        base.gemv_rows = a.gemv_rows.unwrap_or(base.gemv_rows);
+        base.check().context("--gemv-words / --gemv-rows / --warps")?;
         let mut next_id = 0u64;
-        let fused_maxes = if a.mlp_act_fused_max.is_empty() {
-            vec![FUSED_ACT_MAX_TOKENS]
-        } else {
-            a.mlp_act_fused_max.clone()
-        };
         let modes = a
             .dense_mma
             .iter()
@@ -330,10 +303,9 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
             .collect::<Result<Vec<_>>>()?;
         let combos = acts
             .iter()
-            .flat_map(|x| fused_maxes.iter().map(move |f| (x, f)))
-            .flat_map(|(x, f)| modes.iter().map(move |m| (x, f, *m)))
-            .flat_map(|(x, f, m)| x_halves.iter().map(move |h| (x, f, m, *h)));
-        let default_wps = dec.gemm_config_mut().gemv_warps_per_sm;
+            .flat_map(|x| modes.iter().map(move |m| (x, *m)))
+            .flat_map(|(x, m)| x_halves.iter().map(move |h| (x, m, *h)));
+        let default_wps = base.gemv_warps_per_sm;
         let wps_list =
             if a.gemv_warps_per_sm.is_empty() { vec![default_wps] } else { a.gemv_warps_per_sm.clone() };
         let prefetches = a
@@ -345,24 +317,42 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
                 _ => Err(anyhow::anyhow!("--gemv-prefetch {p}: expected off or on")),
             })
             .collect::<Result<Vec<_>>>()?;
-        let chunks = if a.route_chunk.is_empty() { vec![dec.route_chunk()] } else { a.route_chunk.clone() };
+        let chunks = if a.route_chunk.is_empty() { vec![ROUTE_CHUNK] } else { a.route_chunk.clone() };
         let combos = combos
             .flat_map(|c| wps_list.iter().map(move |w| (c, *w)))
             .flat_map(|(c, w)| prefetches.iter().map(move |p| (c, w, *p)))
             .flat_map(|(c, w, p)| chunks.iter().map(move |k| (c, w, p, *k)));
-        for (((act_name, act), &fused_max, (mma_name, mma), x_half), wps, prefetch, chunk) in combos {
-            // Rebuilding the routing buffers only when the chunk changes.
-            if dec.route_chunk() != chunk {
-                dec.set_route_chunk(chunk).context("--route-chunk")?;
-            }
-            let g = dec.gemm_config_mut();
+        for (((act_name, act), (mma_name, mma), x_half), wps, prefetch, chunk) in combos {
+            // The kernel choices are fixed at construction: one model per combination.
+            let mut g = base;
             g.gemv_x_half = x_half;
             g.gemv_warps_per_sm = wps;
             g.gemv_prefetch = prefetch;
             g.check().context("--gemv-warps-per-sm")?;
-            dec.set_dense_mma(mma);
-            dec.set_expert_act(*act);
-            dec.set_mlp_act_fused_max(fused_max);
+            let t = Instant::now();
+            let mut dec = Decoder::<R, half::f16>::builder(&client)
+                .kv_blocks(kv_blocks)
+                .block_size(block)
+                .max_seq_len(max_seq)
+                .gemm(g)
+                .fused_router(!a.router_gemm)
+                .expert_act(*act)
+                .dense_mma(mma)
+                .route_chunk(chunk)
+                .synthetic(cfg.clone(), first)
+                .context("--route-chunk")?;
+            let fused_router = dec.fused_router();
+            sync(&client)?;
+            let accountant = Accountant::new(u64::MAX / 2);
+            let _weights =
+                accountant.lease(pw_pages::Use::Weights, (dec.dense_bytes() + dec.expert_bytes()) as u64)?;
+            let _kv = accountant.lease_kv_blocks(kv_blocks as u64, geometry.block_bytes() as u64)?;
+            eprintln!(
+                "{model}: dense {:.2} GB, KV {:.2} GB ({kv_blocks} blocks), built in {:.1} s",
+                dec.dense_bytes() as f64 / 1e9,
+                dec.kv_bytes() as f64 / 1e9,
+                t.elapsed().as_secs_f64()
+            );
             for (bits_name, bits) in &bits_list {
                 dec.recommit_synthetic(bits.as_ref())?;
                 let sparse_layers = cfg.sparse.iter().filter(|s| **s).count();
@@ -411,13 +401,12 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
                             "bytes_per_step": bytes.total(), "dense_bytes": bytes.dense,
                             "expert_bytes_touched": bytes.experts, "kv_bytes": bytes.kv,
                             "stream_gbps": gbps, "chunks": b.div_ceil(kernels_cubecl::MAX_TOKENS),
-                            "gemv_min_items": dec.gemm_config_mut().gemv_min_items,
-                            "gemv_words": dec.gemm_config_mut().gemv_words_per_lane,
-                            "warps": dec.gemm_config_mut().warps,
-                            "gemv_rows": dec.gemm_config_mut().gemv_rows,
+                            "gemv_min_items": dec.gemm_config().gemv_min_items,
+                            "gemv_words": dec.gemm_config().gemv_words_per_lane,
+                            "warps": dec.gemm_config().warps,
+                            "gemv_rows": dec.gemm_config().gemv_rows,
                             "fused_router": fused_router,
                             "expert_act": act_name,
-                            "mlp_act_fused_max": fused_max,
                             "dense_mma": mma_name,
                             "gemv_x": if x_half { "f16" } else { "f32" },
                             "gemv_warps_per_sm": wps,

@@ -17,7 +17,6 @@ use anyhow::{Context, Result, bail, ensure};
 use cubecl::prelude::*;
 use pw_decode::{DecodeConfig, Decoder, ExpertBlocks};
 use pw_hf::{Checkpoint, ModelConfig};
-use pw_pages::Accountant;
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -110,7 +109,11 @@ fn check<R: Runtime>(client: &ComputeClient<R>, dir: &Path) -> Result<Value> {
     let load = |bits: u8| -> Result<Decoder<R, half::f16>> {
         let mut e = experts.clone();
         e.bits = e.blocks.iter().map(|l| vec![(bits, bits); l.len()]).collect();
-        Ok(Decoder::load_paged(client, dir, e, Accountant::new(u64::MAX), kv_blocks, block, max_seq)?)
+        Ok(Decoder::builder(client)
+            .kv_blocks(kv_blocks)
+            .block_size(block)
+            .max_seq_len(max_seq)
+            .load(dir, e)?)
     };
     let mut at8 = load(8)?;
     let (want, want_tokens) = greedy(&mut at8)?;
@@ -150,7 +153,11 @@ fn speed<R: Runtime>(client: &ComputeClient<R>, a: &BenchRaiseArgs) -> Result<Va
     let max_seq = a.ctx + 64 * a.steps + a.steps + 8;
     let kv_blocks = a.batch * max_seq.div_ceil(block);
     let t = Instant::now();
-    let mut dec = Decoder::<R, half::f16>::synthetic_host(client, cfg, &|_, _| 3, kv_blocks, block, max_seq)?;
+    let mut dec = Decoder::<R, half::f16>::builder(client)
+        .kv_blocks(kv_blocks)
+        .block_size(block)
+        .max_seq_len(max_seq)
+        .synthetic_host(cfg, &|_, _| 3)?;
     let load_s = t.elapsed().as_secs_f64();
     eprintln!("{}: {layers} layers loaded at 3 bits in {load_s:.1} s", a.model);
     let ids: Vec<u64> = (0..a.batch as u64).collect();

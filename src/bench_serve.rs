@@ -204,7 +204,7 @@ fn expert_bytes(c: &DecodeConfig, bits: u64) -> u64 {
 
 fn run<R: Runtime>(device: &R::Device, a: &BenchServeArgs, policy: WeightPolicy) -> Result<Value>
 where
-    pw_decode::MixtralDecoder<R, half::f16>: Send,
+    pw_decode::Decoder<R, half::f16>: Send,
 {
     let client = R::client(device);
     let cfg = crate::bench_decode::shape(if a.model == "tiny" { "tiny-mixtral" } else { &a.model })?;

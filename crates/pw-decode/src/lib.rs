@@ -1,30 +1,21 @@
-//! The fast decode path of the three families (Mixtral, Qwen2-MoE, Gemma-4; one [`Decoder`]
-//! with per-family branches): one decode step of a batch of sequences runs as a fixed handful
-//! of CubeCL launches per layer, straight on the compute client (no Burn tensor ops, no host
-//! round trip inside a layer). No RMSNorm is a launch of its own: each is folded into the
-//! GEMMs or the gather that read its output (a per-token scale after the row reduction). The
-//! Mixtral wiring, 8 launches per layer at one token per routed expert (9 above):
+//! The fast decode path of the three served families (Mixtral, Qwen2-MoE, Gemma-4): one
+//! decode step of a batch of sequences runs as a fixed handful of CubeCL launches per layer,
+//! straight on the compute client (no Burn tensor ops, no host round trip inside a layer).
 //!
-//! 1. fused QKV projection of norm(h) (one f16 GEMM) → RoPE on Q and K + K/V append into the
-//!    paged cache → paged decode attention;
-//! 2. O projection added into the residual;
-//! 3. one routing launch: router logits of norm(h) computed in every cube (a router of at most
-//!    64k weights, `kernels_cubecl::step::router_fusable`: Mixtral's 8 × 4096; a larger one,
-//!    e.g. Gemma-4's 128 × 2816, keeps its own GEMM, one more launch), on-device softmax/top-k
-//!    that writes the grouped kernel's descriptors (and the planner's routing counts when
-//!    armed), and the gather of the normed rows →
-//!    grouped bit-plane GEMV for gate_up with the experts' SiLU(gate)·up in its epilogue (warp
-//!    units of gate rows and their up rows; at two tokens per expert those took 100 registers
-//!    per thread, so there the activation is a launch of its own, see [`ExpertAct`]) → grouped
-//!    GEMV for down → weighted combine into the residual.
-//!
-//! Qwen2-MoE (10 per sparse layer, 6 per dense one) adds the q/k/v biases to the projection,
-//! and its gated shared expert (or a dense layer's MLP) as gate|up GEMM (the router's rows in
-//! the same GEMM: both read the same norm) → down GEMM reading act(gate)·up × sigmoid gate into
-//! the residual. Gemma-4 (12: its router GEMM of its own) adds per-head Q/K/V norms (K = V
-//! on full layers) in the RoPE + append launch, its sandwich norm on the attention output, a dense
-//! GeGLU branch beside the experts, and one epilogue kernel (routing weights × per-expert
-//! scale, combine, three norms, residual, layer scalar).
+//! - [`Decoder`] (`decoder.rs`) owns a model on the device, its paged KV cache and its
+//!   experts' page table, and runs steps; [`DecoderBuilder`] (`builder.rs`) fixes its cache,
+//!   budget and kernel choices and loads it from a checkpoint (`weights.rs`) or makes it
+//!   with random weights (`synthetic.rs`).
+//! - One file per family (`mixtral.rs`, `qwen2_moe.rs`, `gemma4.rs`) reads like its modeling
+//!   file: embed → per layer the attention block and the feed-forward into the residual →
+//!   final norm and head.
+//! - `stages/` holds what those are made of: the attention block (fused QKV projection →
+//!   RoPE + K/V append into the paged cache → paged attention → O projection), routing with
+//!   the routed experts (router logits, on-device top-k that writes the grouped kernels'
+//!   descriptors and gathers the normed rows → grouped bit-plane GEMVs for gate_up, with the
+//!   activation in its epilogue, and down → weighted combine), the dense MLP, Gemma-4's
+//!   epilogues, the final norm and LM head. No RMSNorm is a launch of its own: each is folded
+//!   into the GEMMs or the gather that read its output.
 //!
 //! The host uploads the step's ids, positions and block tables once, and reads back the logits
 //! (or, sampling greedily on the device, only the new ids) once. A new sequence's prompt goes
@@ -33,17 +24,26 @@
 //! asynchronous pinned copies: a step never waits for a raising).
 //! The Burn-ops models in `pw-models` stay the reference the tests compare against.
 
+mod builder;
 mod config;
 mod decoder;
 mod experts;
+mod gemma4;
+mod mixtral;
 mod paged;
+mod qwen2_moe;
 mod route_stats;
+mod stages;
+mod synthetic;
+mod weights;
 
+pub use builder::DecoderBuilder;
 pub use config::{AttnLayer, DecodeConfig, Family};
-pub use decoder::{Decoder, ExpertAct, MixtralDecoder};
+pub use decoder::Decoder;
 pub use experts::{ExpertBlocks, expert_weights};
 pub use paged::{ExpertCommit, ExpertMover, ExpertPage, PagedExperts, synthetic_block, synthetic_luts};
 pub use route_stats::{RouteStats, RoutingCounts, route_stats_reference};
+pub use stages::ExpertAct;
 
 use pw_hf::Checkpoint;
 
@@ -55,7 +55,7 @@ fn read(ckpt: &Checkpoint, name: &str, shape: &[usize]) -> Result<Vec<f32>, Deco
     Ok(t.data)
 }
 
-use decoder::root;
+use weights::root;
 
 /// Why loading or a step failed.
 #[derive(Debug, thiserror::Error)]

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use burn_ndarray::NdArray;
 use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
-use pw_decode::{DecodeConfig, Decoder, ExpertAct, ExpertBlocks};
+use pw_decode::{DecodeConfig, Decoder, DecoderBuilder, ExpertAct, ExpertBlocks};
 use pw_hf::{Checkpoint, ModelConfig};
 use pw_models::generate::{argmax, ids_tensor, last_logits};
 use pw_models::{AnyModel, CausalLm, HfSource};
@@ -131,16 +131,30 @@ fn error_against_reference(reference: &AnyModel<B>, ids: &[u32], logits: &[f32])
     (want, err)
 }
 
+/// The decoder of the checkpoint in `dir` with `experts`, a cache of `blocks` blocks of 4
+/// tokens and sequences of up to `max_seq`, and the options `opts` sets.
+fn load<KV: cubecl::prelude::Float + cubecl::prelude::CubeElement>(
+    client: &cubecl::prelude::ComputeClient<WgpuRuntime>,
+    dir: &Path,
+    experts: &ExpertBlocks,
+    blocks: usize,
+    max_seq: usize,
+    opts: impl FnOnce(DecoderBuilder<'_, WgpuRuntime, KV>) -> DecoderBuilder<'_, WgpuRuntime, KV>,
+) -> Decoder<WgpuRuntime, KV> {
+    let b = Decoder::builder(client).kv_blocks(blocks).block_size(4).max_seq_len(max_seq);
+    opts(b).load(dir, experts.clone()).unwrap()
+}
+
 /// Runs `steps` continuous-batching steps of `plan` on the decoder and checks every sequence's
 /// logits against a full recomputation with the Burn model.
 fn check(dir: &Path, kv_f16: bool, tol: f32, plan: &[Plan], steps: usize, max_seq: usize) {
     let (reference, experts, client) = setup(dir);
     let blocks = 4 * max_seq.div_ceil(4) + 4;
     let mut fast = if kv_f16 {
-        let load = || Decoder::load(&client, dir, &experts, blocks, 4, max_seq).unwrap();
-        Box::new(Run::<half::f16>(load(), Some(load()), vec![])) as Box<dyn Step>
+        let f16_kv = || load(&client, dir, &experts, blocks, max_seq, |b| b);
+        Box::new(Run::<half::f16>(f16_kv(), Some(f16_kv()), vec![])) as Box<dyn Step>
     } else {
-        Box::new(Run::<f32>(Decoder::load(&client, dir, &experts, blocks, 4, max_seq).unwrap(), None, vec![]))
+        Box::new(Run::<f32>(load(&client, dir, &experts, blocks, max_seq, |b| b), None, vec![]))
     };
 
     let mut seqs: Vec<(u64, Vec<u32>, Vec<u32>)> = vec![];
@@ -308,8 +322,7 @@ fn gemma4_multimodal_layout_f32_cache() {
 /// sliding window of 8), then two decode steps: every next-token logit against the reference.
 fn check_prefill(dir: &Path, tol: f32, route_chunk: usize) {
     let (reference, experts, client) = setup(dir);
-    let mut dec = Decoder::<WgpuRuntime, f32>::load(&client, dir, &experts, 40, 4, 48).unwrap();
-    dec.set_route_chunk(route_chunk).unwrap();
+    let mut dec = load::<f32>(&client, dir, &experts, 40, 48, |b| b.route_chunk(route_chunk));
     assert_eq!(dec.route_chunk(), route_chunk);
     let prompts: Vec<(u64, Vec<u32>)> = vec![
         (1, (0..20).map(|i| (i * 7 + 1) % 50).collect()),
@@ -396,7 +409,7 @@ fn launches_per_layer() {
     ] {
         let cfg = DecodeConfig::from_model(&ModelConfig::from_dir(&dir).unwrap()).unwrap();
         let experts = ExpertBlocks::quantize_hf(&Checkpoint::open(&dir).unwrap(), &cfg, 4).unwrap();
-        let mut dec = Decoder::<WgpuRuntime, f32>::load(&client, &dir, &experts, 8, 4, 16).unwrap();
+        let mut dec = load::<f32>(&client, &dir, &experts, 8, 16, |b| b);
         let layers: usize = cfg.sparse.iter().map(|&s| if s { sparse } else { dense }).sum();
         let want = 1 + layers + 1 + usize::from(cfg.softcap > 0.0);
         dec.add_sequence(1).unwrap();
@@ -416,28 +429,25 @@ fn launches_per_layer() {
         // (`GATED_MAX_TOKENS`). Mixtral's router back in a GEMM of its own: one more launch per
         // sparse layer, the same greedy tokens as with the router in the routing launch.
         let sparse_layers = cfg.sparse.iter().filter(|&&s| s).count();
-        assert!(!dec.set_fused_router(false), "the fused router switched off");
-        dec.add_sequence(2).unwrap();
-        let ids = dec.step_greedy(&[(2, 1), (2, 2)]).unwrap();
+        let mut router_gemm = load::<f32>(&client, &dir, &experts, 8, 16, |b| b.fused_router(false));
+        assert!(!router_gemm.fused_router(), "the fused router switched off");
+        router_gemm.add_sequence(2).unwrap();
+        let ids = router_gemm.step_greedy(&[(2, 1), (2, 2)]).unwrap();
         let router_gemms = sparse_layers * ROUTER_GEMM_LAUNCHES;
-        assert_eq!(dec.last_launches(), want + 1 + sparse_layers + router_gemms, "router GEMM");
-        assert!(dec.set_fused_router(true), "Mixtral's router fusable");
+        assert_eq!(router_gemm.last_launches(), want + 1 + sparse_layers + router_gemms, "router GEMM");
+        assert!(dec.fused_router(), "Mixtral's router fusable");
         dec.add_sequence(3).unwrap();
         assert_eq!(dec.step_greedy(&[(3, 1), (3, 2)]).unwrap(), ids, "same tokens either way");
         assert_eq!(dec.last_launches(), want + 1 + sparse_layers, "fused router");
         // One token: the activation in the gate_up GEMV's epilogue; in a launch of its own one
-        // more per sparse layer; inside the down GEMV's staging as many. The same token each way.
+        // more per sparse layer. The same token each way.
         dec.add_sequence(4).unwrap();
         let one = dec.step_greedy(&[(4, 1)]).unwrap();
         assert_eq!(dec.last_launches(), want + 1, "activation in the epilogue");
-        let modes = [(ExpertAct::Launch, sparse_layers, "own launch"), (ExpertAct::InDown, 0, "in down")];
-        for (id, (at, extra, what)) in (5u64..).zip(modes) {
-            dec.set_expert_act(at);
-            dec.add_sequence(id).unwrap();
-            assert_eq!(dec.step_greedy(&[(id, 1)]).unwrap(), one, "same token, activation {what}");
-            assert_eq!(dec.last_launches(), want + 1 + extra, "activation {what}");
-        }
-        dec.set_expert_act(ExpertAct::GateUpEpilogue);
+        let mut own = load::<f32>(&client, &dir, &experts, 8, 16, |b| b.expert_act(ExpertAct::Launch));
+        own.add_sequence(5).unwrap();
+        assert_eq!(own.step_greedy(&[(5, 1)]).unwrap(), one, "same token, activation own launch");
+        assert_eq!(own.last_launches(), want + 1 + sparse_layers, "activation own launch");
     }
 }
 

@@ -8,7 +8,7 @@ use std::collections::HashSet;
 use std::path::Path;
 
 use cubecl::prelude::*;
-use pw_decode::{DecodeConfig, ExpertBlocks, MixtralDecoder};
+use pw_decode::{DecodeConfig, Decoder, ExpertBlocks};
 use pw_hf::{Checkpoint, ModelConfig};
 use pw_pages::Accountant;
 
@@ -38,7 +38,7 @@ pub struct FastOptions {
 
 /// The fast path for the three families, with a `KV` cache (f16 on the GPU).
 pub struct FastStepModel<R: Runtime, KV: Float + CubeElement> {
-    dec: MixtralDecoder<R, KV>,
+    dec: Decoder<R, KV>,
     kv: KvLayout,
     block_bytes: u64,
     live: HashSet<SeqId>,
@@ -100,20 +100,17 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
         let b = plan.initial_bits;
         experts.bits = experts.blocks.iter().map(|l| vec![(b, b); l.len()]).collect();
         let accountant = Accountant::new(plan.budget);
-        let dec = MixtralDecoder::load_paged(
-            client,
-            dir,
-            experts,
-            accountant.clone(),
-            plan.kv_blocks,
-            BLOCK,
-            o.max_context,
-        )
-        .map_err(|e| model(e.to_string()))?;
+        let dec = Decoder::builder(client)
+            .kv_blocks(plan.kv_blocks)
+            .block_size(BLOCK)
+            .max_seq_len(o.max_context)
+            .accountant(accountant.clone())
+            .load(dir, experts)
+            .map_err(|e| model(e.to_string()))?;
         Self::assemble(dec, accountant, &o.memory, plan, o.max_batch).map_err(model)
     }
 
-    /// A model of `cfg`'s shapes with random weights (see [`MixtralDecoder::synthetic_paged`]),
+    /// A model of `cfg`'s shapes with random weights (see [`pw_decode::DecoderBuilder::synthetic`]),
     /// under the same memory options: for serving benchmarks of full-size models.
     pub fn synthetic(
         client: &ComputeClient<R>,
@@ -138,21 +135,18 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
         .map_err(model)?;
         check_context(client, &cfg, size_of::<KV>(), o.max_context, &plan).map_err(model)?;
         let accountant = Accountant::new(plan.budget);
-        let dec = MixtralDecoder::synthetic_paged(
-            client,
-            cfg.clone(),
-            &|_, _| plan.initial_bits,
-            accountant.clone(),
-            plan.kv_blocks,
-            BLOCK,
-            o.max_context,
-        )
-        .map_err(|e| model(e.to_string()))?;
+        let dec = Decoder::builder(client)
+            .kv_blocks(plan.kv_blocks)
+            .block_size(BLOCK)
+            .max_seq_len(o.max_context)
+            .accountant(accountant.clone())
+            .synthetic(cfg.clone(), &|_, _| plan.initial_bits)
+            .map_err(|e| model(e.to_string()))?;
         Self::assemble(dec, accountant, &o.memory, plan, o.max_batch).map_err(model)
     }
 
     fn assemble(
-        dec: MixtralDecoder<R, KV>,
+        dec: Decoder<R, KV>,
         accountant: Accountant,
         memory: &MemoryOptions,
         plan: MemoryPlan,
@@ -177,7 +171,7 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
     }
 
     /// The decoder.
-    pub fn decoder(&self) -> &MixtralDecoder<R, KV> {
+    pub fn decoder(&self) -> &Decoder<R, KV> {
         &self.dec
     }
 
@@ -352,7 +346,7 @@ fn sample(sampler: &mut pw_models::Sampler, seq: SeqId, logits: &[f32]) -> SeqOu
 
 impl<R: Runtime, KV: Float + CubeElement> StepModel for FastStepModel<R, KV>
 where
-    MixtralDecoder<R, KV>: Send,
+    Decoder<R, KV>: Send,
 {
     fn vocab_size(&self) -> usize {
         self.dec.config().vocab
@@ -437,7 +431,7 @@ pub fn load_fast<R: Runtime>(
     options: &FastOptions,
 ) -> Result<(Box<dyn StepModel>, u64), ServeError>
 where
-    MixtralDecoder<R, half::f16>: Send,
+    Decoder<R, half::f16>: Send,
 {
     let m = FastStepModel::<R, half::f16>::load_with(client, dir, options)?;
     let cap = m.kv_capacity_bytes();

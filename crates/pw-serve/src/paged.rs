@@ -12,7 +12,7 @@
 //!   boundary first: between two decode launches is as safe as between two engine steps.
 
 use cubecl::prelude::*;
-use pw_decode::{ExpertPage, MixtralDecoder};
+use pw_decode::{Decoder, ExpertPage};
 use pw_pages::{Accountant, Lease, Use};
 use pw_planner::{
     KvPressureConfig, MemoryTarget, PageId, PageState, Planner, PlannerConfig, RoutingConfig, Snapshot, plan,
@@ -148,7 +148,7 @@ impl PagedMemory {
     /// no room.
     pub(crate) fn reserve<R: Runtime, KV: Float + CubeElement>(
         &mut self,
-        dec: &mut MixtralDecoder<R, KV>,
+        dec: &mut Decoder<R, KV>,
         blocks: u64,
     ) -> Result<(), StepError> {
         let want = blocks * self.block_bytes;
@@ -199,7 +199,7 @@ impl PagedMemory {
     /// blocks the live sequences need (held, or about to be appended).
     pub(crate) fn boundary<R: Runtime, KV: Float + CubeElement>(
         &mut self,
-        dec: &mut MixtralDecoder<R, KV>,
+        dec: &mut Decoder<R, KV>,
         used_blocks: u64,
     ) -> Result<MemoryState, StepError> {
         self.boundary_with(dec, used_blocks, 0)
@@ -208,7 +208,7 @@ impl PagedMemory {
     /// [`Self::boundary`] with `missing` blocks about to be leased (counted as taken).
     fn boundary_with<R: Runtime, KV: Float + CubeElement>(
         &mut self,
-        dec: &mut MixtralDecoder<R, KV>,
+        dec: &mut Decoder<R, KV>,
         used_blocks: u64,
         missing: u64,
     ) -> Result<MemoryState, StepError> {

@@ -1,0 +1,191 @@
+//! [`DecoderBuilder`]: the KV cache, the memory budget and the kernel choices of a
+//! [`Decoder`], fixed when it is built from a checkpoint ([`DecoderBuilder::load`]) or with
+//! random weights (`crate::synthetic`).
+
+use std::marker::PhantomData;
+use std::path::Path;
+
+use cubecl::prelude::*;
+use kernels_cubecl::GemmConfig;
+use kernels_cubecl::step::{MmaMode, ROUTE_CHUNK, router_fusable};
+use pw_hf::{Checkpoint, ModelConfig};
+use pw_kv::{BlockTables, DevicePools};
+use pw_pages::Accountant;
+
+use crate::DecodeError;
+use crate::config::DecodeConfig;
+use crate::decoder::Decoder;
+use crate::experts::ExpertBlocks;
+use crate::paged::PagedExperts;
+use crate::route_stats::RouteStats;
+use crate::stages::{ExpertAct, Scratch, Tuning};
+use crate::weights::{DenseWeights, HfWeights, load_dense, root};
+
+/// How to build a [`Decoder`]: its KV cache (`kv_blocks` blocks of `block_size` tokens,
+/// sequences of at most `max_seq_len`), the budget its expert pages lease from, and the
+/// kernel choices. Every option has a default; [`Self::load`] or [`Self::synthetic`] builds.
+pub struct DecoderBuilder<'a, R: Runtime, KV> {
+    pub(crate) client: &'a ComputeClient<R>,
+    kv_blocks: Option<usize>,
+    block_size: usize,
+    max_seq_len: usize,
+    pub(crate) accountant: Option<Accountant>,
+    gemm: Option<GemmConfig>,
+    fused_router: bool,
+    expert_act: ExpertAct,
+    dense_mma: MmaMode,
+    route_chunk: usize,
+    _kv: PhantomData<KV>,
+}
+
+impl<'a, R: Runtime, KV: Float + CubeElement> DecoderBuilder<'a, R, KV> {
+    /// The defaults: blocks of 16 tokens, sequences of up to 4096, enough blocks for one such
+    /// sequence, no memory limit, the default kernel choices.
+    pub(crate) fn new(client: &'a ComputeClient<R>) -> Self {
+        Self {
+            client,
+            kv_blocks: None,
+            block_size: 16,
+            max_seq_len: 4096,
+            accountant: None,
+            gemm: None,
+            fused_router: true,
+            expert_act: ExpertAct::GateUpEpilogue,
+            dense_mma: MmaMode::AUTO,
+            route_chunk: ROUTE_CHUNK,
+            _kv: PhantomData,
+        }
+    }
+
+    /// Blocks of the KV cache (default: enough for one sequence of `max_seq_len`).
+    pub fn kv_blocks(mut self, blocks: usize) -> Self {
+        self.kv_blocks = Some(blocks);
+        self
+    }
+
+    /// Tokens per KV block (default 16).
+    pub fn block_size(mut self, tokens: usize) -> Self {
+        self.block_size = tokens;
+        self
+    }
+
+    /// The longest sequence the cache addresses (default 4096).
+    pub fn max_seq_len(mut self, tokens: usize) -> Self {
+        self.max_seq_len = tokens;
+        self
+    }
+
+    /// The budget the expert pages lease from, shared with the KV cache's owner (default: no
+    /// memory limit).
+    pub fn accountant(mut self, accountant: Accountant) -> Self {
+        self.accountant = Some(accountant);
+        self
+    }
+
+    /// The expert kernels' launch shape (default `GemmConfig::for_client`).
+    pub fn gemm(mut self, gemm: GemmConfig) -> Self {
+        self.gemm = Some(gemm);
+        self
+    }
+
+    /// Computes the router logits inside the routing launch where the router is small enough
+    /// (`kernels_cubecl::step::router_fusable`; default `true`), or always with a GEMM of
+    /// their own; [`Decoder::fused_router`] tells which the decoder does.
+    pub fn fused_router(mut self, on: bool) -> Self {
+        self.fused_router = on;
+        self
+    }
+
+    /// Where the routed experts' activation is computed (default
+    /// [`ExpertAct::GateUpEpilogue`]).
+    pub fn expert_act(mut self, at: ExpertAct) -> Self {
+        self.expert_act = at;
+        self
+    }
+
+    /// Where the dense GEMMs (projections, dense MLPs, LM head) run (default `MmaMode::AUTO`:
+    /// on the matrix units from a few tokens where the device has them).
+    pub fn dense_mma(mut self, mode: MmaMode) -> Self {
+        self.dense_mma = mode;
+        self
+    }
+
+    /// Most tokens per routed work item (default `kernels_cubecl::step::ROUTE_CHUNK`, one of
+    /// `ROUTE_CHUNK_CHOICES`): an expert with more tokens reads its weights once per item.
+    pub fn route_chunk(mut self, tokens: usize) -> Self {
+        self.route_chunk = tokens;
+        self
+    }
+
+    /// Loads the dense weights of the HF checkpoint in `dir` (any supported family) in f16
+    /// and its experts from `experts` (quantized from the same checkpoint, at their bits).
+    pub fn load(self, dir: impl AsRef<Path>, experts: ExpertBlocks) -> Result<Decoder<R, KV>, DecodeError> {
+        let dir = dir.as_ref();
+        let cfg = DecodeConfig::from_model(&ModelConfig::from_dir(dir)?)?;
+        let ckpt = Checkpoint::open(dir)?;
+        if experts.blocks.len() != cfg.layers {
+            return Err(DecodeError::Unsupported(format!(
+                "{} expert layers for {} model layers",
+                experts.blocks.len(),
+                cfg.layers
+            )));
+        }
+        if let Some(l) = (0..cfg.layers).find(|&l| cfg.sparse[l] == experts.blocks[l].is_empty()) {
+            return Err(DecodeError::Unsupported(format!(
+                "layer {l}: {} expert blocks for a {} layer",
+                experts.blocks[l].len(),
+                if cfg.sparse[l] { "sparse" } else { "dense" }
+            )));
+        }
+        let client = self.client;
+        let shape = cfg.moe_shape();
+        let paged = PagedExperts::new(client, shape, experts.blocks, &experts.bits, self.budget(), false)?;
+        let dense = load_dense(&cfg, root(&ckpt), &mut HfWeights { client, ckpt: &ckpt })?;
+        self.assemble(cfg, dense, paged)
+    }
+
+    /// The accountant the expert pages lease from.
+    pub(crate) fn budget(&self) -> Accountant {
+        self.accountant.clone().unwrap_or_else(|| Accountant::new(u64::MAX))
+    }
+
+    /// The decoder of `cfg`'s shapes around its dense weights and experts, with its KV cache,
+    /// scratch buffers and kernel choices.
+    pub(crate) fn assemble(
+        self,
+        cfg: DecodeConfig,
+        w: DenseWeights,
+        experts: PagedExperts<R>,
+    ) -> Result<Decoder<R, KV>, DecodeError> {
+        let client = self.client;
+        let geometry = cfg.kv_geometry(self.block_size, size_of::<KV>(), self.max_seq_len);
+        let kv_blocks = self.kv_blocks.unwrap_or(self.max_seq_len.div_ceil(self.block_size));
+        let gemm = match self.gemm {
+            Some(g) => {
+                g.check()?;
+                g
+            }
+            None => GemmConfig::for_client(client),
+        };
+        let tuning = Tuning {
+            gemm,
+            fused_router: self.fused_router && cfg.experts > 0 && router_fusable(client, cfg.moe_shape()),
+            expert_act: self.expert_act,
+            dense_mma: self.dense_mma,
+        };
+        Ok(Decoder {
+            client: client.clone(),
+            s: Scratch::new(client, &cfg, self.route_chunk)?,
+            w,
+            stats: RouteStats::new(client, cfg.layers, cfg.experts.max(1)),
+            experts,
+            tuning,
+            kv: DevicePools::new::<KV>(client, &geometry, kv_blocks),
+            tables: BlockTables::new(&geometry, kv_blocks),
+            cfg,
+            ids_out: Vec::new(),
+            launches: 0,
+            _kv: PhantomData,
+        })
+    }
+}

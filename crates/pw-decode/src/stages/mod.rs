@@ -1,0 +1,210 @@
+//! The stages the families' forward passes are made of, each a few CubeCL launches on the
+//! compute client: the embedding, the attention block ([`attention`]), routing and the routed
+//! experts ([`moe`]), the dense MLP ([`mlp`]), Gemma-4's epilogues and the final norm + LM
+//! head. No RMSNorm is a launch of its own: each is folded into the GEMMs or the gather that
+//! read its output (a per-token scale after the row reduction).
+
+mod attention;
+mod mlp;
+mod moe;
+
+pub(crate) use attention::AttnOut;
+pub(crate) use mlp::MlpOut;
+pub(crate) use moe::Logits;
+
+use std::marker::PhantomData;
+
+use cubecl::prelude::*;
+use kernels_cubecl::families::{GemmaFfnOut, add_rms_norm, gemma_ffn_out, softcap};
+use kernels_cubecl::step::{DenseGemm, MmaMode, RouteBuffers, RowNorm, dense_gemm_normed, embed};
+use kernels_cubecl::{DeviceArray, GemmConfig, KernelError, MAX_TOKENS};
+use pw_kv::{DevicePools, StepArrays};
+
+use crate::DecodeError;
+use crate::config::DecodeConfig;
+use crate::paged::PagedExperts;
+use crate::route_stats::RouteStats;
+use crate::weights::{GemmaLayer, gu_width};
+
+/// Where the decode step computes the routed experts' activation `act(gate) · up`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ExpertAct {
+    /// In the gate_up GEMV's epilogue: a warp unit holds gate and up rows of the same outputs
+    /// (no launch of its own; where the launch shape has no GEMV, [`Self::Launch`]).
+    #[default]
+    GateUpEpilogue,
+    /// Always a launch of its own between the gate_up and down GEMVs.
+    Launch,
+}
+
+/// The kernel choices of a decoder, fixed when it is built.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Tuning {
+    /// The expert kernels' launch shape.
+    pub(crate) gemm: GemmConfig,
+    /// Router logits computed inside the routing launch instead of a GEMM of their own (only
+    /// where the router is small enough to recompute in every routing cube).
+    pub(crate) fused_router: bool,
+    /// Where the routed experts' activation is computed.
+    pub(crate) expert_act: ExpertAct,
+    /// Where the dense GEMMs run.
+    pub(crate) dense_mma: MmaMode,
+}
+
+/// Per-step scratch buffers, sized for `MAX_TOKENS` tokens and the widest layer.
+pub(crate) struct Scratch {
+    pub(crate) h: DeviceArray,
+    pub(crate) proj: DeviceArray,
+    pub(crate) qkv: DeviceArray,
+    pub(crate) attn: DeviceArray,
+    pub(crate) o: DeviceArray,
+    pub(crate) router_logits: DeviceArray,
+    pub(crate) xg: DeviceArray,
+    pub(crate) gate_up: DeviceArray,
+    /// `act(gate) · up` of `gate_up`'s rows, in the gate half of rows shaped like them.
+    pub(crate) expert_act: DeviceArray,
+    pub(crate) down: DeviceArray,
+    pub(crate) mlp_gu: DeviceArray,
+    /// `act(gate)·up` of `mlp_gu`, the down GEMM's input.
+    pub(crate) mlp_act: DeviceArray,
+    pub(crate) mlp_out: DeviceArray,
+    pub(crate) logits: DeviceArray,
+    pub(crate) route: RouteBuffers,
+    pub(crate) norm_params: DeviceArray,
+    pub(crate) eps: DeviceArray,
+    pub(crate) embed_scale: DeviceArray,
+    pub(crate) softcap: DeviceArray,
+    pub(crate) none: DeviceArray,
+}
+
+impl Scratch {
+    /// Buffers for a model of `cfg`'s shapes, its routing cut into items of `route_chunk` tokens.
+    pub(crate) fn new<R: Runtime>(
+        client: &ComputeClient<R>,
+        cfg: &DecodeConfig,
+        route_chunk: usize,
+    ) -> Result<Self, DecodeError> {
+        let (t, h) = (MAX_TOKENS, cfg.hidden);
+        let widest = |f: &dyn Fn(usize) -> usize| (0..cfg.layers).map(f).max().unwrap_or(0).max(1);
+        let scratch = |n: usize| DeviceArray::empty::<R, f32>(client, n);
+        Ok(Self {
+            h: scratch(t * h),
+            proj: scratch(t * widest(&|l| cfg.proj_rows(l))),
+            qkv: scratch(t * widest(&|l| cfg.qkv_width(l))),
+            attn: scratch(t * cfg.heads * widest(&|l| cfg.attn[l].head_dim)),
+            o: scratch(t * h),
+            router_logits: scratch(t * cfg.experts.max(1)),
+            xg: scratch(t * cfg.top_k * h),
+            gate_up: scratch(t * cfg.top_k * 2 * cfg.inter),
+            expert_act: scratch(t * cfg.top_k * 2 * cfg.inter),
+            down: scratch(t * cfg.top_k * h),
+            mlp_gu: scratch(t * widest(&|l| gu_width(cfg, l))),
+            mlp_act: scratch(t * widest(&|l| cfg.mlp_inter(l))),
+            mlp_out: scratch(t * h),
+            logits: scratch(t * cfg.vocab),
+            route: RouteBuffers::with_chunk(client, cfg.moe_shape(), route_chunk)?,
+            norm_params: DeviceArray::from_slice(client, &[cfg.eps, 0.0]),
+            eps: DeviceArray::from_slice(client, &[cfg.eps]),
+            embed_scale: DeviceArray::from_slice(client, &[cfg.embed_scale]),
+            softcap: DeviceArray::from_slice(client, &[cfg.softcap]),
+            none: DeviceArray::from_slice(client, &[0.0f32]),
+        })
+    }
+}
+
+/// One chunk of a step in flight: what every stage reads (the device, the shapes, the
+/// scratch buffers, the step's uploaded ids, positions and block tables) and the launches so far.
+pub(crate) struct Fwd<'a, R: Runtime, KV> {
+    pub(crate) c: &'a ComputeClient<R>,
+    pub(crate) cfg: &'a DecodeConfig,
+    pub(crate) s: &'a Scratch,
+    pub(crate) tuning: &'a Tuning,
+    pub(crate) kv: &'a DevicePools<R>,
+    pub(crate) experts: &'a PagedExperts<R>,
+    pub(crate) stats: &'a mut RouteStats,
+    /// The step's slots, block tables and lengths.
+    pub(crate) step: StepArrays,
+    /// Token ids, positions and `[tokens]` of the step.
+    pub(crate) ids: DeviceArray,
+    pub(crate) pos: DeviceArray,
+    pub(crate) meta: DeviceArray,
+    /// Tokens of the chunk.
+    pub(crate) t: usize,
+    pub(crate) launches: usize,
+    pub(crate) _kv: PhantomData<KV>,
+}
+
+impl<R: Runtime, KV: Float + CubeElement> Fwd<'_, R, KV> {
+    /// Counts a launch that went through.
+    pub(crate) fn launched(&mut self, r: Result<(), KernelError>) -> Result<(), DecodeError> {
+        r?;
+        self.launches += 1;
+        Ok(())
+    }
+
+    /// The RMSNorm of weight `w` folded into a kernel's input.
+    pub(crate) fn norm<'w>(&'w self, w: &'w DeviceArray) -> Option<RowNorm<'w>> {
+        Some(RowNorm { w, params: &self.s.norm_params })
+    }
+
+    /// A dense GEMM of `n` outputs over `k` inputs where the decoder's dense GEMMs run.
+    pub(crate) fn gemm(&self, n: usize, k: usize, bias: bool, accumulate: bool) -> DenseGemm {
+        DenseGemm { n, k, bias, accumulate, mma: self.tuning.dense_mma }
+    }
+
+    /// `h = embed[ids] · embed_scale`.
+    pub(crate) fn embed(&mut self, table: &DeviceArray) -> Result<(), DecodeError> {
+        let (c, s) = (self.c, self.s);
+        self.launched(embed(c, self.t, self.cfg.hidden, &self.ids, table, &s.embed_scale, &s.h))
+    }
+
+    /// `logits = head · final_norm(h)`, soft-capped where the model caps them.
+    pub(crate) fn final_norm_head(
+        &mut self,
+        norm: &DeviceArray,
+        head: &DeviceArray,
+    ) -> Result<(), DecodeError> {
+        let (c, s, cfg) = (self.c, self.s, self.cfg);
+        let g = self.gemm(cfg.vocab, cfg.hidden, false, false);
+        self.launched(dense_gemm_normed(
+            c,
+            g,
+            self.t,
+            &self.meta,
+            &s.h,
+            self.norm(norm),
+            head,
+            &s.none,
+            &s.logits,
+        ))?;
+        if cfg.softcap > 0.0 {
+            self.launched(softcap(c, self.t, cfg.vocab, &self.meta, &s.logits, &s.softcap))?;
+        }
+        Ok(())
+    }
+
+    /// Gemma-4's sandwich norm of the attention output: `h += norm(o)`.
+    pub(crate) fn add_norm(&mut self, w: &DeviceArray) -> Result<(), DecodeError> {
+        let (c, s) = (self.c, self.s);
+        self.launched(add_rms_norm(c, self.t, self.cfg.hidden, &s.o, w, &s.eps, &s.h))
+    }
+
+    /// Gemma-4's feed-forward epilogue in one launch: the routing weights times the
+    /// per-expert scale combine the experts' outputs, then the three post-feed-forward norms
+    /// (experts, dense branch, their sum), the residual and the layer scalar.
+    pub(crate) fn gemma_ffn_out(&mut self, gl: &GemmaLayer) -> Result<(), DecodeError> {
+        let (c, s, cfg) = (self.c, self.s, self.cfg);
+        let b = GemmaFfnOut {
+            logits: &s.router_logits,
+            per_expert_scale: &gl.per_expert_scale,
+            pos: &s.route.pos,
+            down: &s.down,
+            mlp: &s.mlp_out,
+            norms: &gl.post_norms,
+            scalar: &gl.scalar,
+            params: &s.eps,
+            h: &s.h,
+        };
+        self.launched(gemma_ffn_out(c, self.t, cfg.experts, cfg.top_k, cfg.hidden, b))
+    }
+}
