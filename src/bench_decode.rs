@@ -10,8 +10,7 @@
 
 use anyhow::{Context, Result};
 use cubecl::prelude::*;
-use kernels_cubecl::step::{FUSED_ACT_MAX_TOKENS, MmaMode, MmaTuning};
-use kernels_cubecl::{Activation, sync};
+use kernels_cubecl::{Activation, FUSED_ACT_MAX_TOKENS, MmaMode, MmaTuning, sync};
 use pw_decode::{AttnLayer, DecodeConfig, Decoder, ExpertAct, Family};
 use pw_pages::Accountant;
 use serde_json::{Value, json};
@@ -423,7 +422,7 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
                             "gemv_warps_per_sm": wps,
                             "gemv_prefetch": prefetch,
                             "route_chunk": chunk,
-                            "mma_supported": kernels_cubecl::step::dense_mma_supported(dec.client()),
+                            "mma_supported": kernels_cubecl::dense_mma_supported(dec.client()),
                         });
                         eprintln!("{rec}");
                         records.push(rec);

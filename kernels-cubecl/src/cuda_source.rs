@@ -13,7 +13,8 @@ use cubecl::ir::{ElemType, HardwareProperties, StorageType, UIntKind};
 use cubecl::prelude::*;
 use cubecl::{Compiler, ExecutionMode};
 
-use crate::{Activation, GemmConfig, GemvPlan, KernelError, gemv};
+use crate::expert_gemm::gemv;
+use crate::{Activation, GemmConfig, GemvPlan, KernelError};
 
 /// The H200's hardware properties as `cubecl-cuda` reads them (132 SMs, 232448 bytes of
 /// opt-in shared memory per cube, 1024 units per cube, 32-lane warps), for [`crate::gemv_plan`]
@@ -60,7 +61,7 @@ pub fn gemv_cuda_source<R: Runtime>(
     let arr = || ArrayCompilationArg { inplace: None };
     macro_rules! define {
         ($xf:ty) => {
-            crate::gemv_comptime_call!(
+            gemv::gemv_comptime_call!(
                 gemv::ap_gemv_kernel::ApGemvKernel::<$xf, R>::new,
                 (settings, client.clone(), arr(), arr(), arr(), arr(), arr(), ()),
                 (cfg, plan, n_items, act, lut_slots, counted)

@@ -6,17 +6,12 @@ use std::path::Path;
 
 use cubecl::prelude::*;
 use half::f16;
-use kernels_cubecl::families::{
-    GemmaFfnOut, HeadNorm, add_rms_norm, argmax, gated_act, gemma_ffn_out, head_norm_rope_append, softcap,
-};
-use kernels_cubecl::step::{
-    DenseGemm, FUSED_ACT_MAX_TOKENS, GatedInput, LogitsLayout, MmaMode, RouteBuffers, RowNorm,
-    ap_gemm_routed, ap_gemm_routed_gated, dense_gemm, dense_gemm_act, dense_gemm_normed, embed, moe_combine,
-    moe_route_gather, moe_route_gather_router, router_fusable,
-};
 use kernels_cubecl::{
-    Activation, DeviceArray, GemmConfig, MAX_TOKENS, RowLayout, paged_decode_attention_strided, read_f32,
-    read_u32, rope_append,
+    Activation, DenseGemm, DeviceArray, FUSED_ACT_MAX_TOKENS, GatedInput, GemmConfig, GemmaFfnOut, HeadNorm,
+    LogitsLayout, MAX_TOKENS, MmaMode, RouteBuffers, RowLayout, RowNorm, add_rms_norm, ap_gemm_routed,
+    ap_gemm_routed_gated, argmax, dense_gemm, dense_gemm_act, dense_gemm_normed, embed, gated_act,
+    gemma_ffn_out, head_norm_rope_append, moe_combine, moe_route_gather, moe_route_gather_router,
+    paged_decode_attention_strided, read_f32, read_u32, rope_append, router_fusable, softcap,
 };
 use pw_hf::{Checkpoint, ModelConfig};
 use pw_kv::{BlockTables, DevicePools, SeqId};
@@ -196,12 +191,7 @@ impl<R: Runtime> Weights<R> for SyntheticWeights<'_, R> {
         };
         let a = DeviceArray::empty::<R, f16>(self.client, rows * cols);
         self.seed += 1;
-        kernels_cubecl::families::fill_uniform::<R, f16>(
-            self.client,
-            &a,
-            self.seed,
-            gain * (cols as f32).powf(-0.5),
-        )?;
+        kernels_cubecl::fill_uniform::<R, f16>(self.client, &a, self.seed, gain * (cols as f32).powf(-0.5))?;
         Ok(a)
     }
     fn host(&mut self, _name: &str, n: usize, default: Option<f32>) -> Result<Vec<f32>, DecodeError> {
@@ -366,8 +356,8 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
         let me = Self::build(client, cfg, "model", &mut src, paged, kv_blocks, block_size, max_seq_len)?;
         for l in 0..me.cfg.layers {
             let (k, v) = me.kv.layer(l);
-            kernels_cubecl::families::fill_uniform::<R, KV>(client, k, 0x7000 + 2 * l as u32, 0.5)?;
-            kernels_cubecl::families::fill_uniform::<R, KV>(client, v, 0x7001 + 2 * l as u32, 0.5)?;
+            kernels_cubecl::fill_uniform::<R, KV>(client, k, 0x7000 + 2 * l as u32, 0.5)?;
+            kernels_cubecl::fill_uniform::<R, KV>(client, v, 0x7001 + 2 * l as u32, 0.5)?;
         }
         Ok(me)
     }
@@ -671,7 +661,7 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
     }
 
     /// Computes the router logits inside the routing launch (`on`, the default where the
-    /// router is small enough, see `kernels_cubecl::step::router_fusable`) or with a GEMM of
+    /// router is small enough, see `kernels_cubecl::router_fusable`) or with a GEMM of
     /// their own (for benchmarks comparing the two); returns whether the fused path is on
     /// (never for a router it cannot take).
     pub fn set_fused_router(&mut self, on: bool) -> bool {
@@ -700,7 +690,7 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
         self.dense_mma = mode;
     }
 
-    /// Most tokens per routed work item (default `kernels_cubecl::step::ROUTE_CHUNK`; one of
+    /// Most tokens per routed work item (default `kernels_cubecl::ROUTE_CHUNK`; one of
     /// `ROUTE_CHUNK_CHOICES`): an expert with more tokens reads its weights once per item. For
     /// benchmarks comparing them; the routing buffers are rebuilt.
     pub fn set_route_chunk(&mut self, chunk: usize) -> Result<(), DecodeError> {
@@ -876,7 +866,14 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
         // Dense MLP, first half: gate|up GEMM of norm(x) into `s.mlp_gu` (with Qwen's router
         // logits after them, see `router_in_mlp`).
         let mlp_up = |x: &DeviceArray, nw: &DeviceArray, l: usize, (gu, _): &(DeviceArray, DeviceArray)| {
-            let g = DenseGemm { n: gu_width(cfg, l), k: h, bias: false, accumulate: false, mma: dm };
+            let g = DenseGemm {
+                n: gu_width(cfg, l),
+                k: h,
+                bias: false,
+                accumulate: false,
+                mma: dm,
+                plain_rows: None,
+            };
             dense_gemm_normed(c, g, t, &meta, x, rn(nw, np), gu, &s.none, &s.mlp_gu)?;
             Ok::<usize, DecodeError>(1)
         };
@@ -888,7 +885,7 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
         let mlp_down = |l: usize, (_, dn): &(DeviceArray, DeviceArray), out: &DeviceArray, acc: bool| {
             let inter = cfg.mlp_inter(l);
             let a = GatedInput { act: cfg.act, stride: gu_width(cfg, l), gated: cfg.mlp_rows(l) > 2 * inter };
-            let d = DenseGemm { n: h, k: inter, bias: false, accumulate: acc, mma: dm };
+            let d = DenseGemm { n: h, k: inter, bias: false, accumulate: acc, mma: dm, plain_rows: None };
             if t <= fused_max {
                 dense_gemm_act(c, d, t, &meta, &s.mlp_gu, a, dn, &s.none, out)?;
                 return Ok::<usize, DecodeError>(1);
@@ -946,7 +943,14 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
             // (Gemma: through its norm).
             let rows = cfg.proj_rows(li);
             let proj_out = if layer.head_norms.is_some() { &s.proj } else { &s.qkv };
-            let g = DenseGemm { n: rows, k: h, bias: layer.bqkv.is_some(), accumulate: false, mma: dm };
+            let g = DenseGemm {
+                n: rows,
+                k: h,
+                bias: layer.bqkv.is_some(),
+                accumulate: false,
+                mma: dm,
+                plain_rows: None,
+            };
             launch!(dense_gemm_normed(
                 c,
                 g,
@@ -1017,7 +1021,14 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
                 &s.attn,
             ));
             let gemma = layer.gemma.as_ref();
-            let o = DenseGemm { n: h, k: nh * hd, bias: false, accumulate: gemma.is_none(), mma: dm };
+            let o = DenseGemm {
+                n: h,
+                k: nh * hd,
+                bias: false,
+                accumulate: gemma.is_none(),
+                mma: dm,
+                plain_rows: None,
+            };
             let o_out = if gemma.is_some() { &s.o } else { &s.h };
             launch!(dense_gemm(c, o, t, &meta, &s.attn, &layer.wo, &s.none, o_out));
 
@@ -1052,7 +1063,14 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
                                 None
                             }
                             (Some(router), _) => {
-                                let g = DenseGemm { n: e, k: h, bias: false, accumulate: false, mma: dm };
+                                let g = DenseGemm {
+                                    n: e,
+                                    k: h,
+                                    bias: false,
+                                    accumulate: false,
+                                    mma: dm,
+                                    plain_rows: None,
+                                };
                                 launch!(dense_gemm_normed(
                                     c,
                                     g,
@@ -1124,7 +1142,8 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
                     };
                     n += mlp_up(&s.h, &gl.pre_ff, li, w)?;
                     n += mlp_down(li, w, &s.mlp_out, false)?;
-                    let g = DenseGemm { n: e, k: h, bias: false, accumulate: false, mma: dm };
+                    let g =
+                        DenseGemm { n: e, k: h, bias: false, accumulate: false, mma: dm, plain_rows: None };
                     launch!(dense_gemm_normed(
                         c,
                         g,
@@ -1158,7 +1177,8 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
                 }
             }
         }
-        let head = DenseGemm { n: cfg.vocab, k: h, bias: false, accumulate: false, mma: dm };
+        let head =
+            DenseGemm { n: cfg.vocab, k: h, bias: false, accumulate: false, mma: dm, plain_rows: None };
         launch!(dense_gemm_normed(
             c,
             head,

@@ -9,7 +9,7 @@
 //!    paged cache → paged decode attention;
 //! 2. O projection added into the residual;
 //! 3. one routing launch: router logits of norm(h) computed in every cube (a router of at most
-//!    64k weights, `kernels_cubecl::step::router_fusable`: Mixtral's 8 × 4096; a larger one,
+//!    64k weights, `kernels_cubecl::router_fusable`: Mixtral's 8 × 4096; a larger one,
 //!    e.g. Gemma-4's 128 × 2816, keeps its own GEMM, one more launch), on-device softmax/top-k
 //!    that writes the grouped kernel's descriptors (and the planner's routing counts when
 //!    armed), and the gather of the normed rows →

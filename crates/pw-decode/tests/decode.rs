@@ -342,7 +342,7 @@ fn check_prefill(dir: &Path, tol: f32, route_chunk: usize) {
 
 #[test]
 fn mixtral_shipped_chunked_prefill() {
-    check_prefill(&asset("tiny-mixtral"), F32_KV_TOL, kernels_cubecl::step::ROUTE_CHUNK);
+    check_prefill(&asset("tiny-mixtral"), F32_KV_TOL, kernels_cubecl::ROUTE_CHUNK);
 }
 
 /// Prefill steps of 16 tokens give the tiny Mixtral's experts several tokens each: routed
@@ -356,7 +356,7 @@ fn mixtral_shipped_chunked_prefill_wide_route_items() {
 
 #[test]
 fn gemma4_fixture_chunked_prefill_past_the_window() {
-    check_prefill(&fixture("gemma4"), F32_KV_TOL, kernels_cubecl::step::ROUTE_CHUNK);
+    check_prefill(&fixture("gemma4"), F32_KV_TOL, kernels_cubecl::ROUTE_CHUNK);
 }
 
 /// Launches of one layer of the fast path, by kind (the RMSNorms are folded into the GEMMs and
