@@ -1,8 +1,7 @@
 //! The CUDA C++ that CubeCL's CUDA compiler writes for the persistent expert GEMV, produced
 //! from the kernel's IR on any runtime's client: the GEMV's registers, spills and instruction
 //! mix on `sm_90a` can then be read off `nvcc -cubin -Xptxas -v` and `cuobjdump -sass` on a
-//! machine without a GPU (`scripts/sass_gemv.sh`), where issue 5 asks for instructions per
-//! weight and device time is scarce.
+//! machine without a GPU (`scripts/sass_gemv.sh`).
 //!
 //! The IR does not depend on the client's device here: the kernel reads no device property at
 //! expansion, every launch-shape choice is a comptime argument ([`crate::gemv_plan`] for the

@@ -256,9 +256,8 @@ pub(crate) fn unit_row(row0: usize, r: usize, #[comptime] half: usize, up: usize
 /// for 32 indices); above, two such nibble transposes (planes `bits − 1 .. bits − 4` and the
 /// rest) are merged into bytes, low nibbles from the first (`q + 8jj` and `q + 4 + 8jj` in two
 /// words). A lookup is then one shift and one mask-or of the row's byte base (bases are
-/// multiples of the LUT size, so the or is an add) before the LDS, where the previous
-/// formulation rebuilt indices plane by plane per shift (a shift and a mask-or per plane per
-/// eight indices) and spent about 2.5 instructions per address (SASS of the H200 build).
+/// multiples of the LUT size, so the or is an add) before the LDS, instead of rebuilding the
+/// indices plane by plane per shift (a shift and a mask-or per plane per eight indices).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn word_rows<XF: Float>(
