@@ -188,14 +188,13 @@ fn check_block<R: Runtime>(
 
 /// The kernel variants to time: the current choice ("specialized": the persistent GEMV for
 /// launches of many items of ≤ 2 tokens, the tiled kernel otherwise), and when asked the GEMV
-/// wherever it applies, the tiled kernel alone, the first kernel, and ≤ 4-bit LUTs from shared
-/// memory instead of the lanes' registers.
+/// wherever it applies, the tiled kernel alone, and ≤ 4-bit LUTs from shared memory instead of
+/// the lanes' registers.
 fn variants(cfg: GemmConfig, compare_v1: bool) -> Vec<(&'static str, GemmConfig)> {
     let mut v = vec![("specialized", cfg)];
     if compare_v1 {
         v.push(("gemv", GemmConfig { gemv_min_items: 1, ..cfg }));
         v.push(("tiled", GemmConfig { gemv: false, ..cfg }));
-        v.push(("v1", GemmConfig { specialized: false, ..cfg }));
         if cfg.lut_in_lanes {
             v.push(("lut_shared", GemmConfig { lut_in_lanes: false, ..cfg }));
         }

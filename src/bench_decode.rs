@@ -10,8 +10,7 @@
 
 use anyhow::{Context, Result};
 use cubecl::prelude::*;
-use kernels_cubecl::step::{MmaMode, MmaTuning, ROUTE_CHUNK};
-use kernels_cubecl::{Activation, GemmConfig, sync};
+use kernels_cubecl::{Activation, GemmConfig, MmaMode, MmaTuning, ROUTE_CHUNK, sync};
 use pw_decode::{AttnLayer, DecodeConfig, Decoder, ExpertAct, Family};
 use pw_pages::Accountant;
 use serde_json::{Value, json};
@@ -412,7 +411,7 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
                             "gemv_warps_per_sm": wps,
                             "gemv_prefetch": prefetch,
                             "route_chunk": chunk,
-                            "mma_supported": kernels_cubecl::step::dense_mma_supported(dec.client()),
+                            "mma_supported": kernels_cubecl::dense_mma_supported(dec.client()),
                         });
                         eprintln!("{rec}");
                         records.push(rec);

@@ -5,9 +5,8 @@
 use anyhow::{Result, bail};
 use cubecl::prelude::*;
 use half::f16;
-use kernels_cubecl::DeviceArray;
-use kernels_cubecl::step::{
-    DenseGemm, MmaMode, MmaTuning, RowNorm, dense_gemm_normed, dense_gemm_normed_reference,
+use kernels_cubecl::{
+    DenseGemm, DeviceArray, MmaMode, MmaTuning, RowNorm, dense_gemm_normed, dense_gemm_normed_reference,
     dense_gemm_reference, dense_mma_supported, rms_norm_reference,
 };
 use serde_json::{Value, json};
@@ -92,7 +91,7 @@ pub(crate) fn check_dense<R: Runtime>(
     let always = MmaMode::Always(MmaTuning::default());
     for (slot, mma) in [(0usize, MmaMode::Off), (1, always)] {
         for normed in [false, true] {
-            let g = DenseGemm { n, k, bias: true, accumulate: true, mma };
+            let g = DenseGemm { n, k, bias: true, accumulate: true, mma, plain_rows: None };
             let y = up(&y0);
             let norm = normed.then_some(RowNorm { w: &gd, params: &pd });
             dense_gemm_normed(client, g, tokens, &meta, &xd, norm, &wd, &bd, &y)?;
@@ -178,7 +177,7 @@ pub(crate) fn dense_records<R: Runtime>(
             }
             let mut plain = 0.0;
             for (name, mode) in runs {
-                let g = DenseGemm { n, k, bias: false, accumulate: false, mma: mode };
+                let g = DenseGemm { n, k, bias: false, accumulate: false, mma: mode, plain_rows: None };
                 let norm = (name == "plain-normed").then_some(RowNorm { w: &gw, params: &gp });
                 let secs = time_batches(client, launches, |i| {
                     dense_gemm_normed(client, g, tokens, &meta, &x, norm, &ws[i % copies], &x, &y).unwrap()
@@ -192,7 +191,6 @@ pub(crate) fn dense_records<R: Runtime>(
                     "model": model, "shape": format!("{matrix} {n}x{k}"), "tokens": tokens, "time_us": secs * 1e6,
                     "effective_gbps": bytes as f64 / secs / 1e9, "hbm_read_gbps": hbm,
                     "speedup_over_plain": plain / secs, "mma_supported": mma_ok,
-                    "pw_dense_rows": std::env::var("PW_DENSE_ROWS").ok(),
                 });
                 eprintln!("{rec}");
                 records.push(rec);

@@ -6,7 +6,7 @@
 use anyhow::{Context, Result};
 use cubecl::prelude::Runtime;
 use kernels_cubecl::cuda_source::{gemv_cuda_source, h200_gemm_config, h200_hardware};
-use kernels_cubecl::{Activation, MAX_TOKENS, gemm::LUT_SLOTS, gemv_plan};
+use kernels_cubecl::{Activation, LUT_SLOTS, MAX_TOKENS, gemv_plan};
 use serde_json::json;
 
 /// Arguments of `sass-gemv`.
@@ -51,7 +51,7 @@ pub fn sass_gemv(a: &SassGemvArgs) -> Result<()> {
                 };
                 // gate_up with the activation in its epilogue at one token (the decoder's
                 // `GATED_MAX_TOKENS`), else plain; down over the applied rows.
-                let epilogue = tokens <= kernels_cubecl::step::GATED_MAX_TOKENS;
+                let epilogue = tokens <= kernels_cubecl::GATED_MAX_TOKENS;
                 let blocks = [
                     ("gate_up", hidden, Activation::None, epilogue.then_some(gated)),
                     ("down", inter, Activation::Applied, None),

@@ -1,8 +1,7 @@
 //! The CUDA C++ that CubeCL's CUDA compiler writes for the persistent expert GEMV, produced
 //! from the kernel's IR on any runtime's client: the GEMV's registers, spills and instruction
 //! mix on `sm_90a` can then be read off `nvcc -cubin -Xptxas -v` and `cuobjdump -sass` on a
-//! machine without a GPU (`scripts/sass_gemv.sh`), where issue 5 asks for instructions per
-//! weight and device time is scarce.
+//! machine without a GPU (`scripts/sass_gemv.sh`).
 //!
 //! The IR does not depend on the client's device here: the kernel reads no device property at
 //! expansion, every launch-shape choice is a comptime argument ([`crate::gemv_plan`] for the
@@ -13,7 +12,8 @@ use cubecl::ir::{ElemType, HardwareProperties, StorageType, UIntKind};
 use cubecl::prelude::*;
 use cubecl::{Compiler, ExecutionMode};
 
-use crate::{Activation, GemmConfig, GemvPlan, KernelError, gemv};
+use crate::expert_gemm::gemv;
+use crate::{Activation, GemmConfig, GemvPlan, KernelError};
 
 /// The H200's hardware properties as `cubecl-cuda` reads them (132 SMs, 232448 bytes of
 /// opt-in shared memory per cube, 1024 units per cube, 32-lane warps), for [`crate::gemv_plan`]
@@ -60,7 +60,7 @@ pub fn gemv_cuda_source<R: Runtime>(
     let arr = || ArrayCompilationArg { inplace: None };
     macro_rules! define {
         ($xf:ty) => {
-            crate::gemv_comptime_call!(
+            gemv::gemv_comptime_call!(
                 gemv::ap_gemv_kernel::ApGemvKernel::<$xf, R>::new,
                 (settings, client.clone(), arr(), arr(), arr(), arr(), arr(), ()),
                 (cfg, plan, n_items, act, lut_slots, counted)

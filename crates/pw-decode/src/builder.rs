@@ -7,7 +7,7 @@ use std::path::Path;
 
 use cubecl::prelude::*;
 use kernels_cubecl::GemmConfig;
-use kernels_cubecl::step::{MmaMode, ROUTE_CHUNK, router_fusable};
+use kernels_cubecl::{MmaMode, ROUTE_CHUNK, router_fusable};
 use pw_hf::{Checkpoint, ModelConfig};
 use pw_kv::{BlockTables, DevicePools};
 use pw_pages::Accountant;
@@ -89,7 +89,7 @@ impl<'a, R: Runtime, KV: Float + CubeElement> DecoderBuilder<'a, R, KV> {
     }
 
     /// Computes the router logits inside the routing launch where the router is small enough
-    /// (`kernels_cubecl::step::router_fusable`; default `true`), or always with a GEMM of
+    /// (`kernels_cubecl::router_fusable`; default `true`), or always with a GEMM of
     /// their own; [`Decoder::fused_router`] tells which the decoder does.
     pub fn fused_router(mut self, on: bool) -> Self {
         self.fused_router = on;
@@ -110,7 +110,7 @@ impl<'a, R: Runtime, KV: Float + CubeElement> DecoderBuilder<'a, R, KV> {
         self
     }
 
-    /// Most tokens per routed work item (default `kernels_cubecl::step::ROUTE_CHUNK`, one of
+    /// Most tokens per routed work item (default `kernels_cubecl::ROUTE_CHUNK`, one of
     /// `ROUTE_CHUNK_CHOICES`): an expert with more tokens reads its weights once per item.
     pub fn route_chunk(mut self, tokens: usize) -> Self {
         self.route_chunk = tokens;

@@ -1,7 +1,6 @@
 //! The shapes and per-family switches of the decode path, from the three families' configs.
 
-use kernels_cubecl::Activation;
-use kernels_cubecl::step::MoeShape;
+use kernels_cubecl::{Activation, MoeShape};
 use pw_hf::{Gemma4Config, MixtralConfig, ModelConfig, Qwen2MoeConfig};
 use pw_kv::{KvGeometry, LayerGeometry};
 

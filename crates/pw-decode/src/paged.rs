@@ -8,8 +8,7 @@
 
 use cubecl::prelude::*;
 use half::f16;
-use kernels_cubecl::step::{MoeShape, expert_slot_words};
-use kernels_cubecl::{DeviceArray, PoolSlot};
+use kernels_cubecl::{DeviceArray, MoeShape, PoolSlot, expert_slot_words};
 use pw_format::{ApBlock, BlockKind};
 use pw_pages::{
     Accountant, CommitReport, CubePool, DeviceMover, MoveError, Mover, PageId, PageKey, PagedWeights, Ticket,

@@ -4,9 +4,8 @@
 //! once per step (or every few steps): the host downloads two flat `[layers · experts]` arrays.
 
 use cubecl::prelude::*;
-pub use kernels_cubecl::step::route_stats_reference;
-use kernels_cubecl::step::{MoeShape, RouteCounters};
-use kernels_cubecl::{DeviceArray, KernelError, MAX_TOKENS, read_f32, read_u32};
+pub use kernels_cubecl::route_stats_reference;
+use kernels_cubecl::{DeviceArray, KernelError, MAX_TOKENS, MoeShape, RouteCounters, read_f32, read_u32};
 
 use crate::DecodeError;
 
@@ -53,7 +52,7 @@ impl RouteStats {
     }
 
     /// The counters layer `layer`'s routing of `tokens` tokens adds to, for
-    /// [`kernels_cubecl::step::moe_route_counted`] (which accumulates them in the routing
+    /// [`kernels_cubecl::moe_route_counted`] (which accumulates them in the routing
     /// launch itself); `None` unless armed. Counts the tokens once per step.
     pub fn counters(
         &mut self,
@@ -100,7 +99,7 @@ mod tests {
     use super::*;
     use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
     use kernels_cubecl::PoolSlot;
-    use kernels_cubecl::step::{RouteBuffers, expert_slot_words, moe_route_counted, route_reference};
+    use kernels_cubecl::{RouteBuffers, expert_slot_words, moe_route_counted, route_reference};
 
     /// Mass is a sum of at most `tokens` weights in another order: f32 rounding only.
     const MASS_TOL: f32 = 1e-5;

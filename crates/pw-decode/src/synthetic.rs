@@ -4,7 +4,7 @@
 use cubecl::prelude::*;
 use half::f16;
 use kernels_cubecl::DeviceArray;
-use kernels_cubecl::families::fill_uniform;
+use kernels_cubecl::fill_uniform;
 
 use crate::DecodeError;
 use crate::builder::DecoderBuilder;

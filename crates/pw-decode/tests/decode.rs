@@ -355,7 +355,7 @@ fn check_prefill(dir: &Path, tol: f32, route_chunk: usize) {
 
 #[test]
 fn mixtral_shipped_chunked_prefill() {
-    check_prefill(&asset("tiny-mixtral"), F32_KV_TOL, kernels_cubecl::step::ROUTE_CHUNK);
+    check_prefill(&asset("tiny-mixtral"), F32_KV_TOL, kernels_cubecl::ROUTE_CHUNK);
 }
 
 /// Prefill steps of 16 tokens give the tiny Mixtral's experts several tokens each: routed
@@ -369,7 +369,7 @@ fn mixtral_shipped_chunked_prefill_wide_route_items() {
 
 #[test]
 fn gemma4_fixture_chunked_prefill_past_the_window() {
-    check_prefill(&fixture("gemma4"), F32_KV_TOL, kernels_cubecl::step::ROUTE_CHUNK);
+    check_prefill(&fixture("gemma4"), F32_KV_TOL, kernels_cubecl::ROUTE_CHUNK);
 }
 
 /// Launches of one layer of the fast path, by kind (the RMSNorms are folded into the GEMMs and
@@ -456,11 +456,7 @@ fn launches_per_layer() {
 #[test]
 fn a_missing_mixtral_router_is_named_as_mixtral_names_it() {
     let (_, experts, client) = setup(&fixture("mixtral"));
-    let tmp = tempfile::tempdir().unwrap();
-    for e in std::fs::read_dir(fixture("mixtral")).unwrap() {
-        let p = e.unwrap().path();
-        std::fs::copy(&p, tmp.path().join(p.file_name().unwrap())).unwrap();
-    }
+    let tmp = pw_testkit::fixture_copy("mixtral");
     let path = tmp.path().join("model.safetensors");
     let bytes = std::fs::read(&path).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
@@ -469,8 +465,8 @@ fn a_missing_mixtral_router_is_named_as_mixtral_names_it() {
         st.tensors().into_iter().filter(|(n, _)| n != router).collect();
     assert!(kept.len() + 1 == st.len(), "the fixture has {router}");
     safetensors::serialize_to_file(kept, None, &path).unwrap();
-    let e =
-        Decoder::<WgpuRuntime, f32>::load(&client, tmp.path(), &experts, 16, 4, 64).err().expect("no router");
+    let b = Decoder::<WgpuRuntime, f32>::builder(&client).kv_blocks(16).block_size(4).max_seq_len(64);
+    let e = b.load(tmp.path(), experts).err().expect("no router");
     let msg = e.to_string();
     assert!(msg.contains(router) && !msg.contains("mlp.gate"), "{msg}");
 }

@@ -3,8 +3,8 @@
 //! paged decode attention → the O projection.
 
 use cubecl::prelude::*;
-use kernels_cubecl::families::{HeadNorm, head_norm_rope_append};
-use kernels_cubecl::step::{dense_gemm, dense_gemm_normed};
+use kernels_cubecl::{HeadNorm, head_norm_rope_append};
+use kernels_cubecl::{dense_gemm, dense_gemm_normed};
 use kernels_cubecl::{RowLayout, paged_decode_attention_strided, rope_append};
 
 use super::Fwd;

@@ -4,8 +4,8 @@
 
 use cubecl::prelude::*;
 use kernels_cubecl::DeviceArray;
-use kernels_cubecl::families::gated_act;
-use kernels_cubecl::step::{GatedInput, dense_gemm, dense_gemm_normed};
+use kernels_cubecl::gated_act;
+use kernels_cubecl::{GatedInput, dense_gemm, dense_gemm_normed};
 
 use super::Fwd;
 use crate::DecodeError;

@@ -15,8 +15,8 @@ pub(crate) use moe::Logits;
 use std::marker::PhantomData;
 
 use cubecl::prelude::*;
-use kernels_cubecl::families::{GemmaFfnOut, add_rms_norm, gemma_ffn_out, softcap};
-use kernels_cubecl::step::{DenseGemm, MmaMode, RouteBuffers, RowNorm, dense_gemm_normed, embed};
+use kernels_cubecl::{GemmaFfnOut, add_rms_norm, gemma_ffn_out, softcap};
+use kernels_cubecl::{DenseGemm, MmaMode, RouteBuffers, RowNorm, dense_gemm_normed, embed};
 use kernels_cubecl::{DeviceArray, GemmConfig, KernelError, MAX_TOKENS};
 use pw_kv::{DevicePools, StepArrays};
 
@@ -149,7 +149,7 @@ impl<R: Runtime, KV: Float + CubeElement> Fwd<'_, R, KV> {
 
     /// A dense GEMM of `n` outputs over `k` inputs where the decoder's dense GEMMs run.
     pub(crate) fn gemm(&self, n: usize, k: usize, bias: bool, accumulate: bool) -> DenseGemm {
-        DenseGemm { n, k, bias, accumulate, mma: self.tuning.dense_mma }
+        DenseGemm { n, k, bias, accumulate, mma: self.tuning.dense_mma, plain_rows: None }
     }
 
     /// `h = embed[ids] · embed_scale`.

@@ -6,8 +6,8 @@
 use cubecl::prelude::*;
 use kernels_cubecl::Activation;
 use kernels_cubecl::DeviceArray;
-use kernels_cubecl::families::gated_act;
-use kernels_cubecl::step::{
+use kernels_cubecl::gated_act;
+use kernels_cubecl::{
     GatedInput, LogitsLayout, ap_gemm_routed, ap_gemm_routed_gated, dense_gemm_normed, moe_combine,
     moe_route_gather, moe_route_gather_router,
 };
@@ -35,7 +35,7 @@ impl<'a, R: Runtime, KV: Float + CubeElement> Fwd<'a, R, KV> {
 
     /// Routing of `norm(h)` by `router`: the logits computed in the routing launch itself where
     /// the router is small enough (Mixtral's 8 × 4096, see
-    /// `kernels_cubecl::step::router_fusable`), else in a GEMM of their own.
+    /// `kernels_cubecl::router_fusable`), else in a GEMM of their own.
     pub(crate) fn route(
         &mut self,
         l: usize,
@@ -59,7 +59,7 @@ impl<'a, R: Runtime, KV: Float + CubeElement> Fwd<'a, R, KV> {
             &s.route,
             counters,
             &s.h,
-            Some(kernels_cubecl::step::RowNorm { w: norm, params: &s.norm_params }),
+            Some(kernels_cubecl::RowNorm { w: norm, params: &s.norm_params }),
             &s.xg,
         );
         self.launched(r)
@@ -101,7 +101,7 @@ impl<'a, R: Runtime, KV: Float + CubeElement> Fwd<'a, R, KV> {
             Logits::Mlp => (&s.mlp_gu, LogitsLayout { stride: gu_width(cfg, l), offset: mlp_stride(cfg, l) }),
         };
         let counters = self.stats.counters(cfg.moe_shape(), l, self.t)?;
-        let norm = Some(kernels_cubecl::step::RowNorm { w: norm, params: &s.norm_params });
+        let norm = Some(kernels_cubecl::RowNorm { w: norm, params: &s.norm_params });
         let r = moe_route_gather(
             c,
             cfg.moe_shape(),

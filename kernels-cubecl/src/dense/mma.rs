@@ -1,10 +1,10 @@
 //! The dense skinny GEMM on the matrix units: `y (+)= x · Wᵀ (+ bias)` with `W` f16 and
 //! `x` f32, as TF32 `mma.sync` tiles of 16 rows × 8 tokens × 8 columns (f32 accumulation),
-//! the same results as [`crate::decode::dense_gemm_kernel`] up to TF32's rounding of `x`.
+//! the same results as [`super::simt::dense_gemm_kernel`] up to TF32's rounding of `x`.
 //!
 //! Why: at several tokens the plain kernel re-reads each `x` vector from L1 for every two
-//! rows and spends a multiply per weight and token (ncu on the H200: Qwen1.5-MoE's dense
-//! GEMMs at 8 tokens ran at 0.9–1.2 TB/s). Here a warp's `x` fragment serves 16 rows and the
+//! rows and spends a multiply per weight and token, far below the memory bandwidth. Here a
+//! warp's `x` fragment serves 16 rows and the
 //! multiplies leave the ALUs, so the weights stream at memory speed whatever the token count.
 //!
 //! TF32 rather than f16 inputs: f16 weights are exact in TF32 (same 10-bit mantissa), and
@@ -22,25 +22,169 @@ use cubecl::cmma::MmaDefinition;
 use cubecl::prelude::*;
 use half::f16;
 
-use crate::gemm::X4;
+use super::DenseGemm;
+use crate::DeviceArray;
+use crate::expert_gemm::bitplane::X4;
+use crate::norms::{RowNorm, norm_args};
 
 /// Eight halves: one lane's 16 bytes of a weight row per step.
 pub(crate) type W8 = Vector<f16, Const<8>>;
+
 type Tf = Vector<tf32, Const<1>>;
+
 type Acc = Vector<f32, Const<2>>;
 
 /// Columns per step (4 lanes × 8).
 pub const MMA_STEP_COLS: usize = 32;
+
 /// Most tokens of one launch (two 8-token fragments).
 pub const MMA_MAX_TOKENS: usize = 16;
+
+/// Where a dense GEMM runs. The matrix units need a device with TF32 `mma`
+/// ([`dense_mma_supported`]), `k` a multiple of [`MMA_STEP_COLS`] and a plain or
+/// normed input; where one is missing the plain kernel runs whatever the mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MmaMode {
+    /// The plain kernel.
+    Off,
+    /// The matrix units from [`MMA_MIN_TOKENS`] tokens with this launch shape (the default,
+    /// [`MmaMode::AUTO`]).
+    Auto(MmaTuning),
+    /// The matrix units at any token count, with this launch shape (benchmarks).
+    Always(MmaTuning),
+}
+
+impl MmaMode {
+    /// [`MmaMode::Auto`] with the default launch shape.
+    pub const AUTO: MmaMode = MmaMode::Auto(MmaTuning::DEFAULT);
+}
+
+/// Fewest tokens for which [`MmaMode::Auto`] uses the matrix units: at one token the plain
+/// kernel streams faster, at two the matrix units win on most matrices but not on a large LM
+/// head, from three or four on every layer's matrix (`benches/results/h200-kernels.md`).
+pub const MMA_MIN_TOKENS: usize = 3;
+
+/// Launch shape of [`dense_mma_kernel`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MmaTuning {
+    /// Steps of 32 columns per warp whose weight loads are issued together.
+    pub unroll: usize,
+    /// Load the next round's weights before this round's MMAs.
+    pub pipeline: bool,
+    /// Warps per SM the grid should hold at least (columns are split, up to 16 ways, until it
+    /// does).
+    pub warps_per_sm: usize,
+    /// Independent accumulators per token group (1 or 2).
+    pub accumulators: usize,
+    /// Load a round's `x` with its weights (else each step's just before its MMAs).
+    pub x_ahead: bool,
+}
+
+impl Default for MmaTuning {
+    /// [`MmaTuning::DEFAULT`]: 4 steps per round without pipelining, the fastest shape
+    /// measured on the H200.
+    fn default() -> Self {
+        Self::DEFAULT
+    }
+}
+
+impl MmaTuning {
+    /// See [`Default`].
+    pub const DEFAULT: MmaTuning =
+        MmaTuning { unroll: 4, pipeline: false, warps_per_sm: 16, accumulators: 1, x_ahead: true };
+}
+
+/// Whether `client`'s device runs [`dense_mma_kernel`]: TF32 `mma` of 16 × 8 × 8
+/// and planes of 32 lanes (CUDA from sm_80; not lavapipe).
+pub fn dense_mma_supported<R: Runtime>(client: &ComputeClient<R>) -> bool {
+    use cubecl::ir::{ElemType, FloatKind, features::MmaConfig};
+    let props = client.properties();
+    let cfg = MmaConfig {
+        a_type: ElemType::Float(FloatKind::TF32).into(),
+        b_type: ElemType::Float(FloatKind::TF32).into(),
+        cd_type: ElemType::Float(FloatKind::F32).into(),
+        m: 16,
+        n: 8,
+        k: 8,
+    };
+    props.features.matmul.mma.contains(&cfg)
+        && props.hardware.plane_size_min == 32
+        && props.hardware.plane_size_max == 32
+}
+
+/// Warps per cube of [`dense_mma_kernel`] (more when one row tile is split more
+/// ways).
+const MMA_WARPS: usize = 8;
+
+/// Most column splits of one row tile.
+const MMA_MAX_SPLITS: usize = 16;
+
+/// Launches [`dense_mma_kernel`] (arguments checked by the caller: `k` a multiple
+/// of 32, `tokens ≤ MMA_MAX_TOKENS`, the device supported).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn launch<R: Runtime>(
+    client: &ComputeClient<R>,
+    g: DenseGemm,
+    t: MmaTuning,
+    tokens: usize,
+    meta: &DeviceArray,
+    x: &DeviceArray,
+    norm: Option<RowNorm<'_>>,
+    w: &DeviceArray,
+    bias: &DeviceArray,
+    y: &DeviceArray,
+) {
+    let row_tiles = g.n.div_ceil(16);
+    let steps = g.k / MMA_STEP_COLS;
+    let sms = client.properties().hardware.num_streaming_multiprocessors.unwrap_or(132) as usize;
+    // The fewest column splits (a power of two up to 16, at most the steps) that give the grid
+    // enough warps; a cube holds 8 warps (or one row tile's splits).
+    let mut splits = 1;
+    while splits < MMA_MAX_SPLITS && row_tiles * splits < t.warps_per_sm * sms && splits * 2 <= steps {
+        splits *= 2;
+    }
+    let tiles = (MMA_WARPS / splits).max(1);
+    let warps = tiles * splits;
+    let groups = tokens.div_ceil(8);
+    let (nw, np) = norm_args(norm, x, meta);
+    // SAFETY: the caller checked `x` ≥ tokens · k, `w` = n · k, `y` ≥ tokens · n, the bias and
+    // norm buffers; `k` is a multiple of 32, so every row starts 16-byte aligned and the
+    // vector lengths below are whole.
+    unsafe {
+        dense_mma_kernel::launch_unchecked::<R>(
+            client,
+            CubeCount::Static(row_tiles.div_ceil(tiles) as u32, 1, 1),
+            CubeDim::new_1d((warps * 32) as u32),
+            ArrayArg::from_raw_parts(x.handle.clone(), x.len / 4),
+            ArrayArg::from_raw_parts(w.handle.clone(), g.n * g.k / 8),
+            bias.arg(),
+            meta.arg(),
+            ArrayArg::from_raw_parts(nw.handle.clone(), (nw.len / 4).max(1)),
+            np.arg(),
+            y.arg(),
+            g.n,
+            g.k,
+            groups,
+            tiles,
+            splits,
+            t.unroll.max(1),
+            t.pipeline,
+            t.accumulators.clamp(1, 2),
+            t.x_ahead,
+            g.bias,
+            g.accumulate,
+            norm.is_some(),
+        )
+    };
+}
 
 /// The kernel. Grid: `ceil(ceil(n / 16) / tiles)` cubes of `tiles · splits` warps of 32
 /// lanes; warp `w` of a cube takes row tile `w / splits` (16 rows) and every `splits`-th
 /// step of 32 columns from `w % splits`, then the cube adds its splits' partial tiles in
 /// shared memory. `groups` token groups of 8 (`meta[0]` tokens, at most `8 · groups`).
 /// `k` a multiple of [`MMA_STEP_COLS`]; `x` rows of `k`; with `norm` the per-token RMSNorm
-/// of [`crate::decode::dense_gemm_kernel`] (weight `norm_w[c] + norm_p[1]`, `eps = norm_p[0]`).
-/// `unroll`, `pipeline`, `accs`, `x_ahead`: the launch shape ([`crate::step::MmaTuning`]).
+/// of [`super::simt::dense_gemm_kernel`] (weight `norm_w[c] + norm_p[1]`, `eps = norm_p[0]`).
+/// `unroll`, `pipeline`, `accs`, `x_ahead`: the launch shape ([`MmaTuning`]).
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub fn dense_mma_kernel(
@@ -139,19 +283,8 @@ pub fn dense_mma_kernel(
             if (rd * unroll + u) * splits + split < steps {
                 let mut xs = Array::<X4>::new(2usize * groups);
                 let mut gs = Array::<X4>::new(2usize);
-                if comptime![x_ahead] {
-                    #[unroll]
-                    for i in 0..2usize * groups {
-                        xs[i] = xa[u * 2usize * groups + i];
-                    }
-                    #[unroll]
-                    for h in 0..2usize {
-                        gs[h] = ga[2usize * u + h];
-                    }
-                } else {
-                    let s = (rd * unroll + u) * splits + split;
-                    load_x(x, norm_w, &x_row, &mut xs, &mut gs, 0usize, s, c, groups, norm);
-                }
+                let s = (rd * unroll + u) * splits + split;
+                step_x(x, norm_w, &x_row, &xa, &ga, &mut xs, &mut gs, u, s, c, groups, norm, x_ahead);
                 #[unroll]
                 for m in 0..4usize {
                     let mut a = Array::<Tf>::new(4usize);
@@ -188,6 +321,72 @@ pub fn dense_mma_kernel(
         }
     }
 
+    store_tiles(
+        &mut acc, &ss, y, bias, norm_p, tokens, unit, g, c, n, k, groups, tiles, splits, accs, has_bias,
+        accumulate, norm,
+    );
+}
+
+/// Step `s`'s `x` (and norm weight) vectors into `xs` and `gs`: copied from the round's `xa`
+/// and `ga` (slot `u`) with `x_ahead`, else loaded now.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn step_x(
+    x: &Array<X4>,
+    norm_w: &Array<X4>,
+    x_row: &Array<usize>,
+    xa: &Array<X4>,
+    ga: &Array<X4>,
+    xs: &mut Array<X4>,
+    gs: &mut Array<X4>,
+    #[comptime] u: usize,
+    s: usize,
+    c: usize,
+    #[comptime] groups: usize,
+    #[comptime] norm: bool,
+    #[comptime] x_ahead: bool,
+) {
+    if comptime![x_ahead] {
+        #[unroll]
+        for i in 0..2usize * groups {
+            xs[i] = xa[u * 2usize * groups + i];
+        }
+        #[unroll]
+        for h in 0..2usize {
+            gs[h] = ga[2usize * u + h];
+        }
+    } else {
+        load_x(x, norm_w, x_row, xs, gs, 0usize, s, c, groups, norm);
+    }
+}
+
+/// Adds the cube's warps' partial tiles (their accumulators `acc`, and with `norm` their shares
+/// `ss` of each token's `Σ x²`) through shared memory, applies the norm's scale and the bias,
+/// and stores (or adds) the cube's rows of `y` (see [`dense_mma_kernel`]).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn store_tiles(
+    acc: &mut Array<Acc>,
+    ss: &Array<f32>,
+    y: &mut Array<f32>,
+    bias: &Array<f32>,
+    norm_p: &Array<f32>,
+    tokens: usize,
+    unit: usize,
+    g: usize,
+    c: usize,
+    #[comptime] n: usize,
+    #[comptime] k: usize,
+    #[comptime] groups: usize,
+    #[comptime] tiles: usize,
+    #[comptime] splits: usize,
+    #[comptime] accs: usize,
+    #[comptime] has_bias: bool,
+    #[comptime] accumulate: bool,
+    #[comptime] norm: bool,
+) {
+    let lane = unit % 32usize;
+    let warp = unit / 32usize;
     // Partial tiles: warp `w`'s lane `l` element `e` (c0..c3 of group j) at
     // `((w · 32 + l) · groups + j) · 4 + e`.
     let warps = comptime![tiles * splits];

@@ -1,0 +1,223 @@
+//! The dense f16 skinny GEMM of a decode step (projections, dense MLPs, LM heads):
+//! `y (+)= x · Wᵀ (+ bias)` with `W` f16 `[n, k]` row-major, optionally reading `x` through an
+//! RMSNorm ([`RowNorm`]) or a gated activation ([`GatedInput`]) so neither needs a launch of
+//! its own. It runs on the plain SIMT kernel ([`simt`]) or on the matrix units ([`mma`]).
+
+pub mod mma;
+pub mod simt;
+#[cfg(test)]
+mod tests;
+
+use cubecl::prelude::*;
+use half::f16;
+
+use crate::activation::{GatedInput, gated_act_reference};
+use crate::device::{bad, need};
+use crate::norms::{RowNorm, rms_norm_reference};
+use crate::pool::MAX_TOKENS;
+use crate::{DeviceArray, KernelError};
+use mma::{MMA_MIN_TOKENS, MmaMode};
+
+/// Options of a dense skinny GEMM launch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DenseGemm {
+    /// Output features (rows of `W`).
+    pub n: usize,
+    /// Input features.
+    pub k: usize,
+    /// Add `bias` (f32 `[n]`).
+    pub bias: bool,
+    /// `y += x·Wᵀ` (a residual add) instead of `y = x·Wᵀ`.
+    pub accumulate: bool,
+    /// Where it runs: the plain kernel or the matrix units ([`mma::dense_mma_kernel`]).
+    pub mma: MmaMode,
+    /// Rows per plane of the plain kernel at one or two tokens (1 or 2; other values are
+    /// ignored). `None`: the launcher's choice, two with a norm or at two tokens, else one.
+    pub plain_rows: Option<usize>,
+}
+
+impl DenseGemm {
+    /// `y = x·Wᵀ` of `n` rows and `k` columns, no bias, [`MmaMode::AUTO`].
+    pub fn new(n: usize, k: usize) -> Self {
+        Self { n, k, bias: false, accumulate: false, mma: MmaMode::AUTO, plain_rows: None }
+    }
+}
+
+/// `y (+)= x · Wᵀ (+ bias)` with `W` f16 `[n, k]` row-major; `meta[0]` = tokens (≤ 16).
+///
+/// # Shapes
+/// - `x`: `[tokens, k]`; `w`: `[n, k]`; `y`: `[tokens, n]`
+#[allow(clippy::too_many_arguments)]
+pub fn dense_gemm<R: Runtime>(
+    client: &ComputeClient<R>,
+    g: DenseGemm,
+    tokens: usize,
+    meta: &DeviceArray,
+    x: &DeviceArray,
+    w: &DeviceArray,
+    bias: &DeviceArray,
+    y: &DeviceArray,
+) -> Result<(), KernelError> {
+    dense_gemm_normed(client, g, tokens, meta, x, None, w, bias, y)
+}
+
+/// [`dense_gemm`] of `norm(x)` when `norm` is given: `y (+)= rms_norm(x) · Wᵀ (+ bias)` in one
+/// launch (the norm is a per-token scale applied after each row's reduction, see
+/// [`decode::dense_gemm_kernel`]), so a norm feeding a projection costs no launch.
+///
+/// # Shapes
+/// - `x`: `[tokens, k]`; `norm.w`: `[k]`; `w`: `[n, k]`; `y`: `[tokens, n]`
+#[allow(clippy::too_many_arguments)]
+pub fn dense_gemm_normed<R: Runtime>(
+    client: &ComputeClient<R>,
+    g: DenseGemm,
+    tokens: usize,
+    meta: &DeviceArray,
+    x: &DeviceArray,
+    norm: Option<RowNorm<'_>>,
+    w: &DeviceArray,
+    bias: &DeviceArray,
+    y: &DeviceArray,
+) -> Result<(), KernelError> {
+    let input = match norm {
+        Some(nm) => GemmInput::Norm(nm),
+        None => GemmInput::Plain,
+    };
+    dense_gemm_launch(client, g, tokens, meta, x, input, w, bias, y)
+}
+
+/// Most tokens for which a dense MLP's down projection should apply the activation in its
+/// loads ([`dense_gemm_act`]): each plane recomputes it for its rows, so the cost grows with
+/// tokens × rows / 2; above this run [`crate::activation::gated_act`] then [`dense_gemm`].
+/// None: even at batch 1 the fused loads (and their registers) cost more than the
+/// activation's own launch.
+pub const FUSED_ACT_MAX_TOKENS: usize = 0;
+
+/// [`dense_gemm`] over `act(gate) · up` (· `sigmoid(x[t, 2k])` when `gated`) of the gate|up
+/// rows `x`, the down projection of a dense MLP with its activation fused into the input
+/// loads (as [`crate::Activation`] does in the expert kernels): no activation launch.
+///
+/// # Shapes
+/// - `x`: `[tokens, a.stride]` (gate `[0, k)`, up `[k, 2k)`, gate column `2k`); `w`: `[n, k]`;
+///   `y`: `[tokens, n]`
+#[allow(clippy::too_many_arguments)]
+pub fn dense_gemm_act<R: Runtime>(
+    client: &ComputeClient<R>,
+    g: DenseGemm,
+    tokens: usize,
+    meta: &DeviceArray,
+    x: &DeviceArray,
+    a: GatedInput,
+    w: &DeviceArray,
+    bias: &DeviceArray,
+    y: &DeviceArray,
+) -> Result<(), KernelError> {
+    a.check("dense_gemm_act", g.k)?;
+    dense_gemm_launch(client, g, tokens, meta, x, GemmInput::Act(a), w, bias, y)
+}
+
+/// What the dense GEMM does to `x` while loading it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum GemmInput<'a> {
+    Plain,
+    Norm(RowNorm<'a>),
+    Act(GatedInput),
+}
+
+#[allow(clippy::too_many_arguments)]
+fn dense_gemm_launch<R: Runtime>(
+    client: &ComputeClient<R>,
+    g: DenseGemm,
+    tokens: usize,
+    meta: &DeviceArray,
+    x: &DeviceArray,
+    input: GemmInput<'_>,
+    w: &DeviceArray,
+    bias: &DeviceArray,
+    y: &DeviceArray,
+) -> Result<(), KernelError> {
+    if tokens > MAX_TOKENS {
+        return Err(bad(format!("dense_gemm: {tokens} tokens, at most {MAX_TOKENS}")));
+    }
+    let x_stride = match input {
+        GemmInput::Act(a) => a.stride,
+        _ => g.k,
+    };
+    need("dense_gemm x", x, tokens * x_stride)?;
+    need("dense_gemm w", w, g.n * g.k)?;
+    need("dense_gemm y", y, tokens * g.n)?;
+    if g.bias {
+        need("dense_gemm bias", bias, g.n)?;
+    }
+    if let GemmInput::Norm(nm) = input {
+        need("dense_gemm norm weight", nm.w, g.k)?;
+        need("dense_gemm norm params", nm.params, 2)?;
+    }
+    if tokens == 0 {
+        return Ok(());
+    }
+    let tuning = match g.mma {
+        MmaMode::Off => None,
+        MmaMode::Auto(t) => (tokens >= MMA_MIN_TOKENS).then_some(t),
+        MmaMode::Always(t) => Some(t),
+    };
+    if let Some(tuning) = tuning
+        && !matches!(input, GemmInput::Act(_))
+        && tokens <= mma::MMA_MAX_TOKENS
+        && g.k.is_multiple_of(mma::MMA_STEP_COLS)
+        && mma::dense_mma_supported(client)
+    {
+        let norm = match input {
+            GemmInput::Norm(nm) => Some(nm),
+            _ => None,
+        };
+        mma::launch(client, g, tuning, tokens, meta, x, norm, w, bias, y);
+        return Ok(());
+    }
+    simt::launch(client, g, tokens, meta, x, input, x_stride, w, bias, y);
+    Ok(())
+}
+
+/// CPU reference of [`dense_gemm`]; updates `y` in place.
+pub fn dense_gemm_reference(g: DenseGemm, x: &[f32], w: &[f16], bias: &[f32], y: &mut [f32]) {
+    for (t, xr) in x.chunks(g.k).enumerate() {
+        for r in 0..g.n {
+            let mut s: f32 = w[r * g.k..][..g.k].iter().zip(xr).map(|(a, b)| a.to_f32() * b).sum();
+            if g.bias {
+                s += bias[r];
+            }
+            let o = &mut y[t * g.n + r];
+            *o = if g.accumulate { *o + s } else { s };
+        }
+    }
+}
+
+/// CPU reference of [`dense_gemm_normed`]: [`rms_norm_reference`] of `x` with `norm_w`,
+/// `[eps, offset]`, then [`dense_gemm_reference`]; updates `y` in place.
+#[allow(clippy::too_many_arguments)]
+pub fn dense_gemm_normed_reference(
+    g: DenseGemm,
+    x: &[f32],
+    norm_w: &[f32],
+    eps: f32,
+    offset: f32,
+    w: &[f16],
+    bias: &[f32],
+    y: &mut [f32],
+) {
+    dense_gemm_reference(g, &rms_norm_reference(x, norm_w, eps, offset), w, bias, y);
+}
+
+/// CPU reference of [`dense_gemm_act`]: [`gated_act_reference`] of the
+/// gate|up rows, then [`dense_gemm_reference`]; updates `y` in place.
+pub fn dense_gemm_act_reference(
+    g: DenseGemm,
+    x: &[f32],
+    a: GatedInput,
+    w: &[f16],
+    bias: &[f32],
+    y: &mut [f32],
+) {
+    let xa = gated_act_reference(x, g.k, a.stride, a.act, a.gated);
+    dense_gemm_reference(g, &xa, w, bias, y);
+}

@@ -1,0 +1,197 @@
+//! Tests of the module's kernels against their CPU references on random inputs (wgpu:
+//! Mesa lavapipe in CI, plane size 8, 32 KiB of shared memory).
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use crate::testing::{assert_close, client, rand_vec};
+use crate::*;
+
+/// Dense GEMM: f32 accumulation in another order.
+const STEP_TOL: f32 = 2e-5;
+
+/// The plain dense GEMM with bias, and accumulating into a residual, at 1, 3 and 16 tokens.
+#[test]
+fn dense_gemm_matches_reference() {
+    use half::f16;
+    let client = client();
+    let mut rng = StdRng::seed_from_u64(99);
+    let up = |v: &[f32]| DeviceArray::from_slice(&client, v);
+    let hidden = 96;
+    for tokens in [1usize, 3, 16] {
+        let meta = DeviceArray::from_slice(&client, &[tokens as u32]);
+        let x = rand_vec(&mut rng, tokens * hidden, 2.0);
+        let h = up(&x);
+        for (bias, accumulate) in [(false, false), (true, true)] {
+            let g = DenseGemm { bias, accumulate, ..DenseGemm::new(70, hidden) };
+            let wt: Vec<f16> = rand_vec(&mut rng, g.n * g.k, 0.5).into_iter().map(f16::from_f32).collect();
+            let b = rand_vec(&mut rng, g.n, 1.0);
+            let y0 = rand_vec(&mut rng, tokens * g.n, 1.0);
+            let y = up(&y0);
+            dense_gemm(&client, g, tokens, &meta, &h, &DeviceArray::from_slice(&client, &wt), &up(&b), &y)
+                .unwrap();
+            let mut want = y0.clone();
+            dense_gemm_reference(g, &x, &wt, &b, &mut want);
+            assert_close(&read_f32(&client, &y).unwrap(), &want, STEP_TOL, "dense_gemm");
+        }
+    }
+}
+
+/// An RMSNorm folded into its consumer: the norm's scale is applied after the row's reduction
+/// instead of before, and `Σ x²` is summed per lane then across the plane: f32 rounding in
+/// another order only.
+const NORMED_TOL: f32 = 2e-5;
+
+/// The dense GEMM with a fused input RMSNorm (plain and `1 + w`) against [`rms_norm_reference`]
+/// followed by the plain reference; widths with and without the GEMM's 4-vector rounds, 1, 3
+/// and 16 tokens, bias and residual add.
+#[test]
+fn dense_gemm_normed_matches_reference() {
+    use half::f16;
+    let client = client();
+    let mut rng = StdRng::seed_from_u64(101);
+    let up = |v: &[f32]| DeviceArray::from_slice(&client, v);
+    for (k, n) in [(96usize, 70usize), (1000, 37)] {
+        for tokens in [1usize, 3, 16] {
+            let meta = DeviceArray::from_slice(&client, &[tokens as u32]);
+            // Rows of different magnitudes, so the per-token scale matters.
+            let x: Vec<f32> =
+                (0..tokens * k).map(|i| rng.random_range(-1.0f32..1.0) * (1 + i / k) as f32).collect();
+            let g = rand_vec(&mut rng, k, 1.0);
+            for (off, bias, accumulate) in [(0.0f32, false, false), (1.0, true, true)] {
+                let d = DenseGemm { n, k, bias, accumulate, mma: MmaMode::AUTO, plain_rows: None };
+                let wt: Vec<f16> = rand_vec(&mut rng, n * k, 0.5).into_iter().map(f16::from_f32).collect();
+                let b = rand_vec(&mut rng, n, 1.0);
+                let y0 = rand_vec(&mut rng, tokens * n, 1.0);
+                let y = up(&y0);
+                let (gw, params) = (up(&g), up(&[1e-5, off]));
+                let norm = Some(RowNorm { w: &gw, params: &params });
+                dense_gemm_normed(
+                    &client,
+                    d,
+                    tokens,
+                    &meta,
+                    &up(&x),
+                    norm,
+                    &DeviceArray::from_slice(&client, &wt),
+                    &up(&b),
+                    &y,
+                )
+                .unwrap();
+                let mut want = y0.clone();
+                dense_gemm_normed_reference(d, &x, &g, 1e-5, off, &wt, &b, &mut want);
+                let what = format!("dense_gemm_normed k {k}, {tokens} tokens, offset {off}");
+                assert_close(&read_f32(&client, &y).unwrap(), &want, NORMED_TOL, &what);
+            }
+        }
+    }
+}
+
+/// f32 arithmetic in another order than the CPU (plane sums), plus GPU exp/tanh.
+const FAMILY_TOL: f32 = 2e-5;
+
+/// A dense MLP's down projection over `act(gate) · up` (· the sigmoid gate) of its gate|up
+/// rows, the activation fused into the GEMM's loads: against the gated activation's reference
+/// then the plain GEMM's; SiLU with and without the gate column (rows padded to a multiple of
+/// 8 as the decoder lays them out), GELU; widths with and without the 4-vector rounds.
+#[test]
+fn dense_gemm_act_matches_reference() {
+    use half::f16;
+    let client = client();
+    let mut rng = StdRng::seed_from_u64(11);
+    let up = |v: &[f32]| DeviceArray::from_slice(&client, v);
+    for inter in [40usize, 520] {
+        for (act, gated) in
+            [(Activation::SiluMul, false), (Activation::SiluMul, true), (Activation::GeluTanhMul, false)]
+        {
+            let stride = if gated { (2 * inter + 1).next_multiple_of(8) } else { 2 * inter };
+            let a = GatedInput { act, stride, gated };
+            for (tokens, bias, accumulate) in [(1usize, false, false), (5, true, true), (16, false, true)] {
+                let meta = DeviceArray::from_slice(&client, &[tokens as u32]);
+                let d = DenseGemm { n: 70, k: inter, bias, accumulate, mma: MmaMode::AUTO, plain_rows: None };
+                let x = rand_vec(&mut rng, tokens * stride, 3.0);
+                let wt: Vec<f16> =
+                    rand_vec(&mut rng, d.n * d.k, 0.5).into_iter().map(f16::from_f32).collect();
+                let b = rand_vec(&mut rng, d.n, 1.0);
+                let y0 = rand_vec(&mut rng, tokens * d.n, 1.0);
+                let y = up(&y0);
+                let wd = DeviceArray::from_slice(&client, &wt);
+                dense_gemm_act(&client, d, tokens, &meta, &up(&x), a, &wd, &up(&b), &y).unwrap();
+                let mut want = y0.clone();
+                dense_gemm_act_reference(d, &x, a, &wt, &b, &mut want);
+                let what = format!("dense_gemm_act {a:?}, k {inter}, {tokens} tokens");
+                assert_close(&read_f32(&client, &y).unwrap(), &want, FAMILY_TOL, &what);
+            }
+        }
+    }
+    let (meta, x) = (DeviceArray::from_slice(&client, &[1u32]), up(&[0.0; 80]));
+    let d = DenseGemm { n: 1, k: 40, bias: false, accumulate: false, mma: MmaMode::AUTO, plain_rows: None };
+    let bad = GatedInput { act: Activation::SiluMul, stride: 80, gated: true };
+    assert!(dense_gemm_act(&client, d, 1, &meta, &x, bad, &x, &x, &x).is_err(), "no gate column");
+    let bad = GatedInput { act: Activation::None, stride: 80, gated: false };
+    assert!(dense_gemm_act(&client, d, 1, &meta, &x, bad, &x, &x, &x).is_err(), "no activation");
+}
+
+/// `DenseGemm::mma` on any device: the matrix-unit kernel where the device has TF32 `mma`
+/// (its inputs rounded to TF32: relative error ≤ 2⁻¹¹ per `x`), the plain kernel elsewhere
+/// (lavapipe); both within [`DENSE_MMA_RTOL`] of the reference, plain and normed, with bias
+/// and residual add, at 1, 3, 8 and 9 tokens (one and two token groups).
+const DENSE_MMA_RTOL: f32 = 1e-3;
+
+#[test]
+fn dense_mma_matches_reference() {
+    use half::f16;
+    let client = client();
+    let mut rng = StdRng::seed_from_u64(211);
+    let up = |v: &[f32]| DeviceArray::from_slice(&client, v);
+    for (n, k, tokens) in [(70usize, 96usize, 1usize), (33, 128, 3), (16, 64, 8), (40, 160, 9)] {
+        let meta = DeviceArray::from_slice(&client, &[tokens as u32]);
+        let x: Vec<f32> =
+            (0..tokens * k).map(|i| rng.random_range(-1.0f32..1.0) * (1 + i / k) as f32).collect();
+        let wt: Vec<f16> = rand_vec(&mut rng, n * k, 0.5).into_iter().map(f16::from_f32).collect();
+        let b = rand_vec(&mut rng, n, 1.0);
+        let gw = rand_vec(&mut rng, k, 1.0);
+        let (gd, pd) = (up(&gw), up(&[1e-5, 1.0]));
+        for normed in [false, true] {
+            let d = DenseGemm {
+                n,
+                k,
+                bias: true,
+                accumulate: true,
+                mma: MmaMode::Always(MmaTuning::default()),
+                plain_rows: None,
+            };
+            let y0 = rand_vec(&mut rng, tokens * n, 1.0);
+            let y = up(&y0);
+            let norm = normed.then_some(RowNorm { w: &gd, params: &pd });
+            dense_gemm_normed(
+                &client,
+                d,
+                tokens,
+                &meta,
+                &up(&x),
+                norm,
+                &DeviceArray::from_slice(&client, &wt),
+                &up(&b),
+                &y,
+            )
+            .unwrap();
+            let mut want = y0.clone();
+            let xs = if normed { rms_norm_reference(&x, &gw, 1e-5, 1.0) } else { x.clone() };
+            dense_gemm_reference(d, &xs, &wt, &b, &mut want);
+            let got = read_f32(&client, &y).unwrap();
+            for t in 0..tokens {
+                for r in 0..n {
+                    let scale: f32 =
+                        (0..k).map(|c| (xs[t * k + c] * wt[r * k + c].to_f32()).abs()).sum::<f32>()
+                            + b[r].abs();
+                    let (g, w) = (got[t * n + r], want[t * n + r]);
+                    assert!(
+                        (g - w).abs() <= DENSE_MMA_RTOL * scale,
+                        "dense mma {n}x{k}, {tokens} tokens, normed {normed}: [{t}, {r}] {g} vs {w}"
+                    );
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,106 @@
+//! Device buffers, the crate's error type, and the argument checks and launch shapes every
+//! host launcher shares.
+
+use cubecl::prelude::*;
+use cubecl::server::Handle;
+
+/// Kernel launch or argument errors.
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    /// A work item or buffer is inconsistent.
+    #[error("work item {item}: {reason}")]
+    BadItem {
+        /// Index of the work item.
+        item: usize,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The runtime reported an error (deferred launch errors surface at sync).
+    #[error("runtime error: {0}")]
+    Runtime(String),
+    /// A [`GemmConfig`] the kernels cannot run.
+    #[error("GEMM configuration: {0}")]
+    Config(String),
+}
+
+/// A device buffer and its length in elements.
+#[derive(Debug, Clone)]
+pub struct DeviceArray {
+    /// The CubeCL handle.
+    pub handle: Handle,
+    /// Length in elements of the kernel-side type.
+    pub len: usize,
+}
+
+impl DeviceArray {
+    /// Uploads a slice.
+    pub fn from_slice<R: Runtime, T: CubeElement>(client: &ComputeClient<R>, data: &[T]) -> Self {
+        Self { handle: client.create_from_slice(T::as_bytes(data)), len: data.len() }
+    }
+
+    /// An uninitialised buffer of `len` elements of `T`.
+    pub fn empty<R: Runtime, T: CubeElement>(client: &ComputeClient<R>, len: usize) -> Self {
+        Self { handle: client.empty(len.max(1) * size_of::<T>()), len }
+    }
+
+    pub(crate) fn arg<R: Runtime>(&self) -> ArrayArg<R> {
+        // SAFETY: `len` is the element count the buffer was created with.
+        unsafe { ArrayArg::from_raw_parts(self.handle.clone(), self.len.max(1)) }
+    }
+}
+
+/// Waits for the queue and turns deferred launch errors into an error.
+pub fn sync<R: Runtime>(client: &ComputeClient<R>) -> Result<(), KernelError> {
+    cubecl::future::block_on(client.sync()).map_err(|e| KernelError::Runtime(format!("{e:?}")))
+}
+
+/// Reads back an f32 buffer (synchronising first, so launch errors surface).
+pub fn read_f32<R: Runtime>(client: &ComputeClient<R>, a: &DeviceArray) -> Result<Vec<f32>, KernelError> {
+    sync(client)?;
+    let bytes = client.read_one(a.handle.clone()).map_err(|e| KernelError::Runtime(format!("{e:?}")))?;
+    Ok(f32::from_bytes(&bytes)[..a.len].to_vec())
+}
+
+/// Reads back a u32 buffer (synchronising first).
+pub fn read_u32<R: Runtime>(client: &ComputeClient<R>, a: &DeviceArray) -> Result<Vec<u32>, KernelError> {
+    sync(client)?;
+    let bytes = client.read_one(a.handle.clone()).map_err(|e| KernelError::Runtime(format!("{e:?}")))?;
+    Ok(u32::from_bytes(&bytes)[..a.len].to_vec())
+}
+
+pub(crate) fn bad(reason: String) -> KernelError {
+    KernelError::BadItem { item: 0, reason }
+}
+
+pub(crate) fn need(what: &str, a: &DeviceArray, n: usize) -> Result<(), KernelError> {
+    if a.len < n { Err(bad(format!("{what}: {} elements, needs {n}", a.len))) } else { Ok(()) }
+}
+
+pub(crate) fn cube_1d(width: usize) -> CubeDim {
+    CubeDim::new_1d(width.clamp(1, 256) as u32)
+}
+
+/// Units of a cube that reduces rows of `width` with up to `per_unit` values per unit: a
+/// multiple of the plane size, at least one plane, at most the device's cube size and 1024.
+pub(crate) fn row_units<R: Runtime>(
+    client: &ComputeClient<R>,
+    width: usize,
+    per_unit: usize,
+) -> (usize, usize) {
+    let hw = &client.properties().hardware;
+    let plane = hw.plane_size_max as usize;
+    let cap = (hw.max_units_per_cube as usize).clamp(plane, 1024) / plane * plane;
+    (width.div_ceil(per_unit).next_multiple_of(plane).clamp(plane, cap), plane)
+}
+
+/// Grid and cube of the per-row column kernels (a unit per column of `width`, a row of cubes
+/// per token): [`crate::routing::combine::moe_combine`], [`crate::activation::gated_act`].
+pub(crate) fn column_grid(tokens: usize, width: usize) -> (CubeCount, CubeDim) {
+    (
+        CubeCount::Static(tokens as u32, width.div_ceil(COLUMN_UNITS) as u32, 1),
+        CubeDim::new_1d(COLUMN_UNITS as u32),
+    )
+}
+
+/// Units per cube of [`column_grid`].
+const COLUMN_UNITS: usize = 256;

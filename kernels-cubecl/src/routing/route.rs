@@ -1,0 +1,502 @@
+//! The routing kernel: top-k per token, each expert's gathered rows, and the work items.
+
+use cubecl::prelude::*;
+
+use super::{MoeShape, RouteBuffers, RouteCounters};
+use crate::device::{bad, need, row_units};
+use crate::plane::{warp_arg_max, warp_max, warp_sum};
+use crate::pool::MAX_TOKENS;
+use crate::{DeviceArray, KernelError};
+
+/// Routing and grouping in one cube of `units` units (whole planes of `plane_size`, at least
+/// `experts`):
+/// 1. a plane per token `t < meta[0]`: softmax over `logits[t]`, top-`k` (ties: lower expert
+///    first), optional renormalisation → `weights[t, j]`;
+/// 2. unit `e`: its tokens in token order get consecutive gathered rows after every lower
+///    expert's; writes `gather[row] = t`, `pos[t, j] = row` and the work items of expert `e`
+///    (gate_up: `[2I, H]`, down: `[H, I]`, from `slots[e] = (gate_up plane_off, lut_off, bits,
+///    down plane_off, lut_off, bits)`), items of up to `chunk` tokens each, so the grouped
+///    GEMM runs with no host round trip: the live items packed at the front of each table (in
+///    expert order), zeros after them, and their count in the header slot that follows the
+///    table's `experts · chunks` items (see [`super::RouteBuffers`]);
+/// 3. with `stats`, unit `e` also adds its token count to `counts[base + e]` and the sum of
+///    its choices' weights (in choice order) to `mass[base + e]`: the planner's routing
+///    statistics at no launch of their own.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn moe_route_kernel(
+    logits: &Array<f32>,
+    slots: &Array<u32>,
+    meta: &Array<u32>,
+    weights: &mut Array<f32>,
+    gather: &mut Array<u32>,
+    pos: &mut Array<u32>,
+    desc_gate_up: &mut Array<u32>,
+    desc_down: &mut Array<u32>,
+    counts: &mut Array<u32>,
+    mass: &mut Array<f32>,
+    base: u32,
+    #[comptime] experts: usize,
+    #[comptime] k: usize,
+    #[comptime] max_tokens: usize,
+    #[comptime] renormalize: bool,
+    #[comptime] hidden: usize,
+    #[comptime] inter: usize,
+    #[comptime] chunk: usize,
+    #[comptime] chunks: usize,
+    #[comptime] stats: bool,
+    #[comptime] units: usize,
+    #[comptime] plane_size: usize,
+) {
+    let tokens = meta[0] as usize;
+    route_cube(
+        &logits.to_slice(),
+        slots,
+        tokens,
+        weights,
+        gather,
+        pos,
+        desc_gate_up,
+        desc_down,
+        counts,
+        mass,
+        base,
+        tokens * k,
+        true,
+        0usize,
+        1usize,
+        experts,
+        0usize,
+        experts,
+        k,
+        max_tokens,
+        renormalize,
+        hidden,
+        inter,
+        chunk,
+        chunks,
+        stats,
+        units,
+        plane_size,
+    );
+}
+
+/// Softmax and top-k of one token's logits `logits[base ..][..experts]` by one plane, lane `l`
+/// holding experts `l + j · plane_size`: every lane gets the selected experts `ge[jj]` (the k
+/// largest, ties to the lower expert) and their softmax probabilities `pv[jj]`, rather than a
+/// unit scanning all experts k times (Gemma-4 has 128 experts and k = 8).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn plane_top_k(
+    logits: &Slice<f32>,
+    base: usize,
+    lane: usize,
+    ge: &mut Array<u32>,
+    pv: &mut Array<f32>,
+    #[comptime] experts: usize,
+    #[comptime] k: usize,
+    #[comptime] plane_size: usize,
+) {
+    let per = comptime![experts.div_ceil(plane_size)];
+    let lowest = f32::new(-3.0e38);
+    let mut v = Array::<f32>::new(per);
+    let mut m = lowest;
+    #[unroll]
+    for j in 0..per {
+        let e = lane + j * plane_size;
+        let mut x = lowest;
+        if e < experts {
+            x = logits[base + e];
+        }
+        v[j] = x;
+        m = max(m, x);
+    }
+    m = warp_max(m, plane_size);
+    let mut z = 0.0f32;
+    #[unroll]
+    for j in 0..per {
+        if lane + j * plane_size < experts {
+            z += (v[j] - m).exp();
+        }
+    }
+    z = warp_sum(z, plane_size);
+    // Each lane's best (its experts ascending, strict >), then the plane's best pair, the lower
+    // expert on ties.
+    #[unroll]
+    for jj in 0..k {
+        let mut bv = lowest;
+        let mut be = 0xFFFF_FFFFu32;
+        #[unroll]
+        for j in 0..per {
+            if lane + j * plane_size < experts && v[j] > bv {
+                bv = v[j];
+                be = (lane + j * plane_size) as u32;
+            }
+        }
+        let (gm, g) = warp_arg_max(bv, be, plane_size);
+        #[unroll]
+        for j in 0..per {
+            if (lane + j * plane_size) as u32 == g {
+                v[j] = lowest;
+            }
+        }
+        ge[jj] = g;
+        pv[jj] = (gm - m).exp() / z;
+    }
+}
+
+/// The body of [`moe_route_kernel`] for the cube that runs it, token `t`'s logits at
+/// `logits[t · lstride + loff]`: writes the outputs when `write`, and returns the source token of gathered row `wanted` (any value when no row is
+/// wanted, e.g. `wanted = tokens · k`) to every unit.
+#[cube]
+// A comptime switch around a runtime test stays two `if`s: CubeCL expands them differently.
+#[allow(clippy::too_many_arguments, clippy::collapsible_if)]
+pub(crate) fn route_cube(
+    logits: &Slice<f32>,
+    slots: &Array<u32>,
+    tokens: usize,
+    weights: &mut Array<f32>,
+    gather: &mut Array<u32>,
+    pos: &mut Array<u32>,
+    desc_gate_up: &mut Array<u32>,
+    desc_down: &mut Array<u32>,
+    counts: &mut Array<u32>,
+    mass: &mut Array<f32>,
+    base: u32,
+    wanted: usize,
+    write: bool,
+    wcube: usize,
+    wcubes: usize,
+    #[comptime] lstride: usize,
+    #[comptime] loff: usize,
+    #[comptime] experts: usize,
+    #[comptime] k: usize,
+    #[comptime] max_tokens: usize,
+    #[comptime] renormalize: bool,
+    #[comptime] hidden: usize,
+    #[comptime] inter: usize,
+    #[comptime] chunk: usize,
+    #[comptime] chunks: usize,
+    #[comptime] stats: bool,
+    #[comptime] units: usize,
+    #[comptime] plane_size: usize,
+) -> usize {
+    let u = UNIT_POS as usize;
+    let mut sel = SharedMemory::<u32>::new(max_tokens * k);
+    // The final weights, for the statistics (shared: global writes of other units need not
+    // be visible after a cube barrier on every backend).
+    let mut wsh = SharedMemory::<f32>::new(max_tokens * k);
+    let mut src = SharedMemory::<u32>::new(1usize);
+    // Each expert's first gathered row and token count, for the work items.
+    let mut esh = SharedMemory::<u32>::new(experts);
+    let mut csh = SharedMemory::<u32>::new(experts);
+    // Each expert's first work item, and the planes' item totals.
+    let mut ish = SharedMemory::<u32>::new(experts);
+    let mut wtot = SharedMemory::<u32>::new(comptime![units / plane_size]);
+    // Softmax and top-k of a token by one plane (`plane_top_k`).
+    let lane = u % plane_size;
+    select_experts(
+        logits,
+        &mut sel,
+        &mut wsh,
+        weights,
+        tokens,
+        write,
+        lstride,
+        loff,
+        experts,
+        k,
+        renormalize,
+        units,
+        plane_size,
+    );
+    sync_cube();
+    if u < experts {
+        let mut before = 0u32;
+        let mut count = 0u32;
+        for i in 0..tokens * k {
+            let s = sel[i] as usize;
+            if s < u {
+                before += 1u32;
+            }
+            if s == u {
+                count += 1u32;
+            }
+        }
+        let mut row = before;
+        let mut m = 0.0f32;
+        for i in 0..tokens * k {
+            if sel[i] as usize == u {
+                if row as usize == wanted {
+                    src[0] = (i / k) as u32;
+                }
+                if write {
+                    gather[row as usize] = (i / k) as u32;
+                    pos[i] = row;
+                }
+                row += 1u32;
+                m += wsh[i];
+            }
+        }
+        if comptime![stats] {
+            if write {
+                counts[base as usize + u] += count;
+                mass[base as usize + u] += m;
+            }
+        }
+        esh[u] = before;
+        csh[u] = count;
+    }
+    sync_cube();
+    // Items of at most `chunk` tokens each, so the grouped GEMM's token bucket (and its
+    // accumulators) stays small when a batch spreads over the experts; the live ones packed at
+    // the front of the tables in expert order, from each expert's exclusive prefix.
+    let mut ic = 0u32;
+    if u < experts {
+        ic = (csh[u] + comptime![chunk as u32 - 1]) / comptime![chunk as u32];
+    }
+    let incl = plane_inclusive_sum(ic);
+    if lane == plane_size - 1 {
+        wtot[u / plane_size] = incl;
+    }
+    sync_cube();
+    let mut items_before = 0u32;
+    let mut live = 0u32;
+    #[unroll]
+    for w in 0..comptime![units / plane_size] {
+        let v = wtot[w];
+        if w < u / plane_size {
+            items_before += v;
+        }
+        live += v;
+    }
+    if u < experts {
+        ish[u] = items_before + incl - ic;
+    }
+    sync_cube();
+    write_items(
+        slots,
+        &esh,
+        &csh,
+        &ish,
+        live,
+        desc_gate_up,
+        desc_down,
+        wcube,
+        wcubes,
+        experts,
+        hidden,
+        inter,
+        chunk,
+        chunks,
+        units,
+    );
+    src[0] as usize
+}
+
+/// Each token's top-`k` experts (`sel[t · k + j]`) and their weights (`wsh`, and `weights` when
+/// `write`), a plane per token `t < tokens` (token `t`'s logits at `logits[t · lstride + loff]`).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn select_experts(
+    logits: &Slice<f32>,
+    sel: &mut SharedMemory<u32>,
+    wsh: &mut SharedMemory<f32>,
+    weights: &mut Array<f32>,
+    tokens: usize,
+    write: bool,
+    #[comptime] lstride: usize,
+    #[comptime] loff: usize,
+    #[comptime] experts: usize,
+    #[comptime] k: usize,
+    #[comptime] renormalize: bool,
+    #[comptime] units: usize,
+    #[comptime] plane_size: usize,
+) {
+    let u = UNIT_POS as usize;
+    let lane = u % plane_size;
+    for t in range_stepped(u / plane_size, tokens, comptime![units / plane_size]) {
+        let mut ge = Array::<u32>::new(k);
+        let mut pv = Array::<f32>::new(k);
+        plane_top_k(logits, t * lstride + loff, lane, &mut ge, &mut pv, experts, k, plane_size);
+        let mut sum = 0.0f32;
+        #[unroll]
+        for jj in 0..k {
+            if lane == 0 {
+                sel[t * k + jj] = ge[jj];
+            }
+            sum += pv[jj];
+        }
+        if lane == 0 {
+            #[unroll]
+            for jj in 0..k {
+                let mut p = pv[jj];
+                if comptime![renormalize] {
+                    p /= sum;
+                }
+                if write {
+                    weights[t * k + jj] = p;
+                }
+                wsh[t * k + jj] = p;
+            }
+        }
+    }
+}
+
+/// The work items (see [`moe_route_kernel`]) of every expert `e` (its rows from `esh[e]`,
+/// `csh[e]` of them, in items of at most `chunk` tokens, its slot words from `slots[6e ..]`):
+/// the live ones at item `ish[e] + c`, then empty items (all zero) up to `experts · chunks`,
+/// then the header slot whose word 0 counts the `live` ones (what the GEMV reads instead of
+/// scanning every item). Word by word: cube `wcube` of `wcubes` takes words
+/// `(wcube + i · wcubes) · units + unit`, so a warp's stores are consecutive words (written per
+/// expert, a plane's stores were 64 words apart and the launch waited on its store queue).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn write_items(
+    slots: &Array<u32>,
+    esh: &SharedMemory<u32>,
+    csh: &SharedMemory<u32>,
+    ish: &SharedMemory<u32>,
+    live: u32,
+    desc_gate_up: &mut Array<u32>,
+    desc_down: &mut Array<u32>,
+    wcube: usize,
+    wcubes: usize,
+    #[comptime] experts: usize,
+    #[comptime] hidden: usize,
+    #[comptime] inter: usize,
+    #[comptime] chunk: usize,
+    #[comptime] chunks: usize,
+    #[comptime] units: usize,
+) {
+    let per_e = comptime![chunks * 8];
+    let words = comptime![experts * chunks * 8];
+    let first_unit = wcube * units + UNIT_POS as usize;
+    for i in range_stepped(first_unit, words, wcubes * units) {
+        let e = i / per_e;
+        let c = (i / 8usize) % chunks;
+        let count = csh[e];
+        if count > (c * chunk) as u32 {
+            let f = (i % 8usize) as u32;
+            let first = esh[e] + (c * chunk) as u32;
+            let n = min(count - (c * chunk) as u32, chunk as u32);
+            // Slot words 0, 1, 2 (gate_up) and 3, 4, 5 (down) go to fields 0, 1 and 4.
+            let sf = select(f == 0u32, 0usize, select(f == 1u32, 1usize, 2usize));
+            let sg = slots[e * 6usize + sf];
+            let sd = slots[e * 6usize + 3usize + sf];
+            let slot_field = f == 0u32 || f == 1u32 || f == 4u32;
+            let mut g = n;
+            let mut d = n;
+            if f == 2u32 {
+                g = comptime![2 * inter] as u32;
+                d = hidden as u32;
+            } else if f == 3u32 {
+                g = hidden as u32;
+                d = inter as u32;
+            } else if f == 5u32 {
+                g = first * hidden as u32;
+                d = first * comptime![2 * inter] as u32;
+            } else if f == 6u32 {
+                g = first * comptime![2 * inter] as u32;
+                d = first * hidden as u32;
+            }
+            let j = (ish[e] as usize + c) * 8usize + f as usize;
+            desc_gate_up[j] = select(slot_field, sg, g);
+            desc_down[j] = select(slot_field, sd, d);
+        }
+    }
+    for i in range_stepped(live as usize * 8usize + first_unit, words, wcubes * units) {
+        desc_gate_up[i] = 0u32;
+        desc_down[i] = 0u32;
+    }
+    if first_unit == 0 {
+        desc_gate_up[words] = live;
+        desc_down[words] = live;
+    }
+}
+
+/// Softmax → top-k routing of `logits` and the grouped kernel's work items, on the device.
+/// `slots` comes from [`expert_slot_words`] over slots inside the weight pool.
+///
+/// # Shapes
+/// - `logits`: `[tokens, experts]`; `slots`: `[experts · 6]`
+pub fn moe_route<R: Runtime>(
+    client: &ComputeClient<R>,
+    shape: MoeShape,
+    tokens: usize,
+    meta: &DeviceArray,
+    logits: &DeviceArray,
+    slots: &DeviceArray,
+    out: &RouteBuffers,
+) -> Result<(), KernelError> {
+    moe_route_counted(client, shape, tokens, meta, logits, slots, out, None)
+}
+
+/// [`moe_route`] that also accumulates the layer's routing statistics into `stats` when given
+/// (the planner's per-expert token counts and routing mass, see [`route_stats_reference`]),
+/// in the same launch.
+///
+/// # Shapes
+/// - `logits`: `[tokens, experts]`; `slots`: `[experts · 6]`; `stats.counts`, `stats.mass`:
+///   `[≥ base + experts]`
+#[allow(clippy::too_many_arguments)]
+pub fn moe_route_counted<R: Runtime>(
+    client: &ComputeClient<R>,
+    shape: MoeShape,
+    tokens: usize,
+    meta: &DeviceArray,
+    logits: &DeviceArray,
+    slots: &DeviceArray,
+    out: &RouteBuffers,
+    stats: Option<RouteCounters<'_>>,
+) -> Result<(), KernelError> {
+    if shape.experts > 128 || shape.k == 0 || shape.k > shape.experts {
+        return Err(bad(format!("moe_route: unsupported {shape:?} (at most 128 experts, 1 ≤ k ≤ experts)")));
+    }
+    if tokens > MAX_TOKENS {
+        return Err(bad(format!("moe_route: {tokens} tokens, at most {MAX_TOKENS}")));
+    }
+    need("moe_route logits", logits, tokens * shape.experts)?;
+    need("moe_route slots", slots, shape.experts * 6)?;
+    if let Some(st) = stats {
+        need("moe_route counts", st.counts, st.base + shape.experts)?;
+        need("moe_route mass", st.mass, st.base + shape.experts)?;
+    }
+    if tokens == 0 {
+        return Ok(());
+    }
+    // A unit per expert and per token, whole planes (the top-k runs a plane per token).
+    let (units, plane) = row_units(client, shape.experts.max(MAX_TOKENS), 1);
+    let (counts, mass, base) = out.counters(stats);
+    // SAFETY: sizes checked above; outputs were sized for MAX_TOKENS tokens by RouteBuffers.
+    unsafe {
+        moe_route_kernel::launch_unchecked::<R>(
+            client,
+            CubeCount::Static(1, 1, 1),
+            CubeDim::new_1d(units as u32),
+            logits.arg(),
+            slots.arg(),
+            meta.arg(),
+            out.weights.arg(),
+            out.gather.arg(),
+            out.pos.arg(),
+            out.desc_gate_up.arg(),
+            out.desc_down.arg(),
+            counts.arg(),
+            mass.arg(),
+            base as u32,
+            shape.experts,
+            shape.k,
+            MAX_TOKENS,
+            shape.renormalize,
+            shape.hidden,
+            shape.inter,
+            out.chunk,
+            out.chunks(),
+            stats.is_some(),
+            units,
+            plane,
+        )
+    };
+    Ok(())
+}

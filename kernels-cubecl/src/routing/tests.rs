@@ -1,0 +1,251 @@
+//! Tests of the module's kernels against their CPU references on random inputs (wgpu:
+//! Mesa lavapipe in CI, plane size 8, 32 KiB of shared memory).
+
+use cubecl::wgpu::WgpuRuntime;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use crate::testing::{assert_close, client, rand_vec};
+use crate::*;
+
+/// An RMSNorm folded into its consumer: the norm's scale is applied after the row's reduction
+/// instead of before, and `Σ x²` is summed per lane then across the plane: f32 rounding in
+/// another order only.
+const NORMED_TOL: f32 = 2e-5;
+
+/// The row gather with and without a fused input RMSNorm (plain and `1 + w`) against
+/// [`gather_rows_reference`].
+#[test]
+fn gather_rows_normed_matches_reference() {
+    let client = client();
+    let mut rng = StdRng::seed_from_u64(101);
+    let up = |v: &[f32]| DeviceArray::from_slice(&client, v);
+    // Gather with and without the norm: top-3 copies of 5 tokens in a shuffled order; a row
+    // narrower than the cube, and one wider (several values per unit, a partial last round).
+    for width in [72usize, 3001] {
+        let (tokens, k) = (5usize, 3usize);
+        let meta = DeviceArray::from_slice(&client, &[tokens as u32]);
+        let x = rand_vec(&mut rng, tokens * width, 2.0);
+        let g = rand_vec(&mut rng, width, 1.0);
+        let idx: Vec<u32> = (0..tokens * k).map(|r| ((r * 7) % tokens) as u32).collect();
+        let (xd, gd, id) = (up(&x), up(&g), DeviceArray::from_slice(&client, &idx));
+        for off in [None, Some(0.0f32), Some(1.0)] {
+            let out = DeviceArray::empty::<WgpuRuntime, f32>(&client, tokens * k * width);
+            let params = up(&[1e-6, off.unwrap_or(0.0)]);
+            let norm = off.map(|_| RowNorm { w: &gd, params: &params });
+            gather_rows_normed(&client, tokens, k, width, &meta, &xd, norm, &id, &out).unwrap();
+            let want = gather_rows_reference(&x, width, &idx, off.map(|o| (g.as_slice(), 1e-6, o)));
+            let tol = if off.is_some() { NORMED_TOL } else { 0.0 };
+            assert_close(
+                &read_f32(&client, &out).unwrap(),
+                &want,
+                tol,
+                &format!("gather width {width}, {off:?}"),
+            );
+        }
+    }
+}
+
+/// Routing and the experts' row gather in one launch (`moe_route_gather`, every cube
+/// recomputing the routing, its logits inside wider rows) against `moe_route` +
+/// `gather_rows_reference`: the same routing
+/// outputs bit for bit (weights, positions, gather order, work items, statistics), and the
+/// gathered rows exact without a norm, within NORMED_TOL with one.
+#[test]
+fn moe_route_gather_matches_reference() {
+    let client = client();
+    let mut rng = StdRng::seed_from_u64(17);
+    let up = |v: &[f32]| DeviceArray::from_slice(&client, v);
+    for shape in [
+        MoeShape { experts: 6, k: 2, renormalize: true, hidden: 64, inter: 48 },
+        MoeShape { experts: 40, k: 4, renormalize: false, hidden: 300, inter: 16 },
+    ] {
+        let h = shape.hidden;
+        let slot = |rows, cols| PoolSlot { plane_off: 7, lut_off: 3, rows, cols, bits: 4 };
+        let slots =
+            vec![(slot(2 * shape.inter as u32, h as u32), slot(h as u32, shape.inter as u32)); shape.experts];
+        let slot_words = DeviceArray::from_slice(&client, &expert_slot_words(shape, &slots).unwrap());
+        let (want_bufs, bufs) = (RouteBuffers::new(&client, shape), RouteBuffers::new(&client, shape));
+        for tokens in [1usize, 5, 16] {
+            let meta = DeviceArray::from_slice(&client, &[tokens as u32]);
+            let x = rand_vec(&mut rng, tokens * h, 2.0);
+            // Few distinct values, so ties between experts occur.
+            let logits: Vec<f32> =
+                (0..tokens * shape.experts).map(|_| rng.random_range(0..6) as f32 * 0.5).collect();
+            let (xd, ld) = (up(&x), up(&logits));
+            let g = rand_vec(&mut rng, h, 1.0);
+            let (gd, params) = (up(&g), up(&[1e-5, 1.0]));
+            let zeros = || DeviceArray::from_slice(&client, &vec![0u32; 3 * shape.experts]);
+            let zf = || up(&vec![0.0; 3 * shape.experts]);
+            let (wc, wm, gc, gm) = (zeros(), zf(), zeros(), zf());
+            let base = 2 * shape.experts;
+            let want_stats = Some(RouteCounters { counts: &wc, mass: &wm, base });
+            moe_route_counted(&client, shape, tokens, &meta, &ld, &slot_words, &want_bufs, want_stats)
+                .unwrap();
+            let idx = read_u32(&client, &want_bufs.gather).unwrap()[..tokens * shape.k].to_vec();
+            for norm in [None, Some(RowNorm { w: &gd, params: &params })] {
+                let xg = DeviceArray::empty::<WgpuRuntime, f32>(&client, tokens * shape.k * h);
+                let stats = norm.is_none().then_some(RouteCounters { counts: &gc, mass: &gm, base });
+                // The logits inside wider rows (beside other outputs of their GEMM).
+                let layout = LogitsLayout { stride: shape.experts + 11, offset: 5 };
+                let wide: Vec<f32> = (0..tokens * layout.stride)
+                    .map(|i| {
+                        let (t, c) = (i / layout.stride, i % layout.stride);
+                        let e = c.wrapping_sub(layout.offset);
+                        if e < shape.experts { logits[t * shape.experts + e] } else { 100.0 }
+                    })
+                    .collect();
+                moe_route_gather(
+                    &client,
+                    shape,
+                    tokens,
+                    &meta,
+                    (&up(&wide), layout),
+                    &slot_words,
+                    &bufs,
+                    stats,
+                    &xd,
+                    norm,
+                    &xg,
+                )
+                .unwrap();
+                let n = tokens * shape.k;
+                for (what, a, b) in
+                    [("gather", &want_bufs.gather, &bufs.gather), ("pos", &want_bufs.pos, &bufs.pos)]
+                {
+                    assert_eq!(
+                        read_u32(&client, a).unwrap()[..n],
+                        read_u32(&client, b).unwrap()[..n],
+                        "{what}"
+                    );
+                }
+                let d = shape.experts * ROUTE_CHUNKS * DESC_WORDS + 1;
+                for (a, b) in
+                    [(&want_bufs.desc_gate_up, &bufs.desc_gate_up), (&want_bufs.desc_down, &bufs.desc_down)]
+                {
+                    assert_eq!(
+                        read_u32(&client, a).unwrap()[..d],
+                        read_u32(&client, b).unwrap()[..d],
+                        "work items"
+                    );
+                }
+                assert_eq!(
+                    read_f32(&client, &want_bufs.weights).unwrap()[..n],
+                    read_f32(&client, &bufs.weights).unwrap()[..n],
+                    "weights"
+                );
+                let want = gather_rows_reference(&x, h, &idx, norm.map(|_| (g.as_slice(), 1e-5, 1.0)));
+                let tol = if norm.is_some() { NORMED_TOL } else { 0.0 };
+                let what = format!("{shape:?}, {tokens} tokens, norm {}", norm.is_some());
+                assert_close(&read_f32(&client, &xg).unwrap(), &want, tol, &what);
+            }
+            assert_eq!(read_u32(&client, &wc).unwrap(), read_u32(&client, &gc).unwrap(), "statistics counts");
+            assert_eq!(read_f32(&client, &wm).unwrap(), read_f32(&client, &gm).unwrap(), "statistics mass");
+        }
+    }
+}
+
+/// Error budget of the router logits folded into the routing launch
+/// (`moe_route_gather_router`) against `router_logits_reference`: f32 dot products over
+/// `hidden` in another order (planes' partial sums), and the norm's scale applied after them,
+/// relative to the largest logit.
+const ROUTER_LOGITS_TOL: f32 = 5e-5;
+
+/// The router GEMM, routing and gather in one launch (`moe_route_gather_router`): its logits
+/// within ROUTER_LOGITS_TOL of `router_logits_reference`; its routing outputs bit for bit those
+/// of `moe_route_counted` over the logits it wrote (weights, positions, gather order, work
+/// items, statistics); the gathered rows as `gather_rows_reference` (exact without a norm,
+/// NORMED_TOL with one). Mixtral's router shape, and a width that leaves units idle.
+#[test]
+fn moe_route_gather_router_matches_reference() {
+    let client = client();
+    let mut rng = StdRng::seed_from_u64(23);
+    let up = |v: &[f32]| DeviceArray::from_slice(&client, v);
+    let too_big = MoeShape { experts: 128, k: 8, renormalize: true, hidden: 2816, inter: 704 };
+    assert!(!router_fusable(&client, too_big), "Gemma-4's router stays a GEMM");
+    for shape in [
+        MoeShape { experts: 8, k: 2, renormalize: true, hidden: 4096, inter: 64 },
+        MoeShape { experts: 6, k: 3, renormalize: false, hidden: 300, inter: 16 },
+    ] {
+        assert!(router_fusable(&client, shape), "{shape:?}");
+        let h = shape.hidden;
+        let slot = |rows, cols| PoolSlot { plane_off: 7, lut_off: 3, rows, cols, bits: 4 };
+        let slots =
+            vec![(slot(2 * shape.inter as u32, h as u32), slot(h as u32, shape.inter as u32)); shape.experts];
+        let slot_words = DeviceArray::from_slice(&client, &expert_slot_words(shape, &slots).unwrap());
+        let (want_bufs, bufs) = (RouteBuffers::new(&client, shape), RouteBuffers::new(&client, shape));
+        let router: Vec<half::f16> =
+            (0..shape.experts * h).map(|_| half::f16::from_f32(rng.random_range(-0.1f32..0.1))).collect();
+        let rd = DeviceArray::from_slice(&client, &router);
+        for tokens in [1usize, 5, 16] {
+            let meta = DeviceArray::from_slice(&client, &[tokens as u32]);
+            let x = rand_vec(&mut rng, tokens * h, 2.0);
+            let xd = up(&x);
+            let g = rand_vec(&mut rng, h, 1.0);
+            let (gd, params) = (up(&g), up(&[1e-5, 1.0]));
+            for norm in [None, Some(RowNorm { w: &gd, params: &params })] {
+                let what = format!("{shape:?}, {tokens} tokens, norm {}", norm.is_some());
+                let zeros = || DeviceArray::from_slice(&client, &vec![0u32; 2 * shape.experts]);
+                let zf = || up(&vec![0.0; 2 * shape.experts]);
+                let (wc, wm, gc, gm) = (zeros(), zf(), zeros(), zf());
+                let base = shape.experts;
+                let stats = Some(RouteCounters { counts: &gc, mass: &gm, base });
+                let xg = DeviceArray::empty::<WgpuRuntime, f32>(&client, tokens * shape.k * h);
+                let ld = up(&vec![f32::NAN; tokens * shape.experts]);
+                moe_route_gather_router(
+                    &client,
+                    shape,
+                    tokens,
+                    &meta,
+                    (&rd, &ld),
+                    &slot_words,
+                    &bufs,
+                    stats,
+                    &xd,
+                    norm,
+                    &xg,
+                )
+                .unwrap();
+                let logits = read_f32(&client, &ld).unwrap();
+                let nref = norm.map(|_| (g.as_slice(), 1e-5, 1.0));
+                let want = router_logits_reference(&x, &router, h, nref);
+                assert_close(&logits, &want, ROUTER_LOGITS_TOL, &format!("logits of {what}"));
+                // The routing of the logits the kernel computed (every cube's are the same).
+                let want_stats = Some(RouteCounters { counts: &wc, mass: &wm, base });
+                moe_route_counted(&client, shape, tokens, &meta, &ld, &slot_words, &want_bufs, want_stats)
+                    .unwrap();
+                let n = tokens * shape.k;
+                for (w, a, b) in
+                    [("gather", &want_bufs.gather, &bufs.gather), ("pos", &want_bufs.pos, &bufs.pos)]
+                {
+                    assert_eq!(
+                        read_u32(&client, a).unwrap()[..n],
+                        read_u32(&client, b).unwrap()[..n],
+                        "{w}: {what}"
+                    );
+                }
+                let d = shape.experts * ROUTE_CHUNKS * DESC_WORDS + 1;
+                for (a, b) in
+                    [(&want_bufs.desc_gate_up, &bufs.desc_gate_up), (&want_bufs.desc_down, &bufs.desc_down)]
+                {
+                    assert_eq!(
+                        read_u32(&client, a).unwrap()[..d],
+                        read_u32(&client, b).unwrap()[..d],
+                        "items"
+                    );
+                }
+                assert_eq!(
+                    read_f32(&client, &want_bufs.weights).unwrap()[..n],
+                    read_f32(&client, &bufs.weights).unwrap()[..n],
+                    "weights: {what}"
+                );
+                assert_eq!(read_u32(&client, &wc).unwrap(), read_u32(&client, &gc).unwrap(), "counts");
+                assert_eq!(read_f32(&client, &wm).unwrap(), read_f32(&client, &gm).unwrap(), "mass");
+                let idx = read_u32(&client, &want_bufs.gather).unwrap()[..n].to_vec();
+                let want = gather_rows_reference(&x, h, &idx, nref);
+                let tol = if norm.is_some() { NORMED_TOL } else { 0.0 };
+                assert_close(&read_f32(&client, &xg).unwrap(), &want, tol, &what);
+            }
+        }
+    }
+}
