@@ -7,8 +7,8 @@
 use std::marker::PhantomData;
 
 use cubecl::prelude::*;
-use kernels_cubecl::argmax;
 use kernels_cubecl::MmaMode;
+use kernels_cubecl::argmax;
 use kernels_cubecl::{DeviceArray, GemmConfig, MAX_TOKENS, read_f32, read_u32};
 use pw_kv::{BlockTables, DevicePools, SeqId};
 

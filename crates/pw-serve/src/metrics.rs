@@ -115,182 +115,11 @@ impl Metrics {
     pub fn prometheus(&self) -> String {
         let m = self.snapshot();
         let mut out = String::new();
-        fn put(out: &mut String, name: &str, kind: &str, help: &str, value: String) {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}");
+        for (name, kind, help, value) in engine_metrics(&m) {
+            put(&mut out, name, kind, help, value);
         }
-        put(
-            &mut out,
-            "pw_requests_total",
-            "counter",
-            "Requests accepted by the engine.",
-            m.requests_total.to_string(),
-        );
-        put(
-            &mut out,
-            "pw_requests_finished_total",
-            "counter",
-            "Requests finished by a stop or the length limit.",
-            m.requests_finished_total.to_string(),
-        );
-        put(
-            &mut out,
-            "pw_requests_cancelled_total",
-            "counter",
-            "Requests whose client went away before the end.",
-            m.requests_cancelled_total.to_string(),
-        );
-        put(
-            &mut out,
-            "pw_requests_preempted_total",
-            "counter",
-            "Running sequences preempted (KV freed, resumed later by recomputation).",
-            m.requests_preempted_total.to_string(),
-        );
-        put(
-            &mut out,
-            "pw_requests_failed_total",
-            "counter",
-            "Requests ended by a model error.",
-            m.requests_failed_total.to_string(),
-        );
-        put(
-            &mut out,
-            "pw_prompt_tokens_total",
-            "counter",
-            "Prompt tokens of admitted requests.",
-            m.prompt_tokens_total.to_string(),
-        );
-        put(
-            &mut out,
-            "pw_generated_tokens_total",
-            "counter",
-            "Tokens generated.",
-            m.generated_tokens_total.to_string(),
-        );
-        put(&mut out, "pw_engine_steps_total", "counter", "Engine steps run.", m.steps_total.to_string());
-        put(
-            &mut out,
-            "pw_queue_length",
-            "gauge",
-            "Requests waiting for admission.",
-            m.queue_length.to_string(),
-        );
-        put(&mut out, "pw_active_sequences", "gauge", "Sequences running.", m.active_sequences.to_string());
-        put(
-            &mut out,
-            "pw_kv_bytes_used",
-            "gauge",
-            "KV cache bytes held by running sequences.",
-            m.kv_bytes_used.to_string(),
-        );
-        put(
-            &mut out,
-            "pw_kv_bytes_reserved",
-            "gauge",
-            "KV bytes reserved by admission (prompt + max tokens per sequence).",
-            m.kv_bytes_reserved.to_string(),
-        );
-        put(
-            &mut out,
-            "pw_kv_bytes_free",
-            "gauge",
-            "KV bytes admission can still hand out (budget - reserved).",
-            m.kv_bytes_free().to_string(),
-        );
-        put(&mut out, "pw_kv_budget_bytes", "gauge", "KV cache budget.", m.kv_budget_bytes.to_string());
-        put(
-            &mut out,
-            "pw_weight_bytes",
-            "gauge",
-            "Bytes of the model weights on the device.",
-            m.weight_bytes.to_string(),
-        );
-        put(
-            &mut out,
-            "pw_tokens_per_second",
-            "gauge",
-            "Generated tokens per second over the last 5 s.",
-            format!("{:.3}", m.tokens_per_second),
-        );
-        put(
-            &mut out,
-            "pw_time_per_output_token_mean_seconds",
-            "gauge",
-            "Mean gap between consecutive tokens of a sequence.",
-            format!("{:.6}", m.mean_time_per_output_token()),
-        );
         if let Some(mem) = &m.memory {
-            put(
-                &mut out,
-                "pw_memory_budget_bytes",
-                "gauge",
-                "Device bytes for experts + KV cache.",
-                mem.budget_bytes.to_string(),
-            );
-            put(
-                &mut out,
-                "pw_kv_blocks_used",
-                "gauge",
-                "KV cache blocks held by running sequences.",
-                mem.kv_blocks_used.to_string(),
-            );
-            put(
-                &mut out,
-                "pw_kv_blocks_free",
-                "gauge",
-                "KV cache blocks the memory budget still has room for.",
-                mem.kv_blocks_free.to_string(),
-            );
-            put(
-                &mut out,
-                "pw_kv_block_bytes",
-                "gauge",
-                "Bytes of one KV cache block.",
-                mem.block_bytes.to_string(),
-            );
-            let _ = writeln!(
-                out,
-                "# HELP pw_expert_bytes Committed expert bytes (planes + LUTs) per bit-width.\n\
-                 # TYPE pw_expert_bytes gauge"
-            );
-            for (b, &n) in mem.weight_bytes_by_bits.iter().enumerate().skip(1) {
-                let _ = writeln!(out, "pw_expert_bytes{{bits=\"{b}\"}} {n}");
-            }
-            put(
-                &mut out,
-                "pw_expert_mean_bits",
-                "gauge",
-                "Mean committed bit-width of the expert bytes.",
-                format!("{:.4}", mem.mean_bits()),
-            );
-            let _ = writeln!(
-                out,
-                "# HELP pw_page_moves_total Expert pages committed at a lower or higher bit-width.\n\
-                 # TYPE pw_page_moves_total counter\n\
-                 pw_page_moves_total{{direction=\"down\"}} {}\npw_page_moves_total{{direction=\"up\"}} {}",
-                mem.page_moves_down_total, mem.page_moves_up_total
-            );
-            let _ = writeln!(
-                out,
-                "# HELP pw_planner_decisions_total Plans that changed desired bit-widths, by memory target.\n\
-                 # TYPE pw_planner_decisions_total counter\n\
-                 pw_planner_decisions_total{{target=\"free\"}} {}\npw_planner_decisions_total{{target=\"spare\"}} {}",
-                mem.planner_lower_total, mem.planner_raise_total
-            );
-            put(
-                &mut out,
-                "pw_planner_unmet_total",
-                "counter",
-                "Plans that could not free their target (pages at their floors).",
-                mem.planner_unmet_total.to_string(),
-            );
-            put(
-                &mut out,
-                "pw_page_raises_deferred_total",
-                "counter",
-                "Raisings deferred for budget or fragmentation (per boundary).",
-                mem.deferred_total.to_string(),
-            );
+            memory_metrics(&mut out, mem);
         }
         let _ = writeln!(
             out,
@@ -315,6 +144,153 @@ impl Metrics {
         );
         out
     }
+}
+
+/// One metric without labels: its help and type lines and its sample.
+fn put(out: &mut String, name: &str, kind: &str, help: &str, value: String) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}");
+}
+
+/// The engine's label-free metrics, in exposition order: `(name, type, help, value)`.
+fn engine_metrics(m: &MetricsSnapshot) -> Vec<(&'static str, &'static str, &'static str, String)> {
+    vec![
+        ("pw_requests_total", "counter", "Requests accepted by the engine.", m.requests_total.to_string()),
+        (
+            "pw_requests_finished_total",
+            "counter",
+            "Requests finished by a stop or the length limit.",
+            m.requests_finished_total.to_string(),
+        ),
+        (
+            "pw_requests_cancelled_total",
+            "counter",
+            "Requests whose client went away before the end.",
+            m.requests_cancelled_total.to_string(),
+        ),
+        (
+            "pw_requests_preempted_total",
+            "counter",
+            "Running sequences preempted (KV freed, resumed later by recomputation).",
+            m.requests_preempted_total.to_string(),
+        ),
+        (
+            "pw_requests_failed_total",
+            "counter",
+            "Requests ended by a model error.",
+            m.requests_failed_total.to_string(),
+        ),
+        (
+            "pw_prompt_tokens_total",
+            "counter",
+            "Prompt tokens of admitted requests.",
+            m.prompt_tokens_total.to_string(),
+        ),
+        ("pw_generated_tokens_total", "counter", "Tokens generated.", m.generated_tokens_total.to_string()),
+        ("pw_engine_steps_total", "counter", "Engine steps run.", m.steps_total.to_string()),
+        ("pw_queue_length", "gauge", "Requests waiting for admission.", m.queue_length.to_string()),
+        ("pw_active_sequences", "gauge", "Sequences running.", m.active_sequences.to_string()),
+        (
+            "pw_kv_bytes_used",
+            "gauge",
+            "KV cache bytes held by running sequences.",
+            m.kv_bytes_used.to_string(),
+        ),
+        (
+            "pw_kv_bytes_reserved",
+            "gauge",
+            "KV bytes reserved by admission (prompt + max tokens per sequence).",
+            m.kv_bytes_reserved.to_string(),
+        ),
+        (
+            "pw_kv_bytes_free",
+            "gauge",
+            "KV bytes admission can still hand out (budget - reserved).",
+            m.kv_bytes_free().to_string(),
+        ),
+        ("pw_kv_budget_bytes", "gauge", "KV cache budget.", m.kv_budget_bytes.to_string()),
+        ("pw_weight_bytes", "gauge", "Bytes of the model weights on the device.", m.weight_bytes.to_string()),
+        (
+            "pw_tokens_per_second",
+            "gauge",
+            "Generated tokens per second over the last 5 s.",
+            format!("{:.3}", m.tokens_per_second),
+        ),
+        (
+            "pw_time_per_output_token_mean_seconds",
+            "gauge",
+            "Mean gap between consecutive tokens of a sequence.",
+            format!("{:.6}", m.mean_time_per_output_token()),
+        ),
+    ]
+}
+
+/// The memory budget's and the page table's metrics (servers with a planner).
+fn memory_metrics(out: &mut String, mem: &crate::MemoryState) {
+    put(
+        out,
+        "pw_memory_budget_bytes",
+        "gauge",
+        "Device bytes for experts + KV cache.",
+        mem.budget_bytes.to_string(),
+    );
+    put(
+        out,
+        "pw_kv_blocks_used",
+        "gauge",
+        "KV cache blocks held by running sequences.",
+        mem.kv_blocks_used.to_string(),
+    );
+    put(
+        out,
+        "pw_kv_blocks_free",
+        "gauge",
+        "KV cache blocks the memory budget still has room for.",
+        mem.kv_blocks_free.to_string(),
+    );
+    put(out, "pw_kv_block_bytes", "gauge", "Bytes of one KV cache block.", mem.block_bytes.to_string());
+    let _ = writeln!(
+        out,
+        "# HELP pw_expert_bytes Committed expert bytes (planes + LUTs) per bit-width.\n\
+         # TYPE pw_expert_bytes gauge"
+    );
+    for (b, &n) in mem.weight_bytes_by_bits.iter().enumerate().skip(1) {
+        let _ = writeln!(out, "pw_expert_bytes{{bits=\"{b}\"}} {n}");
+    }
+    put(
+        out,
+        "pw_expert_mean_bits",
+        "gauge",
+        "Mean committed bit-width of the expert bytes.",
+        format!("{:.4}", mem.mean_bits()),
+    );
+    let _ = writeln!(
+        out,
+        "# HELP pw_page_moves_total Expert pages committed at a lower or higher bit-width.\n\
+         # TYPE pw_page_moves_total counter\n\
+         pw_page_moves_total{{direction=\"down\"}} {}\npw_page_moves_total{{direction=\"up\"}} {}",
+        mem.page_moves_down_total, mem.page_moves_up_total
+    );
+    let _ = writeln!(
+        out,
+        "# HELP pw_planner_decisions_total Plans that changed desired bit-widths, by memory target.\n\
+         # TYPE pw_planner_decisions_total counter\n\
+         pw_planner_decisions_total{{target=\"free\"}} {}\npw_planner_decisions_total{{target=\"spare\"}} {}",
+        mem.planner_lower_total, mem.planner_raise_total
+    );
+    put(
+        out,
+        "pw_planner_unmet_total",
+        "counter",
+        "Plans that could not free their target (pages at their floors).",
+        mem.planner_unmet_total.to_string(),
+    );
+    put(
+        out,
+        "pw_page_raises_deferred_total",
+        "counter",
+        "Raisings deferred for budget or fragmentation (per boundary).",
+        mem.deferred_total.to_string(),
+    );
 }
 
 #[cfg(test)]

@@ -4,8 +4,8 @@
 
 use cubecl::prelude::*;
 use kernels_cubecl::{HeadNorm, head_norm_rope_append};
-use kernels_cubecl::{dense_gemm, dense_gemm_normed};
 use kernels_cubecl::{RowLayout, paged_decode_attention_strided, rope_append};
+use kernels_cubecl::{dense_gemm, dense_gemm_normed};
 
 use super::Fwd;
 use crate::DecodeError;

@@ -15,9 +15,9 @@ pub(crate) use moe::Logits;
 use std::marker::PhantomData;
 
 use cubecl::prelude::*;
-use kernels_cubecl::{GemmaFfnOut, add_rms_norm, gemma_ffn_out, softcap};
 use kernels_cubecl::{DenseGemm, MmaMode, RouteBuffers, RowNorm, dense_gemm_normed, embed};
 use kernels_cubecl::{DeviceArray, GemmConfig, KernelError, MAX_TOKENS};
+use kernels_cubecl::{GemmaFfnOut, add_rms_norm, gemma_ffn_out, softcap};
 use pw_kv::{DevicePools, StepArrays};
 
 use crate::DecodeError;

@@ -123,7 +123,7 @@ fn a_sequence_at_the_context_end_fails_alone() {
             DecodeSlot { seq: 2, last: b, sampler: &mut t },
         ])
         .unwrap();
-    let msg = out[0].as_ref().err().expect("the full sequence cannot grow").to_string();
+    let msg = out[0].as_ref().expect_err("the full sequence cannot grow").to_string();
     assert!(msg.contains("sequence 1") && msg.contains("32"), "{msg}");
     assert!(out[1].is_ok(), "{:?}", out[1]);
     // A prompt longer than the table fails alone at prefill too.
