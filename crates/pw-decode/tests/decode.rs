@@ -4,15 +4,16 @@
 //! join and leave at different steps, prompts fed token by token or prefilled in chunks, every step's logits compared
 //! with a full recomputation of each sequence.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use burn_ndarray::NdArray;
-use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
+use cubecl::wgpu::WgpuRuntime;
 use pw_decode::{DecodeConfig, Decoder, DecoderBuilder, ExpertAct, ExpertBlocks};
 use pw_hf::{Checkpoint, ModelConfig};
 use pw_models::generate::{argmax, ids_tensor, last_logits};
 use pw_models::{AnyModel, CausalLm, HfSource};
 use pw_nn::{LoadError, WeightSource};
+use pw_testkit::{asset, fixture};
 
 type B = NdArray<f32>;
 
@@ -24,14 +25,6 @@ const F16_KV_TOL: f32 = 5e-3;
 /// from random norm weights) and its logits soft-capped at 2, so the same K/V rounding moves
 /// the logits about twice as much relative to their largest.
 const GEMMA_F16_KV_TOL: f32 = 1.5e-2;
-
-fn asset(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets").join(name)
-}
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/pw-models/tests/fixtures").join(name)
-}
 
 /// The HF checkpoint with every expert replaced by its dequantized any-precision block (and
 /// every other matrix rounded to f16 as the decoder stores it), in
@@ -99,10 +92,6 @@ type Plan = (u64, Vec<u32>, usize, usize);
 /// built from (mixed committed bits: 8, 6, 4 and 3 across experts, as the planner leaves them)
 /// and the lavapipe client.
 fn setup(dir: &Path) -> (AnyModel<B>, ExpertBlocks, cubecl::client::ComputeClient<WgpuRuntime>) {
-    if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
-        // SAFETY: set once before any thread reads the environment.
-        unsafe { std::env::set_var("XDG_RUNTIME_DIR", std::env::temp_dir()) };
-    }
     let config = ModelConfig::from_dir(dir).unwrap();
     let ckpt = Checkpoint::open(dir).unwrap();
     // The decoder's own view of the shapes, used to quantize the experts.
@@ -117,7 +106,7 @@ fn setup(dir: &Path) -> (AnyModel<B>, ExpertBlocks, cubecl::client::ComputeClien
     let device = Default::default();
     let src = Dequantized { inner: HfSource::new(&ckpt, &device), experts: &experts, inter: cfg.inter };
     let reference = AnyModel::<B>::from_source(&config, &src).unwrap();
-    (reference, experts, cubecl::Runtime::client(&WgpuDevice::DefaultDevice))
+    (reference, experts, pw_testkit::wgpu_client())
 }
 
 /// The reference's next-token logits after `ids`, and the decoder's error against them
@@ -396,11 +385,7 @@ const GEMMA_LAYER_LAUNCHES: usize = MOE_LAYER_LAUNCHES + ROUTER_GEMM_LAUNCHES + 
 /// LM head (the final norm folded in), Gemma's soft-cap, and the device argmax.
 #[test]
 fn launches_per_layer() {
-    if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
-        // SAFETY: set once before any thread reads the environment.
-        unsafe { std::env::set_var("XDG_RUNTIME_DIR", std::env::temp_dir()) };
-    }
-    let client = cubecl::Runtime::client(&WgpuDevice::DefaultDevice);
+    let client = pw_testkit::wgpu_client();
     for (dir, sparse, dense) in [
         (fixture("mixtral"), MOE_LAYER_LAUNCHES, DENSE_LAYER_LAUNCHES),
         // The router's rows ride in the shared expert's gate|up GEMM.
