@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Static SASS figures of the expert GEMV launches `pagedweight sass-gemv` wrote.
+"""Static SASS figures of the expert GEMV launches `pw-bench sass-gemv` wrote.
 
 For each `.cu` in DIR (see its `index.json`): `nvcc -cubin -arch=sm_90a -Xptxas -v` gives
 registers, spills and stack; `cuobjdump -sass` gives the machine code, in which the inner loops

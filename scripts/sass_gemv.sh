@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Static SASS of the expert GEMV on sm_90a without a GPU: `pagedweight sass-gemv` writes the
+# Static SASS of the expert GEMV on sm_90a without a GPU: `pw-bench sass-gemv` writes the
 # CUDA C++ of the three models' routed launches, CUDA 13.0's nvcc (the GPU machine's toolkit
 # and driver generation: register allocation differs between releases, 13.5 gave the gated
 # GEMV 99 registers where 13.0 gives 78) compiles it, cuobjdump disassembles it and
@@ -15,6 +15,6 @@ if [ ! -x "$TOOLS/nvidia/cu13/bin/nvdisasm" ]; then
     nvidia-cuda-cuobjdump==13.2.51 nvidia-cuda-nvdisasm==13.2.51
 fi
 export PATH="$TOOLS/nvidia/cu13/bin:$PATH"
-BIN=${PAGEDWEIGHT:-${CARGO_TARGET_DIR:-target}/release/pagedweight}
+BIN=${PW_BENCH:-${CARGO_TARGET_DIR:-target}/release/pw-bench}
 "$BIN" sass-gemv --out "$OUT" "$@"
 python3 "$(dirname "$0")/sass_gemv.py" "$OUT"

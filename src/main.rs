@@ -1,16 +1,5 @@
 //! The `pagedweight` command-line tool: one binary, one subcommand per job.
 
-mod bench;
-mod bench_decode;
-mod bench_dense;
-mod bench_pages;
-#[cfg(any(feature = "cuda", feature = "wgpu"))]
-mod bench_prefill;
-mod bench_raise;
-mod bench_serve;
-#[cfg(feature = "cuda")]
-mod sass_gemv;
-
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 use pw_format::{ApBlock, Checkpoint, MANIFEST_FILE, StFile};
@@ -63,31 +52,6 @@ enum Command {
     /// Token perplexity over a text file in disjoint windows; prints
     /// {"ppl":…,"tokens":…,"expert_bytes":…}. Accepts quantized checkpoints (--bits).
     EvalPpl(eval_cmd::EvalPplArgs),
-    /// GPU benchmark of the bit-plane kernels on the expert shapes of Mixtral,
-    /// Qwen1.5-MoE and Gemma-4 (single blocks at 1..16 tokens and whole
-    /// grouped layers, bits 3..8), against the streaming read bandwidth
-    /// measured in the same run. Writes JSON records to --out.
-    BenchKernels(bench::BenchKernelsArgs),
-    /// GPU benchmark of the fused decode step (pw-decode) of a Mixtral-8x7B-shaped model with
-    /// synthetic weights at several batch sizes, against bytes read / measured bandwidth.
-    BenchDecode(bench_decode::BenchDecodeArgs),
-    /// GPU benchmark of the weight page table: host→GPU reload bandwidth through the mover vs a
-    /// plain pinned copy, and a Mixtral-8x7B-shaped decode step's expert work with and without
-    /// pages reloading in the background (JSON to --out).
-    BenchPages(bench_pages::BenchPagesArgs),
-    /// GPU check and benchmark of page raisings in the fast decode path: a model raised 3 → 8
-    /// bits through the decoder's mover equals one loaded at 8 bits (greedy tokens, logits),
-    /// and a full-size shape keeps decoding while its pages are raised (GB/s, step times).
-    BenchRaise(bench_raise::BenchRaiseArgs),
-    /// GPU benchmark of serving: a stream of requests at a fixed arrival rate through the
-    /// engine over a synthetic full-size model under a fixed memory limit, experts pinned at
-    /// 8 bits vs the planner free to lower them. Writes JSON records to --out.
-    BenchServe(bench_serve::BenchServeArgs),
-    /// Writes the CUDA C++ of the routed expert GEMV launches of the three models as the CUDA
-    /// runtime compiles them on the H200, without a GPU (`scripts/sass_gemv.sh` reads their
-    /// registers and instructions per weight off `sm_90a` SASS).
-    #[cfg(feature = "cuda")]
-    SassGemv(sass_gemv::SassGemvArgs),
     /// Serve the model over an OpenAI-compatible HTTP API (continuous batching), or complete
     /// one prompt with --once.
     Serve(pagedweight::serve_cmd::ServeArgs),
@@ -122,13 +86,6 @@ fn main() -> Result<()> {
         Command::QuantizeTensor(args) => quantize_tensor(&args),
         Command::Logits(args) => models_cmd::logits(&args),
         Command::Generate(args) => models_cmd::generate(&args),
-        Command::BenchKernels(args) => bench::bench_kernels(&args),
-        Command::BenchDecode(args) => bench_decode::bench_decode(&args),
-        Command::BenchPages(args) => bench_pages::bench_pages(&args),
-        Command::BenchRaise(args) => bench_raise::bench_raise(&args),
-        Command::BenchServe(args) => bench_serve::bench_serve(&args),
-        #[cfg(feature = "cuda")]
-        Command::SassGemv(args) => sass_gemv::sass_gemv(&args),
         Command::Quantize(args) => quantize_cmd::quantize(&args),
         Command::EvalPpl(args) => eval_cmd::eval_ppl(&args),
         Command::Serve(args) => pagedweight::serve_cmd::serve_command(&args),

@@ -54,7 +54,7 @@ pub fn gelu_tanh(x: f32) -> f32 {
     0.5 * x * (1.0 + (0.797_884_6 * (x + 0.044715 * x * x * x)).tanh())
 }
 
-/// How a dense MLP's down projection reads its gate|up rows (see [`dense_gemm_act`]).
+/// A dense MLP's gate|up rows as [`gated_act`] reads them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GatedInput {
     /// The activation of the gate half (not [`Activation::None`]).
@@ -102,10 +102,9 @@ pub fn gated_act_kernel(
     }
 }
 
-/// The activation of a dense MLP's gate|up rows as a launch of its own ([`gated_act_kernel`]),
-/// for batches where [`crate::dense::dense_gemm_act`] would recompute it too often (see
-/// [`crate::dense::FUSED_ACT_MAX_TOKENS`]); the shared expert's sigmoid gate is a per-token
-/// scale, so it is applied here and the down projection reads plain rows. Rows of `out` are
+/// The activation of a dense MLP's gate|up rows as a launch of its own ([`gated_act_kernel`])
+/// between its two dense GEMMs; the shared expert's sigmoid gate is a per-token scale, so it
+/// is applied here and the down projection reads plain rows. Rows of `out` are
 /// `out_stride` apart (`inter` for packed rows; `2 · inter` leaves each in the gate half of a
 /// gate|up-shaped row, what [`crate::Activation::Applied`] reads).
 ///
@@ -148,8 +147,7 @@ pub fn gated_act<R: Runtime>(
 }
 
 /// `out[t, i] = act(x[t, i]) · x[t, inter + i]` (· `sigmoid(x[t, 2·inter])` when `gated`) of
-/// rows of `stride`, on the CPU: the input [`crate::dense::dense_gemm_act`] reads (the
-/// reference of its fused activation).
+/// rows of `stride`, on the CPU: the reference of [`gated_act`].
 pub fn gated_act_reference(x: &[f32], inter: usize, stride: usize, act: Activation, gated: bool) -> Vec<f32> {
     let f = |g: f32| if act == Activation::SiluMul { silu(g) } else { gelu_tanh(g) };
     x.chunks(stride)
@@ -174,7 +172,7 @@ mod tests {
     /// f32 arithmetic in another order than the CPU (plane sums), plus GPU exp/tanh.
     const FAMILY_TOL: f32 = 2e-5;
 
-    /// The activation as a launch of its own (batches above `FUSED_ACT_MAX_TOKENS`): against
+    /// The activation as a launch of its own: against
     /// `gated_act_reference`, with and without the sigmoid gate column, SiLU and GELU, a width that
     /// ends mid-cube; a stride without room for the gate column is refused.
     #[test]

@@ -63,8 +63,7 @@ pub use attention::{PagedAttnShape, RowLayout};
 pub use bandwidth::{stream_read, stream_read_reference};
 pub use dense::mma::{MMA_MIN_TOKENS, MmaMode, MmaTuning, dense_mma_supported};
 pub use dense::{
-    DenseGemm, FUSED_ACT_MAX_TOKENS, dense_gemm, dense_gemm_act, dense_gemm_act_reference, dense_gemm_normed,
-    dense_gemm_normed_reference, dense_gemm_reference,
+    DenseGemm, dense_gemm, dense_gemm_normed, dense_gemm_normed_reference, dense_gemm_reference,
 };
 pub use dequantize::{ap_dequantize, ap_dequantize_reference};
 pub use device::{DeviceArray, KernelError, read_f32, read_u32, sync};

@@ -1,17 +1,13 @@
 //! Shared test setup: the wgpu client, random inputs and the closeness check.
 
 use cubecl::prelude::*;
-use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
+use cubecl::wgpu::WgpuRuntime;
 use pw_format::ApBlock;
 use rand::Rng;
 use rand::rngs::StdRng;
 
 pub(crate) fn client() -> ComputeClient<WgpuRuntime> {
-    if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
-        // SAFETY: set once before any thread reads the environment.
-        unsafe { std::env::set_var("XDG_RUNTIME_DIR", std::env::temp_dir()) };
-    }
-    WgpuRuntime::client(&WgpuDevice::DefaultDevice)
+    pw_testkit::wgpu_client()
 }
 
 pub(crate) fn random_block(rng: &mut StdRng, rows: usize, cols: usize) -> ApBlock {

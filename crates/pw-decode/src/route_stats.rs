@@ -97,7 +97,6 @@ impl RouteStats {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
     use kernels_cubecl::PoolSlot;
     use kernels_cubecl::{RouteBuffers, expert_slot_words, moe_route_counted, route_reference};
 
@@ -106,11 +105,7 @@ mod tests {
 
     #[test]
     fn route_stats_matches_reference() {
-        if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
-            // SAFETY: set once before any thread reads the environment.
-            unsafe { std::env::set_var("XDG_RUNTIME_DIR", std::env::temp_dir()) };
-        }
-        let client = WgpuRuntime::client(&WgpuDevice::DefaultDevice);
+        let client = pw_testkit::wgpu_client();
         let shape = MoeShape { experts: 8, k: 2, renormalize: true, hidden: 32, inter: 16 };
         let (layers, mut state) = (3usize, 12345u64);
         let slot = |rows, cols| PoolSlot { plane_off: 0, lut_off: 0, rows, cols, bits: 4 };

@@ -1,7 +1,6 @@
 //! The dense f16 skinny GEMM of a decode step (projections, dense MLPs, LM heads):
 //! `y (+)= x · Wᵀ (+ bias)` with `W` f16 `[n, k]` row-major, optionally reading `x` through an
-//! RMSNorm ([`RowNorm`]) or a gated activation ([`GatedInput`]) so neither needs a launch of
-//! its own. It runs on the plain SIMT kernel ([`simt`]) or on the matrix units ([`mma`]).
+//! RMSNorm ([`RowNorm`]) so the norm needs no launch of its own. It runs on the plain SIMT kernel ([`simt`]) or on the matrix units ([`mma`]).
 
 pub mod mma;
 pub mod simt;
@@ -11,7 +10,6 @@ mod tests;
 use cubecl::prelude::*;
 use half::f16;
 
-use crate::activation::{GatedInput, gated_act_reference};
 use crate::device::{bad, need};
 use crate::norms::{RowNorm, rms_norm_reference};
 use crate::pool::MAX_TOKENS;
@@ -86,42 +84,11 @@ pub fn dense_gemm_normed<R: Runtime>(
     dense_gemm_launch(client, g, tokens, meta, x, input, w, bias, y)
 }
 
-/// Most tokens for which a dense MLP's down projection should apply the activation in its
-/// loads ([`dense_gemm_act`]): each plane recomputes it for its rows, so the cost grows with
-/// tokens × rows / 2; above this run [`crate::activation::gated_act`] then [`dense_gemm`].
-/// None: even at batch 1 the fused loads (and their registers) cost more than the
-/// activation's own launch.
-pub const FUSED_ACT_MAX_TOKENS: usize = 0;
-
-/// [`dense_gemm`] over `act(gate) · up` (· `sigmoid(x[t, 2k])` when `gated`) of the gate|up
-/// rows `x`, the down projection of a dense MLP with its activation fused into the input
-/// loads (as [`crate::Activation`] does in the expert kernels): no activation launch.
-///
-/// # Shapes
-/// - `x`: `[tokens, a.stride]` (gate `[0, k)`, up `[k, 2k)`, gate column `2k`); `w`: `[n, k]`;
-///   `y`: `[tokens, n]`
-#[allow(clippy::too_many_arguments)]
-pub fn dense_gemm_act<R: Runtime>(
-    client: &ComputeClient<R>,
-    g: DenseGemm,
-    tokens: usize,
-    meta: &DeviceArray,
-    x: &DeviceArray,
-    a: GatedInput,
-    w: &DeviceArray,
-    bias: &DeviceArray,
-    y: &DeviceArray,
-) -> Result<(), KernelError> {
-    a.check("dense_gemm_act", g.k)?;
-    dense_gemm_launch(client, g, tokens, meta, x, GemmInput::Act(a), w, bias, y)
-}
-
 /// What the dense GEMM does to `x` while loading it.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum GemmInput<'a> {
     Plain,
     Norm(RowNorm<'a>),
-    Act(GatedInput),
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -139,11 +106,7 @@ fn dense_gemm_launch<R: Runtime>(
     if tokens > MAX_TOKENS {
         return Err(bad(format!("dense_gemm: {tokens} tokens, at most {MAX_TOKENS}")));
     }
-    let x_stride = match input {
-        GemmInput::Act(a) => a.stride,
-        _ => g.k,
-    };
-    need("dense_gemm x", x, tokens * x_stride)?;
+    need("dense_gemm x", x, tokens * g.k)?;
     need("dense_gemm w", w, g.n * g.k)?;
     need("dense_gemm y", y, tokens * g.n)?;
     if g.bias {
@@ -162,7 +125,6 @@ fn dense_gemm_launch<R: Runtime>(
         MmaMode::Always(t) => Some(t),
     };
     if let Some(tuning) = tuning
-        && !matches!(input, GemmInput::Act(_))
         && tokens <= mma::MMA_MAX_TOKENS
         && g.k.is_multiple_of(mma::MMA_STEP_COLS)
         && mma::dense_mma_supported(client)
@@ -174,7 +136,7 @@ fn dense_gemm_launch<R: Runtime>(
         mma::launch(client, g, tuning, tokens, meta, x, norm, w, bias, y);
         return Ok(());
     }
-    simt::launch(client, g, tokens, meta, x, input, x_stride, w, bias, y);
+    simt::launch(client, g, tokens, meta, x, input, w, bias, y);
     Ok(())
 }
 
@@ -206,18 +168,4 @@ pub fn dense_gemm_normed_reference(
     y: &mut [f32],
 ) {
     dense_gemm_reference(g, &rms_norm_reference(x, norm_w, eps, offset), w, bias, y);
-}
-
-/// CPU reference of [`dense_gemm_act`]: [`gated_act_reference`] of the
-/// gate|up rows, then [`dense_gemm_reference`]; updates `y` in place.
-pub fn dense_gemm_act_reference(
-    g: DenseGemm,
-    x: &[f32],
-    a: GatedInput,
-    w: &[f16],
-    bias: &[f32],
-    y: &mut [f32],
-) {
-    let xa = gated_act_reference(x, g.k, a.stride, a.act, a.gated);
-    dense_gemm_reference(g, &xa, w, bias, y);
 }

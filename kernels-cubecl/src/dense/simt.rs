@@ -5,7 +5,6 @@ use half::f16;
 
 use super::{DenseGemm, GemmInput};
 use crate::DeviceArray;
-use crate::activation::act_fn;
 use crate::plane::warp_sum;
 use crate::pool::token_bucket;
 
@@ -24,13 +23,6 @@ use crate::pool::token_bucket;
 /// token count) and sums the squares of the `x` values it reads; a plane reads every column
 /// of each token, so one more `plane_sum` per token gives `Σ x²` and the scale is applied
 /// after the row's reduction: no separate norm launch, no extra pass over memory.
-///
-/// With `act` (an [`crate::Activation`] code) `x` is a dense MLP's gate|up output, rows of
-/// `xs` vectors: the GEMM reads `act(gate) · up` while loading it (as the expert kernels stage
-/// their input), and with `gated` scales each token's result by the sigmoid of the row's
-/// column `2·k` (Qwen's shared-expert gate, a per-token scale applied after the reduction
-/// like the norm's), so the activation needs no launch of its own. Without `act`, `xs = k /
-/// vec`.
 #[cube(launch_unchecked)]
 // A comptime switch around a runtime test stays two `if`s: CubeCL expands them differently.
 #[allow(clippy::too_many_arguments, clippy::collapsible_if)]
@@ -52,9 +44,6 @@ pub fn dense_gemm_kernel<N: Size>(
     #[comptime] has_bias: bool,
     #[comptime] accumulate: bool,
     #[comptime] norm: bool,
-    #[comptime] act: u32,
-    #[comptime] xs: usize,
-    #[comptime] gated: bool,
 ) {
     let lane = UNIT_POS as usize % plane_size;
     let row0 = (CUBE_POS_X as usize * warps + UNIT_POS as usize / plane_size) * rows;
@@ -118,8 +107,6 @@ pub fn dense_gemm_kernel<N: Size>(
                 rows,
                 vec,
                 norm,
-                act,
-                xs,
             );
         }
     }
@@ -131,7 +118,7 @@ pub fn dense_gemm_kernel<N: Size>(
         }
         dense_fma(
             x, &wv, norm_w, off, 0usize, 1usize, v, kv, tokens, &mut acc, &mut ss, max_tokens, rows, vec,
-            norm, act, xs,
+            norm,
         );
     }
     let mut eps = 0.0f32;
@@ -152,12 +139,6 @@ pub fn dense_gemm_kernel<N: Size>(
             let mut s = warp_sum(acc[r * max_tokens + t], plane_size);
             if comptime![norm] {
                 s *= ss[t];
-            }
-            if comptime![gated] {
-                if t < tokens {
-                    // The shared expert's gate: column 2·k of the gate|up row, a vector start.
-                    s *= 1.0 / (1.0 + (-x[t * xs + 2 * kv][0]).exp());
-                }
             }
             if comptime![has_bias] {
                 s += bias[min(row, n - 1)];
@@ -194,8 +175,6 @@ fn dense_fma<N: Size>(
     #[comptime] rows: usize,
     #[comptime] vec: usize,
     #[comptime] norm: bool,
-    #[comptime] act: u32,
-    #[comptime] xs: usize,
 ) {
     // The row's weights in f32 once, whatever the token count.
     let mut wf = Array::<f32>::new(rows * vec);
@@ -224,20 +203,11 @@ fn dense_fma<N: Size>(
     #[unroll]
     for t in 0..max_tokens {
         let tr = min(t, last);
-        let xv = x[tr * xs + v];
+        let xv = x[tr * kv + v];
         let mut xf = Array::<f32>::new(vec);
-        if comptime![act == 0] {
-            #[unroll]
-            for i in 0..vec {
-                xf[i] = xv[i];
-            }
-        } else {
-            // act(gate) · up, the up half `k` columns (`kv` vectors) further on.
-            let uv = x[tr * xs + kv + v];
-            #[unroll]
-            for i in 0..vec {
-                xf[i] = act_fn(xv[i], act) * uv[i];
-            }
+        #[unroll]
+        for i in 0..vec {
+            xf[i] = xv[i];
         }
         if comptime![norm] {
             #[unroll]
@@ -255,8 +225,7 @@ fn dense_fma<N: Size>(
     }
 }
 
-/// Launches [`dense_gemm_kernel`] (arguments checked by the caller); `x_stride` is the row
-/// stride of `x`.
+/// Launches [`dense_gemm_kernel`] (arguments checked by the caller).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn launch<R: Runtime>(
     client: &ComputeClient<R>,
@@ -265,20 +234,15 @@ pub(crate) fn launch<R: Runtime>(
     meta: &DeviceArray,
     x: &DeviceArray,
     input: GemmInput<'_>,
-    x_stride: usize,
     w: &DeviceArray,
     bias: &DeviceArray,
     y: &DeviceArray,
 ) {
     let plane = client.properties().hardware.plane_size_max as usize;
     let warps = 8;
-    // The widest load the device likes that divides the row (16 bytes of halves on CUDA) and
-    // the row stride of `x`.
-    let vec = client
-        .io_optimized_vector_sizes(2)
-        .filter(|v| *v <= 8 && g.k.is_multiple_of(*v) && x_stride.is_multiple_of(*v))
-        .max()
-        .unwrap_or(1);
+    // The widest load the device likes that divides the row (16 bytes of halves on CUDA).
+    let vec =
+        client.io_optimized_vector_sizes(2).filter(|v| *v <= 8 && g.k.is_multiple_of(*v)).max().unwrap_or(1);
     let tb = token_bucket(tokens);
     // Two rows per plane share each `x` vector (and with a norm its weight vector and Σ x²)
     // once there are two tokens or a norm; a plain input at one token keeps one row per plane,
@@ -291,13 +255,9 @@ pub(crate) fn launch<R: Runtime>(
         GemmInput::Norm(nm) => (nm.w, nm.params),
         _ => (x, meta),
     };
-    let (act, gated) = match input {
-        GemmInput::Act(a) => (a.act.code(), a.gated),
-        _ => (0, false),
-    };
-    // SAFETY: sizes checked above; the kernel reads `meta[0] ≤ tokens` rows of `x_stride`;
+    // SAFETY: sizes checked above; the kernel reads `meta[0] ≤ tokens` rows of `k`;
     // `w` holds `n · k` halves, i.e. `n · k / vec` vectors, and `x` at least
-    // `tokens · x_stride / vec`, the norm weight (when read) `k / vec` (whole buffers, so their
+    // `tokens · k / vec`, the norm weight (when read) `k / vec` (whole buffers, so their
     // starts are aligned for any vector width).
     unsafe {
         dense_gemm_kernel::launch_unchecked::<R>(
@@ -322,9 +282,6 @@ pub(crate) fn launch<R: Runtime>(
             g.bias,
             g.accumulate,
             matches!(input, GemmInput::Norm(_)),
-            act,
-            x_stride / vec,
-            gated,
         )
     };
 }

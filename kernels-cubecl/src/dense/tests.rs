@@ -87,51 +87,6 @@ fn dense_gemm_normed_matches_reference() {
     }
 }
 
-/// f32 arithmetic in another order than the CPU (plane sums), plus GPU exp/tanh.
-const FAMILY_TOL: f32 = 2e-5;
-
-/// A dense MLP's down projection over `act(gate) · up` (· the sigmoid gate) of its gate|up
-/// rows, the activation fused into the GEMM's loads: against the gated activation's reference
-/// then the plain GEMM's; SiLU with and without the gate column (rows padded to a multiple of
-/// 8 as the decoder lays them out), GELU; widths with and without the 4-vector rounds.
-#[test]
-fn dense_gemm_act_matches_reference() {
-    use half::f16;
-    let client = client();
-    let mut rng = StdRng::seed_from_u64(11);
-    let up = |v: &[f32]| DeviceArray::from_slice(&client, v);
-    for inter in [40usize, 520] {
-        for (act, gated) in
-            [(Activation::SiluMul, false), (Activation::SiluMul, true), (Activation::GeluTanhMul, false)]
-        {
-            let stride = if gated { (2 * inter + 1).next_multiple_of(8) } else { 2 * inter };
-            let a = GatedInput { act, stride, gated };
-            for (tokens, bias, accumulate) in [(1usize, false, false), (5, true, true), (16, false, true)] {
-                let meta = DeviceArray::from_slice(&client, &[tokens as u32]);
-                let d = DenseGemm { n: 70, k: inter, bias, accumulate, mma: MmaMode::AUTO, plain_rows: None };
-                let x = rand_vec(&mut rng, tokens * stride, 3.0);
-                let wt: Vec<f16> =
-                    rand_vec(&mut rng, d.n * d.k, 0.5).into_iter().map(f16::from_f32).collect();
-                let b = rand_vec(&mut rng, d.n, 1.0);
-                let y0 = rand_vec(&mut rng, tokens * d.n, 1.0);
-                let y = up(&y0);
-                let wd = DeviceArray::from_slice(&client, &wt);
-                dense_gemm_act(&client, d, tokens, &meta, &up(&x), a, &wd, &up(&b), &y).unwrap();
-                let mut want = y0.clone();
-                dense_gemm_act_reference(d, &x, a, &wt, &b, &mut want);
-                let what = format!("dense_gemm_act {a:?}, k {inter}, {tokens} tokens");
-                assert_close(&read_f32(&client, &y).unwrap(), &want, FAMILY_TOL, &what);
-            }
-        }
-    }
-    let (meta, x) = (DeviceArray::from_slice(&client, &[1u32]), up(&[0.0; 80]));
-    let d = DenseGemm { n: 1, k: 40, bias: false, accumulate: false, mma: MmaMode::AUTO, plain_rows: None };
-    let bad = GatedInput { act: Activation::SiluMul, stride: 80, gated: true };
-    assert!(dense_gemm_act(&client, d, 1, &meta, &x, bad, &x, &x, &x).is_err(), "no gate column");
-    let bad = GatedInput { act: Activation::None, stride: 80, gated: false };
-    assert!(dense_gemm_act(&client, d, 1, &meta, &x, bad, &x, &x, &x).is_err(), "no activation");
-}
-
 /// `DenseGemm::mma` on any device: the matrix-unit kernel where the device has TF32 `mma`
 /// (its inputs rounded to TF32: relative error ≤ 2⁻¹¹ per `x`), the plain kernel elsewhere
 /// (lavapipe); both within [`DENSE_MMA_RTOL`] of the reference, plain and normed, with bias

@@ -1,4 +1,4 @@
-//! `pagedweight bench-kernels`: GPU timings of the bit-plane kernels on the
+//! `pw-bench bench-kernels`: GPU timings of the bit-plane kernels on the
 //! three models' expert shapes, written as JSON records.
 //!
 //! Timing: batches of back-to-back launches, each batch timed by device events around it
@@ -49,10 +49,10 @@ pub struct BenchKernelsArgs {
     /// Override the rows of one GEMV warp unit.
     #[arg(long)]
     pub gemv_rows: Option<usize>,
-    /// Also time the GEMV kernel wherever it applies, the tiled kernel alone and the first
-    /// (unspecialised) kernel, for ratios in the same run.
+    /// Also time the other variants of the expert kernel (the GEMV wherever it applies, the
+    /// tiled kernel alone, the GEMV's staging and prefetch options), for ratios in the same run.
     #[arg(long)]
-    pub compare_v1: bool,
+    pub all_variants: bool,
     /// Only these bit-widths (comma-separated; default 3..=8).
     #[arg(long, value_delimiter = ',')]
     pub bits: Vec<u8>,
@@ -65,7 +65,7 @@ pub struct BenchKernelsArgs {
     /// Skip the whole-layer runs.
     #[arg(long)]
     pub no_layers: bool,
-    /// Time only these variants (comma-separated names from `--compare-v1`'s list, which they
+    /// Time only these variants (comma-separated names from `--all-variants`' list, which they
     /// imply; default: all that the other options select).
     #[arg(long, value_delimiter = ',')]
     pub variants: Vec<String>,
@@ -89,9 +89,8 @@ pub fn bench_kernels(a: &BenchKernelsArgs) -> Result<()> {
             let device = cubecl::cuda::CudaDevice::new(0);
             let mut records = run::<cubecl::cuda::CudaRuntime>(&device, a)?;
             if !a.no_prefill && !a.dense_only {
-                records.extend(crate::bench_prefill::prefill_records::<cubecl::cuda::CudaRuntime>(
-                    &device, a.quick,
-                )?);
+                records
+                    .extend(crate::prefill::prefill_records::<cubecl::cuda::CudaRuntime>(&device, a.quick)?);
             }
             records
         }
@@ -190,9 +189,9 @@ fn check_block<R: Runtime>(
 /// launches of many items of ≤ 2 tokens, the tiled kernel otherwise), and when asked the GEMV
 /// wherever it applies, the tiled kernel alone, and ≤ 4-bit LUTs from shared memory instead of
 /// the lanes' registers.
-fn variants(cfg: GemmConfig, compare_v1: bool) -> Vec<(&'static str, GemmConfig)> {
+fn variants(cfg: GemmConfig, all_variants: bool) -> Vec<(&'static str, GemmConfig)> {
     let mut v = vec![("specialized", cfg)];
-    if compare_v1 {
+    if all_variants {
         v.push(("gemv", GemmConfig { gemv_min_items: 1, ..cfg }));
         v.push(("tiled", GemmConfig { gemv: false, ..cfg }));
         if cfg.lut_in_lanes {
@@ -291,7 +290,7 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchKernelsArgs) -> Result<Vec<Value
     );
 
     if !a.no_dense {
-        records.extend(crate::bench_dense::dense_records(
+        records.extend(crate::dense::dense_records(
             &client,
             a.rotate_bytes,
             a.launches,
@@ -348,8 +347,8 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchKernelsArgs) -> Result<Vec<Value
                             "max_rel_err": err}));
                     }
                 }
-                // Named variants are picked from the whole list, `--compare-v1` or not.
-                for (variant, vcfg) in variants(cfg, a.compare_v1 || !a.variants.is_empty())
+                // Named variants are picked from the whole list, `--all-variants` or not.
+                for (variant, vcfg) in variants(cfg, a.all_variants || !a.variants.is_empty())
                     .into_iter()
                     .filter(|(v, _)| a.variants.is_empty() || a.variants.iter().any(|w| w == v))
                 {
@@ -438,7 +437,7 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchKernelsArgs) -> Result<Vec<Value
                     (gi, gd, di, dd)
                 })
                 .collect();
-            for (variant, vcfg) in variants(cfg, a.compare_v1) {
+            for (variant, vcfg) in variants(cfg, a.all_variants) {
                 let t = time_batches(&client, a.launches / 4 + 1, |i| {
                     let (gi, gd, di, dd) = &plans[i % plans.len()];
                     ap_gemm(&client, vcfg, &planes, &luts, gi, gd, &x, &h, Activation::None)

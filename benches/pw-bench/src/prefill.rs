@@ -9,7 +9,7 @@ use half::f16;
 use kernels_cubecl::{DeviceArray, PoolImage, ap_dequantize, sync};
 use serde_json::{Value, json};
 
-use crate::bench::{gaussian_block, time_batches};
+use crate::kernels::{gaussian_block, time_batches};
 
 type B<R> = CubeBackend<R, f16, i32, u8>;
 

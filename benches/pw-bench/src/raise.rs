@@ -1,4 +1,4 @@
-//! `pagedweight bench-raise`: page raisings of the fast decode path on the device, through the
+//! `pw-bench bench-raise`: page raisings of the fast decode path on the device, through the
 //! decoder's own mover (`pw_pages::device_mover`: on CUDA asynchronous pinned copies on a
 //! stream of their own, elsewhere copies on the kernels' queue).
 //!
@@ -31,7 +31,7 @@ pub struct BenchRaiseArgs {
     #[arg(long)]
     pub out: PathBuf,
     /// HF model directory of the exactness check.
-    #[arg(long, default_value = pagedweight::DEFAULT_MODEL)]
+    #[arg(long, default_value = crate::DEFAULT_MODEL)]
     pub check_model: PathBuf,
     /// Shape of the speed measurement (see `bench-decode --models`).
     #[arg(long, default_value = "qwen1.5-moe-a2.7b")]
@@ -144,7 +144,7 @@ fn median(v: &mut [f64]) -> f64 {
 }
 
 fn speed<R: Runtime>(client: &ComputeClient<R>, a: &BenchRaiseArgs) -> Result<Value> {
-    let mut cfg = crate::bench_decode::shape(&a.model)?;
+    let mut cfg = crate::decode::shape(&a.model)?;
     let layers = a.layers.min(cfg.layers);
     cfg.layers = layers;
     cfg.sparse.truncate(layers);

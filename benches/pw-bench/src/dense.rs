@@ -11,7 +11,7 @@ use kernels_cubecl::{
 };
 use serde_json::{Value, json};
 
-use crate::bench::time_batches;
+use crate::kernels::time_batches;
 
 /// Dense shapes `(model, matrix, n, k)` of the three models (DESIGN.md section 3).
 const DENSE_SHAPES: [(&str, &str, usize, usize); 10] = [

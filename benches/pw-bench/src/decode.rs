@@ -1,4 +1,4 @@
-//! `pagedweight bench-decode`: one fused decode step (`pw-decode`) of full-size Mixtral-8x7B,
+//! `pw-bench bench-decode`: one fused decode step (`pw-decode`) of full-size Mixtral-8x7B,
 //! Qwen1.5-MoE-A2.7B and Gemma-4-26B-A4B shapes with synthetic weights, per batch size,
 //! context length and committed expert bits, against the bytes the step must read divided by
 //! the streaming read bandwidth measured in the same run.
@@ -244,7 +244,7 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
     let mut records = Vec::new();
     let tiny = a.models.iter().all(|m| m.starts_with("tiny"));
     let words = if tiny { 1 << 22 } else { 1 << 29 };
-    let gbps = (words * 4) as f64 / crate::bench::stream_read_secs(&client, words)? / 1e9;
+    let gbps = (words * 4) as f64 / crate::kernels::stream_read_secs(&client, words)? / 1e9;
     let max_batch = a.batches.iter().copied().max().unwrap_or(1);
     let max_ctx = a.ctx.iter().copied().max().unwrap_or(0);
     let block = 16;

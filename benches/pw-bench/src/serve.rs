@@ -1,4 +1,4 @@
-//! `pagedweight bench-serve`: a stream of requests (mixed prompt and output lengths, arrivals
+//! `pw-bench bench-serve`: a stream of requests (mixed prompt and output lengths, arrivals
 //! at a fixed rate) through the serving engine over the fast path of a synthetic full-size
 //! model under a fixed device-memory limit, once with the experts pinned at 8 bits and once
 //! with the planner free to lower them. Records throughput, time to first token, time per
@@ -207,7 +207,7 @@ where
     pw_decode::Decoder<R, half::f16>: Send,
 {
     let client = R::client(device);
-    let cfg = crate::bench_decode::shape(if a.model == "tiny" { "tiny-mixtral" } else { &a.model })?;
+    let cfg = crate::decode::shape(if a.model == "tiny" { "tiny-mixtral" } else { &a.model })?;
     let max_context = a.prompt[1] + a.output[1] + 16;
     let kv_per_token = cfg.attn.iter().map(|x| (x.kv_heads * x.head_dim * 2 * 2) as u64).sum::<u64>();
     let dense = cfg.dense_bytes();

@@ -1,4 +1,4 @@
-//! `pagedweight sass-gemv`: the CUDA C++ of the routed expert GEMV launches of the three
+//! `pw-bench sass-gemv`: the CUDA C++ of the routed expert GEMV launches of the three
 //! models' decode steps, as the CUDA runtime would compile them on the H200, written without
 //! a GPU (the IR is expanded on the wgpu client); `scripts/sass_gemv.sh` compiles them for
 //! `sm_90a` and reads registers, spills and the inner loops' instructions per weight.
@@ -30,10 +30,6 @@ const MODELS: [(&str, usize, usize, usize, Activation); 3] = [
 /// Writes one `.cu` per (model, block, tokens, `x` staging, prefetch) and `index.json`.
 pub fn sass_gemv(a: &SassGemvArgs) -> Result<()> {
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
-    if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
-        // SAFETY: set before any thread of this process reads the environment.
-        unsafe { std::env::set_var("XDG_RUNTIME_DIR", std::env::temp_dir()) };
-    }
     let client = cubecl::wgpu::WgpuRuntime::client(&cubecl::wgpu::WgpuDevice::DefaultDevice);
     let hw = h200_hardware();
     let sms = hw.num_streaming_multiprocessors.unwrap_or(1) as usize;

@@ -1,4 +1,4 @@
-//! `pagedweight bench-pages`: the weight page table on the GPU.
+//! `pw-bench bench-pages`: the weight page table on the GPU.
 //!
 //! - `reload_gbps`: host→GPU reload bandwidth of pages through the table's mover (on CUDA the
 //!   asynchronous pinned-copy `CudaMover`): a set of reload pages raised from 3 to 8 bits at one
@@ -314,7 +314,7 @@ fn run<R: Runtime, M: Mover>(
         (256usize << 20).min(resident as usize / 4).max(1 << 20),
         a.layers * a.experts * a.bits as usize * (2 * i * h.div_ceil(32) + h * i.div_ceil(32)) * 4,
     );
-    let hbm_gbps = (hbm_words * 4) as f64 / crate::bench::stream_read_secs(client, hbm_words)? / 1e9;
+    let hbm_gbps = (hbm_words * 4) as f64 / crate::kernels::stream_read_secs(client, hbm_words)? / 1e9;
     let (idle_ms, busy_ms) = (median(idle) * 1e3, median(busy) * 1e3);
     table.audit().map_err(anyhow::Error::msg)?;
     Ok(json!({
