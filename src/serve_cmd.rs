@@ -52,6 +52,10 @@ pub struct ServeArgs {
     /// Most sequences decoded together.
     #[arg(long, default_value_t = 16)]
     pub max_batch: usize,
+    /// Tokens through the model per step, decodes and prompt chunks together (default: 2048,
+    /// at least --max-batch): longer prompts are prefilled in chunks across steps.
+    #[arg(long)]
+    pub max_step_tokens: Option<usize>,
     /// KV admission: `preempt` reserves what each sequence holds and preempts (then resumes by
     /// recomputation) the latest requests when the cache runs out; `reserve` reserves prompt +
     /// max_tokens up front.
@@ -312,7 +316,7 @@ where
         kv_budget_bytes,
         max_batch: args.max_batch,
         max_context,
-        max_prefill_tokens: 2048,
+        max_step_tokens: args.max_step_tokens.unwrap_or(2048.max(args.max_batch)),
         max_waiting: args.max_waiting,
         eos_token_ids,
     };

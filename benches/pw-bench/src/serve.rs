@@ -250,7 +250,7 @@ where
         kv_budget_bytes: capacity,
         max_batch: a.max_batch,
         max_context,
-        max_prefill_tokens: 4 * a.prompt[1],
+        max_step_tokens: (4 * a.prompt[1]).max(a.max_batch),
         max_waiting: 4096,
         eos_token_ids: vec![],
     };

@@ -13,9 +13,10 @@ use pw_models::{Sampler, SamplingConfig};
 use tokenizers::Tokenizer;
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
+use crate::schedule::{Candidate, Running, StepLimits, StepPlan, plan_step};
 use crate::{
-    BoundaryHook, BoundaryState, DecodeSlot, IncrementalDetokenizer, KvLayout, Metrics, PrefillSlot,
-    SeqOutcome, ServeError, StepError, StepModel, StopText,
+    BoundaryHook, BoundaryState, DecodeSlot, IncrementalDetokenizer, KvLayout, Metrics, PrefillOutcome,
+    PrefillSlot, ServeError, StepError, StepModel, StopText,
 };
 
 /// How admission reserves KV memory.
@@ -27,7 +28,7 @@ pub enum Admission {
     /// Reserve what a sequence holds plus its next token. When the running sequences outgrow
     /// the budget, the latest submitted ones are preempted: their KV is freed, their state
     /// (sampler, detokenizer, tokens so far) kept, and they resume before any new request by
-    /// recomputing prompt + generated tokens in one prefill. Their streams only see a pause.
+    /// recomputing prompt + generated tokens in prefill chunks. Their streams only see a pause.
     #[default]
     Preempt,
 }
@@ -55,9 +56,10 @@ pub struct EngineConfig {
     pub max_batch: usize,
     /// Longest sequence (prompt + generated tokens).
     pub max_context: usize,
-    /// Prompt tokens prefilled per step at most (one prompt is always allowed), so running
-    /// sequences keep decoding while long prompts arrive.
-    pub max_prefill_tokens: usize,
+    /// Tokens through the model per step at most, decodes and prompt chunks together (at
+    /// least `max_batch`, so every running sequence decodes each step): long prompts are split
+    /// across steps and running sequences keep decoding while they arrive.
+    pub max_step_tokens: usize,
     /// Most requests waiting for admission; beyond it `submit` refuses with
     /// [`ServeError::Overloaded`] (HTTP 429) instead of queueing without bound.
     pub max_waiting: usize,
@@ -408,6 +410,16 @@ impl Engine {
         if config.max_waiting == 0 {
             return Err(ServeError::invalid("max_waiting", "max_waiting must be at least 1"));
         }
+        if config.max_step_tokens < config.max_batch {
+            return Err(ServeError::invalid(
+                "max_step_tokens",
+                format!(
+                    "max_step_tokens ({}) must be at least max_batch ({}): every running sequence \
+                     decodes one token per step",
+                    config.max_step_tokens, config.max_batch
+                ),
+            ));
+        }
         let limits = Arc::new(Limits {
             vocab_size: model.vocab_size(),
             kv: model.kv_layout().clone(),
@@ -417,7 +429,7 @@ impl Engine {
         let metrics = Arc::new(Metrics::default());
         let mut model = model;
         // The paged memory's state from the start (a first boundary, before any step).
-        let memory = model.boundary().map_err(|e| ServeError::Model(e.to_string()))?;
+        let memory = model.boundary(0).map_err(|e| ServeError::Model(e.to_string()))?;
         metrics.update(|m| {
             m.kv_budget_bytes = config.kv_budget_bytes;
             m.weight_bytes = limits.weight_bytes;
@@ -489,10 +501,12 @@ struct Active {
     prompt_len: usize,
     /// Prompt then generated ids: what a preempted sequence recomputes when it resumes.
     tokens: Vec<u32>,
+    /// Leading `tokens` in the model's cache; the others go in with the coming steps (the
+    /// rest of the prompt in chunks, or the last generated token).
+    computed: usize,
     params: SamplingParams,
     sampler: Sampler,
     generated: usize,
-    last: u32,
     detok: IncrementalDetokenizer,
     stop: StopText,
     tx: UnboundedSender<Event>,
@@ -588,7 +602,6 @@ fn deliver(
     });
     a.last_token_at = Some(now);
     a.generated += 1;
-    a.last = tok;
     a.tokens.push(tok);
     let piece = match a.detok.push(tokenizer, tok) {
         Ok(p) => p,
@@ -665,8 +678,9 @@ impl Worker {
             }
             self.drop_cancelled();
             self.preempt();
-            let admitted = self.admit();
-            let tokens = self.step(admitted);
+            let plan = self.plan();
+            self.admit(plan.admit.len());
+            let tokens = self.step(plan);
             self.boundary(tokens);
         }
     }
@@ -726,42 +740,57 @@ impl Worker {
         }
     }
 
-    /// Moves sequences to the running set while the batch, the KV budget and the per-step
-    /// prefill allowance permit: preempted ones first (oldest request first), then queued
-    /// requests first come first served. Returns them with the tokens to prefill (a resumed
-    /// sequence recomputes its prompt and what it generated).
-    fn admit(&mut self) -> Vec<(Active, Vec<u32>)> {
-        let mut admitted: Vec<(Active, Vec<u32>)> = Vec::new();
-        let mut prefill_tokens = 0;
+    /// The step's plan ([`plan_step`]): running sequences oldest first, then the preempted
+    /// (oldest request first) and the queued requests as candidates.
+    fn plan(&mut self) -> StepPlan {
+        self.active.sort_by_key(|a| a.id);
+        let kv = &self.kv_layout;
+        let running: Vec<Running> =
+            self.active.iter().map(|a| Running { pending: a.tokens.len() - a.computed }).collect();
+        let batch = self.config.max_batch.min(self.batch_cap).max(1);
+        let room = batch.saturating_sub(self.active.len()).max(1);
+        let candidates: Vec<Candidate> = self
+            .preempted
+            .iter()
+            .map(|a| Candidate { tokens: a.tokens.len(), kv_bytes: kv.bytes_for(a.tokens.len()) })
+            .chain(self.waiting.iter().map(|p| {
+                let tokens = p.req.prompt.len();
+                let kv_bytes = match self.config.admission {
+                    Admission::Reserve => p.projected,
+                    Admission::Preempt => kv.bytes_for(tokens),
+                };
+                Candidate { tokens, kv_bytes }
+            }))
+            .take(room)
+            .collect();
+        let limits = StepLimits {
+            tokens: self.config.max_step_tokens,
+            batch,
+            kv_room: self.config.kv_budget_bytes.saturating_sub(self.reserved),
+        };
+        plan_step(&running, &candidates, limits)
+    }
+
+    /// Moves the first `n` candidates to the running set, preempted ones first, then queued
+    /// requests first come first served; each reserves its KV bytes and starts with an empty
+    /// cache (a resumed sequence recomputes its prompt and what it generated).
+    fn admit(&mut self, n: usize) {
         let mut prompt_tokens = 0;
-        loop {
-            let (len, need) = match (self.preempted.front(), self.waiting.front()) {
-                (Some(a), _) => (a.tokens.len(), self.kv_layout.bytes_for(a.tokens.len())),
-                (None, Some(p)) => {
-                    let len = p.req.prompt.len();
-                    let need = match self.config.admission {
-                        Admission::Reserve => p.projected,
-                        Admission::Preempt => self.kv_layout.bytes_for(len),
-                    };
-                    (len, need)
-                }
-                (None, None) => break,
-            };
-            if self.active.len() + admitted.len() >= self.config.max_batch.min(self.batch_cap)
-                || self.reserved + need > self.config.kv_budget_bytes
-                || (!admitted.is_empty() && prefill_tokens + len > self.config.max_prefill_tokens)
-            {
-                break;
-            }
-            prefill_tokens += len;
-            self.reserved += need;
+        for _ in 0..n {
             if let Some(mut a) = self.preempted.pop_front() {
-                a.reserved = need;
-                let input = a.tokens.clone();
-                admitted.push((a, input));
+                a.reserved = self.kv_layout.bytes_for(a.tokens.len());
+                a.computed = 0;
+                self.reserved += a.reserved;
+                self.active.push(a);
                 continue;
             }
             let Some(p) = self.waiting.pop_front() else { break };
+            let len = p.req.prompt.len();
+            let need = match self.config.admission {
+                Admission::Reserve => p.projected,
+                Admission::Preempt => self.kv_layout.bytes_for(len),
+            };
+            self.reserved += need;
             prompt_tokens += len as u64;
             let params = p.req.params;
             // Unseeded requests still get distinct, fixed streams.
@@ -774,97 +803,133 @@ impl Worker {
                 max_tokens: params.max_tokens,
                 stop_tokens: Vec::new(),
             });
-            let active = Active {
+            self.active.push(Active {
                 id: p.id,
                 prompt_len: len,
-                tokens: p.req.prompt.clone(),
+                detok: IncrementalDetokenizer::new(&p.req.prompt),
+                tokens: p.req.prompt,
+                computed: 0,
                 stop: StopText::new(&params.stop),
                 params,
                 sampler,
                 generated: 0,
-                last: 0,
-                detok: IncrementalDetokenizer::new(&p.req.prompt),
                 tx: p.tx,
                 reserved: need,
                 submitted: p.submitted,
                 last_token_at: None,
-            };
-            admitted.push((active, p.req.prompt));
+            });
         }
         if prompt_tokens > 0 {
             self.metrics.update(|m| m.prompt_tokens_total += prompt_tokens);
         }
-        admitted
     }
 
-    /// One step: a decode of every running sequence and the prefill of the newly admitted ones.
+    /// One step as `plan` says (the running sequences sorted oldest first, the admitted ones
+    /// after them): one model call for the sequences that decode, one for the prompt chunks.
     /// Returns the number of tokens generated.
-    fn step(&mut self, mut admitted: Vec<(Active, Vec<u32>)>) -> usize {
+    fn step(&mut self, plan: StepPlan) -> usize {
         let eos = std::mem::take(&mut self.config.eos_token_ids);
-        let mut tokens = 0;
         let mut ended: Vec<(Active, After)> = Vec::new();
-
-        if !self.active.is_empty() {
-            let mut running = std::mem::take(&mut self.active);
+        let (mut decode, mut prefill) = (Vec::new(), Vec::new());
+        let feed = plan.feed.into_iter().chain(plan.admit);
+        for (a, n) in std::mem::take(&mut self.active).into_iter().zip(feed) {
+            match n {
+                0 => self.active.push(a),
+                1 if a.computed > 0 && a.computed + 1 == a.tokens.len() => decode.push(a),
+                n => prefill.push((a, n)),
+            }
+        }
+        let mut tokens = 0;
+        if !decode.is_empty() {
             let model = &mut self.model;
             let result = {
-                let mut slots: Vec<DecodeSlot<'_>> = running
+                let mut slots: Vec<DecodeSlot<'_>> = decode
                     .iter_mut()
-                    .map(|a| DecodeSlot { seq: a.id, last: a.last, sampler: &mut a.sampler })
+                    .map(|a| DecodeSlot { seq: a.id, last: a.tokens[a.computed], sampler: &mut a.sampler })
                     .collect();
                 guarded(|| model.decode(&mut slots))
             };
-            match self.outcomes(result, running.len()) {
-                Ok(outcomes) => tokens += self.settle(running, outcomes, &eos, &mut ended),
-                Err(StepError::OutOfMemory(_)) if self.oom_strikes < OOM_RETRIES => {
-                    // Nothing ran: the latest request makes room (as in `preempt`), the others
-                    // decode next step.
-                    self.oom_strikes += 1;
-                    if running.len() > 1 {
-                        let newest = (0..running.len()).max_by_key(|&i| running[i].id).unwrap_or(0);
-                        let a = running.swap_remove(newest);
-                        self.requeue(a);
-                        self.metrics.update(|m| m.requests_preempted_total += 1);
-                    }
-                    self.batch_cap = running.len();
-                    self.active = running;
-                }
-                Err(e) => fail_all(running.into_iter(), &e.to_string(), &mut ended),
-            }
+            let result = result.map(|o| o.into_iter().map(|r| r.map(Some)).collect());
+            let fed = decode.into_iter().map(|a| (a, 1)).collect();
+            tokens += self.conclude(fed, result, &eos, &mut ended);
         }
-
-        if !admitted.is_empty() {
+        let prefill_tokens: usize = prefill.iter().map(|(_, n)| n).sum();
+        if !prefill.is_empty() {
             let model = &mut self.model;
             let result = {
-                let mut slots: Vec<PrefillSlot<'_>> = admitted
+                let mut slots: Vec<PrefillSlot<'_>> = prefill
                     .iter_mut()
-                    .map(|(a, p)| PrefillSlot { seq: a.id, prompt: p, sampler: &mut a.sampler })
+                    .map(|(a, n)| PrefillSlot {
+                        seq: a.id,
+                        start: a.computed,
+                        tokens: &a.tokens[a.computed..a.computed + *n],
+                        sample: a.computed + *n == a.tokens.len(),
+                        sampler: &mut a.sampler,
+                    })
                     .collect();
                 guarded(|| model.prefill(&mut slots))
             };
-            let admitted: Vec<Active> = admitted.into_iter().map(|(a, _)| a).collect();
-            match self.outcomes(result, admitted.len()) {
-                Ok(outcomes) => tokens += self.settle(admitted, outcomes, &eos, &mut ended),
-                Err(StepError::OutOfMemory(_)) if self.oom_strikes < OOM_RETRIES => {
-                    // Nothing ran: the new sequences wait, first in line, for the memory.
-                    self.oom_strikes += 1;
-                    self.batch_cap = self.active.len().max(1);
-                    for a in admitted {
-                        self.requeue(a);
-                    }
-                }
-                Err(e) => fail_all(admitted.into_iter(), &e.to_string(), &mut ended),
-            }
+            tokens += self.conclude(prefill, result, &eos, &mut ended);
         }
         if tokens > 0 {
             self.oom_strikes = 0;
         }
+        self.metrics.update(|m| {
+            m.step_prefill_tokens = prefill_tokens as u64;
+            m.prefill_tokens_total += prefill_tokens as u64;
+        });
+        self.end(ended);
+        self.config.eos_token_ids = eos;
+        tokens
+    }
 
-        let (mut finished, mut cancelled, mut failed) = (0, 0, 0);
-        if !ended.is_empty() {
-            // Memory came back: the batch may grow again.
-            self.batch_cap = usize::MAX;
+    /// Settles one model call of the step: its outcomes, or (out of KV memory, nothing ran)
+    /// the newest sequence of the call makes room and the others run again next step, or
+    /// (any other error of the whole call) every sequence of the call fails.
+    fn conclude(
+        &mut self,
+        mut seqs: Vec<(Active, usize)>,
+        result: Result<Vec<PrefillOutcome>, StepError>,
+        eos: &[u32],
+        ended: &mut Vec<(Active, After)>,
+    ) -> usize {
+        match self.outcomes(result, seqs.len()) {
+            Ok(outcomes) => self.settle(seqs, outcomes, eos, ended),
+            Err(StepError::OutOfMemory(_)) if self.oom_strikes < OOM_RETRIES => {
+                // Requeued, the newest frees its KV; with a single sequence in the call, the
+                // boundary's planner makes room (an admitted request fits alone).
+                self.oom_strikes += 1;
+                if seqs.len() > 1 || !self.active.is_empty() {
+                    let newest = (0..seqs.len()).max_by_key(|&i| seqs[i].0.id).unwrap_or(0);
+                    let (a, _) = seqs.swap_remove(newest);
+                    if a.computed > 0 {
+                        self.metrics.update(|m| m.requests_preempted_total += 1);
+                    }
+                    self.requeue(a);
+                }
+                self.active.extend(seqs.into_iter().map(|(a, _)| a));
+                self.batch_cap = self.active.len().max(1);
+                0
+            }
+            Err(e) => {
+                if matches!(e, StepError::OutOfMemory(_)) {
+                    let n = seqs.len() as u64;
+                    self.metrics.update(|m| m.requests_failed_out_of_memory_total += n);
+                }
+                fail_all(seqs.into_iter().map(|(a, _)| a), &e.to_string(), ended);
+                0
+            }
         }
+    }
+
+    /// Frees the sequences that ended this step and counts them.
+    fn end(&mut self, ended: Vec<(Active, After)>) {
+        if ended.is_empty() {
+            return;
+        }
+        // Memory came back: the batch may grow again.
+        self.batch_cap = usize::MAX;
+        let (mut finished, mut cancelled, mut failed) = (0, 0, 0);
         for (a, after) in &ended {
             self.release(a);
             match after {
@@ -874,23 +939,19 @@ impl Worker {
                 After::Running => {}
             }
         }
-        if !ended.is_empty() {
-            self.metrics.update(|m| {
-                m.requests_finished_total += finished;
-                m.requests_cancelled_total += cancelled;
-                m.requests_failed_total += failed;
-            });
-        }
-        self.config.eos_token_ids = eos;
-        tokens
+        self.metrics.update(|m| {
+            m.requests_finished_total += finished;
+            m.requests_cancelled_total += cancelled;
+            m.requests_failed_total += failed;
+        });
     }
 
     /// A model call's outcomes, one per slot, or the error of the whole call.
     fn outcomes(
         &self,
-        result: Result<Vec<SeqOutcome>, StepError>,
+        result: Result<Vec<PrefillOutcome>, StepError>,
         n: usize,
-    ) -> Result<Vec<SeqOutcome>, StepError> {
+    ) -> Result<Vec<PrefillOutcome>, StepError> {
         let outcomes = result?;
         if outcomes.len() != n {
             return Err(StepError::failed(format!(
@@ -901,19 +962,25 @@ impl Worker {
         Ok(outcomes)
     }
 
-    /// Hands each sequence its outcome: a token goes on to [`deliver`]; an error ends that
-    /// sequence alone. Returns the tokens generated.
+    /// Hands each sequence its outcome: its fed tokens are now in the cache, and a sampled
+    /// token goes on to [`deliver`]; an error ends that sequence alone. Returns the tokens
+    /// generated.
     fn settle(
         &mut self,
-        seqs: Vec<Active>,
-        outcomes: Vec<SeqOutcome>,
+        seqs: Vec<(Active, usize)>,
+        outcomes: Vec<PrefillOutcome>,
         eos: &[u32],
         ended: &mut Vec<(Active, After)>,
     ) -> usize {
         let mut tokens = 0;
-        for (mut a, outcome) in seqs.into_iter().zip(outcomes) {
+        for ((mut a, fed), outcome) in seqs.into_iter().zip(outcomes) {
             match outcome {
-                Ok(t) => {
+                Ok(None) => {
+                    a.computed += fed;
+                    self.active.push(a);
+                }
+                Ok(Some(t)) => {
+                    a.computed += fed;
                     tokens += 1;
                     let max_context = self.config.max_context;
                     match deliver(&mut a, t, &self.tokenizer, eos, max_context, &self.metrics) {
@@ -935,10 +1002,33 @@ impl Worker {
         self.preempted.insert(at, a);
     }
 
+    /// KV bytes the next steps will add: the running sequences' growth through their next
+    /// token, and the prompts of the candidates the batch has room for (at most what
+    /// admission could still reserve).
+    fn kv_demand(&self) -> u64 {
+        let kv = &self.kv_layout;
+        let growth: u64 = self
+            .active
+            .iter()
+            .map(|a| kv.bytes_for(a.tokens.len() + 1).saturating_sub(kv.bytes_for(a.computed)))
+            .sum();
+        let room = self.config.max_batch.saturating_sub(self.active.len());
+        let queued: u64 = self
+            .preempted
+            .iter()
+            .map(|a| a.tokens.len())
+            .chain(self.waiting.iter().map(|p| p.req.prompt.len()))
+            .take(room)
+            .map(|n| kv.bytes_for(n))
+            .sum();
+        growth + queued.min(self.config.kv_budget_bytes.saturating_sub(self.reserved))
+    }
+
     /// The model's own boundary (planner and page commits); its state goes to the metrics.
     fn memory_boundary(&mut self) -> Option<crate::MemoryState> {
+        let demand = self.kv_demand();
         let model = &mut self.model;
-        match guarded(|| model.boundary()) {
+        match guarded(|| model.boundary(demand)) {
             Ok(state) => {
                 self.settled = state.as_ref().is_none_or(|m| m.settled);
                 if let Some(m) = &state {
@@ -979,7 +1069,7 @@ impl Worker {
         };
         let kv = &self.kv_layout;
         let per_request: Vec<(u64, u64)> =
-            self.active.iter().map(|a| (a.id, kv.bytes_for(a.prompt_len + a.generated))).collect();
+            self.active.iter().map(|a| (a.id, kv.bytes_for(a.computed))).collect();
         self.metrics.record_tokens(tokens as u64);
         self.metrics.update(|m| {
             m.steps_total = state.step;

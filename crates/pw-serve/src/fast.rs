@@ -1,6 +1,6 @@
 //! [`StepModel`] over the fast decode path (`pw-decode`): each engine step is one batched
-//! decode step of fused CubeCL launches over the paged KV cache; new prompts go through the same
-//! kernels, all new sequences together, 16 prompt tokens per launch sequence. The experts live in a
+//! decode step of fused CubeCL launches over the paged KV cache; prompt chunks go through the same
+//! kernels, all of a step's chunks together, 16 prompt tokens per launch sequence. The experts live in a
 //! page table whose budget the KV cache shares; the planner moves their bit-widths between
 //! steps ([`crate::MemoryOptions`]).
 
@@ -12,7 +12,7 @@ use pw_decode::{DecodeConfig, Decoder, ExpertBlocks};
 use pw_hf::{Checkpoint, ModelConfig};
 use pw_pages::Accountant;
 
-use crate::model::{DecodeSlot, PrefillSlot, SeqId, SeqOutcome, StepError, StepModel};
+use crate::model::{DecodeSlot, PrefillOutcome, PrefillSlot, SeqId, SeqOutcome, StepError, StepModel};
 use crate::paged::PagedMemory;
 use crate::{KvLayout, MemoryOptions, MemoryState, ServeError, WeightPolicy};
 
@@ -159,7 +159,7 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
             .map_err(|e| e.to_string())?;
         let mut me = Self { dec, kv, block_bytes, live: HashSet::new(), mem, kv_capacity: plan.kv_capacity };
         me.warm_up(max_batch).map_err(|e| e.to_string())?;
-        me.boundary().map_err(|e| e.to_string())?;
+        me.boundary(0).map_err(|e| e.to_string())?;
         Ok(me)
     }
 
@@ -360,27 +360,49 @@ where
         (self.dec.expert_bytes() + self.dec.dense_bytes()) as u64
     }
 
-    fn prefill(&mut self, batch: &mut [PrefillSlot<'_>]) -> Result<Vec<SeqOutcome>, StepError> {
-        let mut out: Vec<SeqOutcome> =
-            batch.iter().map(|s| self.room(s.seq, 0, s.prompt.len()).map(|()| 0)).collect();
+    fn prefill(&mut self, batch: &mut [PrefillSlot<'_>]) -> Result<Vec<PrefillOutcome>, StepError> {
+        let t = self.dec.kv_tables();
+        let mut out: Vec<PrefillOutcome> = batch
+            .iter()
+            .map(|s| {
+                if s.start > 0 {
+                    let held = match self.live.contains(&s.seq) {
+                        true => t.len(s.seq).map_err(|e| StepError::failed(e.to_string()))?,
+                        false => 0,
+                    };
+                    if held != s.start {
+                        return Err(StepError::failed(format!(
+                            "sequence {}: a chunk at token {} but the cache holds {held} tokens",
+                            s.seq, s.start
+                        )));
+                    }
+                }
+                self.room(s.seq, s.start, s.tokens.len()).map(|()| None)
+            })
+            .collect();
         let run: Vec<usize> = (0..batch.len()).filter(|&i| out[i].is_ok()).collect();
-        for &i in &run {
-            self.dec.add_sequence(batch[i].seq).map_err(|e| StepError::failed(e.to_string()))?;
-            self.live.insert(batch[i].seq);
+        let fresh: Vec<SeqId> =
+            run.iter().map(|&i| &batch[i]).filter(|s| s.start == 0).map(|s| s.seq).collect();
+        for &seq in &fresh {
+            self.dec.add_sequence(seq).map_err(|e| StepError::failed(e.to_string()))?;
+            self.live.insert(seq);
         }
-        // Lease the blocks of the whole prompts, then prefill them in chunks (a prompt of n
-        // tokens costs ⌈n / 16⌉ decode launches, not n). Without the memory, the new sequences
-        // are dropped again and the engine retries them later.
-        if let Err(e) = self.lease(run.iter().map(|&i| (batch[i].seq, batch[i].prompt.len()))) {
-            for &i in &run {
-                self.release(batch[i].seq);
+        // Lease the blocks of every chunk, then run them together (a chunk of n tokens costs
+        // ⌈n / 16⌉ decode launches, not n). Without the memory, the new sequences are dropped
+        // again and the engine retries them later.
+        if let Err(e) = self.lease(run.iter().map(|&i| (batch[i].seq, batch[i].tokens.len()))) {
+            for &seq in &fresh {
+                self.release(seq);
             }
             return Err(e);
         }
-        let prompts: Vec<(SeqId, &[u32])> = run.iter().map(|&i| (batch[i].seq, batch[i].prompt)).collect();
-        let logits = self.dec.prefill(&prompts).map_err(|e| StepError::failed(e.to_string()))?;
+        let chunks: Vec<(SeqId, &[u32])> = run.iter().map(|&i| (batch[i].seq, batch[i].tokens)).collect();
+        let logits = self.dec.prefill(&chunks).map_err(|e| StepError::failed(e.to_string()))?;
         for (&i, l) in run.iter().zip(&logits) {
-            out[i] = sample(batch[i].sampler, batch[i].seq, l);
+            let s = &mut batch[i];
+            if s.sample {
+                out[i] = sample(s.sampler, s.seq, l).map(Some);
+            }
         }
         Ok(out)
     }
@@ -417,9 +439,10 @@ where
         self.dec.kv_tables().used_blocks() as u64 * self.block_bytes
     }
 
-    fn boundary(&mut self) -> Result<Option<MemoryState>, StepError> {
+    fn boundary(&mut self, demand_kv_bytes: u64) -> Result<Option<MemoryState>, StepError> {
         let used = self.dec.kv_tables().used_blocks() as u64;
-        self.mem.boundary(&mut self.dec, used).map(Some)
+        let demand = demand_kv_bytes.div_ceil(self.block_bytes);
+        self.mem.boundary(&mut self.dec, used, demand).map(Some)
     }
 }
 

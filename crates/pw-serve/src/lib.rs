@@ -20,6 +20,7 @@ mod kv;
 mod metrics;
 mod model;
 mod paged;
+mod schedule;
 pub mod server;
 mod text;
 
@@ -33,7 +34,9 @@ pub use fast::{FastOptions, FastStepModel, load_fast};
 pub use hook::{BoundaryHook, BoundaryState, MemoryState, UsageRecord, UsageRecorder};
 pub use kv::{KvLayout, LayerKv, max_context};
 pub use metrics::{Metrics, MetricsSnapshot};
-pub use model::{BurnStepModel, DecodeSlot, PrefillSlot, SeqId, SeqOutcome, StepError, StepModel};
+pub use model::{
+    BurnStepModel, DecodeSlot, PrefillOutcome, PrefillSlot, SeqId, SeqOutcome, StepError, StepModel,
+};
 pub use paged::{MemoryOptions, WeightPolicy};
 /// The planner options [`MemoryOptions`] carries.
 pub use pw_planner::{PlannerConfig, RoutingConfig};

@@ -19,6 +19,9 @@ pub struct MetricsSnapshot {
     pub requests_cancelled_total: u64,
     /// Requests ended by a model error.
     pub requests_failed_total: u64,
+    /// Of those, requests ended because the model stayed out of KV memory (a bug: the engine
+    /// preempts and the planner lowers pages so that memory never fails a request).
+    pub requests_failed_out_of_memory_total: u64,
     /// Preemptions: a running sequence's KV freed to make room, to be recomputed later.
     pub requests_preempted_total: u64,
     /// Prompt tokens of admitted requests.
@@ -27,6 +30,10 @@ pub struct MetricsSnapshot {
     pub generated_tokens_total: u64,
     /// Engine steps run.
     pub steps_total: u64,
+    /// Prompt (or recomputed) tokens the latest step prefilled.
+    pub step_prefill_tokens: u64,
+    /// Prompt (or recomputed) tokens prefilled, all steps.
+    pub prefill_tokens_total: u64,
     /// Requests waiting for admission.
     pub queue_length: u64,
     /// Sequences running.
@@ -178,6 +185,24 @@ fn engine_metrics(m: &MetricsSnapshot) -> Vec<(&'static str, &'static str, &'sta
             "counter",
             "Requests ended by a model error.",
             m.requests_failed_total.to_string(),
+        ),
+        (
+            "pw_requests_failed_out_of_memory_total",
+            "counter",
+            "Requests ended because the model stayed out of KV memory.",
+            m.requests_failed_out_of_memory_total.to_string(),
+        ),
+        (
+            "pw_prefill_tokens_total",
+            "counter",
+            "Prompt and recomputed tokens prefilled.",
+            m.prefill_tokens_total.to_string(),
+        ),
+        (
+            "pw_step_prefill_tokens",
+            "gauge",
+            "Prompt and recomputed tokens the latest step prefilled.",
+            m.step_prefill_tokens.to_string(),
         ),
         (
             "pw_prompt_tokens_total",

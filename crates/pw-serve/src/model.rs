@@ -14,13 +14,17 @@ use crate::{KvLayout, ServeError};
 /// Identifies one sequence inside a [`StepModel`] (its KV cache / block table).
 pub type SeqId = u64;
 
-/// A new sequence to prefill.
+/// A chunk of a sequence's prompt (or of a resumed sequence's tokens) to prefill.
 pub struct PrefillSlot<'a> {
-    /// The sequence (not yet known to the model).
+    /// The sequence: new to the model when `start` is 0, else one it holds `start` tokens of.
     pub seq: SeqId,
-    /// Its prompt, non-empty.
-    pub prompt: &'a [u32],
-    /// Picks the first generated token.
+    /// Tokens already in the sequence's cache.
+    pub start: usize,
+    /// The chunk, non-empty.
+    pub tokens: &'a [u32],
+    /// Whether the chunk ends what the sequence has to compute, so a token is sampled after it.
+    pub sample: bool,
+    /// Picks that token.
     pub sampler: &'a mut Sampler,
 }
 
@@ -57,6 +61,9 @@ impl StepError {
 /// One sequence's result in a step: its new token, or why it failed (that sequence only).
 pub type SeqOutcome = Result<u32, StepError>;
 
+/// One prefill chunk's result: the sampled token when the slot asked for one.
+pub type PrefillOutcome = Result<Option<u32>, StepError>;
+
 /// The per-step model work the engine schedules.
 ///
 /// The model owns the KV state of every sequence it has prefilled until [`release`]d; the
@@ -74,10 +81,11 @@ pub trait StepModel: Send {
     /// Bytes of the model's weights resident on its device.
     fn weight_bytes(&self) -> u64;
 
-    /// Runs the prompts of new sequences and samples each one's first token, one outcome per
-    /// slot in order. An `Err` of the whole call is about every slot; a sequence that failed
-    /// alone is an `Err` in its slot and the others go on.
-    fn prefill(&mut self, batch: &mut [PrefillSlot<'_>]) -> Result<Vec<SeqOutcome>, StepError>;
+    /// Appends each slot's chunk to its sequence (creating the sequence when `start` is 0) and
+    /// samples a token where the slot asks, one outcome per slot in order. An `Err` of the
+    /// whole call is about every slot; a sequence that failed alone is an `Err` in its slot and
+    /// the others go on.
+    fn prefill(&mut self, batch: &mut [PrefillSlot<'_>]) -> Result<Vec<PrefillOutcome>, StepError>;
 
     /// Extends every sequence of `batch` by its `last` token and samples the next one (outcomes
     /// as in [`StepModel::prefill`]).
@@ -90,8 +98,11 @@ pub trait StepModel: Send {
     fn kv_bytes_held(&self) -> u64;
 
     /// Called between steps (no model call in flight): a model with paged weights runs its
-    /// planner and commits finished page moves here. The default has nothing to do.
-    fn boundary(&mut self) -> Result<Option<crate::MemoryState>, StepError> {
+    /// planner and commits finished page moves here, making room for `demand_kv_bytes` more
+    /// KV bytes that the next steps will take (queued prompts and decode growth). The default
+    /// has nothing to do.
+    fn boundary(&mut self, demand_kv_bytes: u64) -> Result<Option<crate::MemoryState>, StepError> {
+        let _ = demand_kv_bytes;
         Ok(None)
     }
 }
@@ -112,14 +123,28 @@ impl<B: Backend, M: CausalLm<B>> BurnStepModel<B, M> {
         Self { model, device, caches: HashMap::new(), kv, weight_bytes }
     }
 
-    fn run(&mut self, seq: SeqId, ids: &[u32], sampler: &mut Sampler) -> Result<u32, StepError> {
-        let cache = self.caches.entry(seq).or_insert_with(|| self.model.new_cache());
+    /// Appends `ids` to `seq`'s cache (a new cache when `fresh`) and, if `sampler` is given,
+    /// samples the token after them.
+    fn run(
+        &mut self,
+        seq: SeqId,
+        fresh: bool,
+        ids: &[u32],
+        sampler: Option<&mut Sampler>,
+    ) -> Result<Option<u32>, StepError> {
+        if fresh {
+            self.caches.insert(seq, self.model.new_cache());
+        }
+        let Some(cache) = self.caches.get_mut(&seq) else {
+            return Err(StepError::failed(format!("sequence {seq} continued before its first chunk")));
+        };
         let logits = self.model.forward(ids_tensor::<B>(ids, &self.device), cache, None);
+        let Some(sampler) = sampler else { return Ok(None) };
         let row = last_logits(logits);
         if row.iter().any(|x| x.is_nan()) {
             return Err(StepError::failed(format!("sequence {seq}: the model produced NaN logits")));
         }
-        Ok(sampler.sample(&row))
+        Ok(Some(sampler.sample(&row)))
     }
 }
 
@@ -154,8 +179,14 @@ where
         self.weight_bytes
     }
 
-    fn prefill(&mut self, batch: &mut [PrefillSlot<'_>]) -> Result<Vec<SeqOutcome>, StepError> {
-        Ok(batch.iter_mut().map(|s| self.run(s.seq, s.prompt, s.sampler)).collect())
+    fn prefill(&mut self, batch: &mut [PrefillSlot<'_>]) -> Result<Vec<PrefillOutcome>, StepError> {
+        Ok(batch
+            .iter_mut()
+            .map(|s| {
+                let sampler = if s.sample { Some(&mut *s.sampler) } else { None };
+                self.run(s.seq, s.start == 0, s.tokens, sampler)
+            })
+            .collect())
     }
 
     fn decode(&mut self, batch: &mut [DecodeSlot<'_>]) -> Result<Vec<SeqOutcome>, StepError> {
@@ -168,7 +199,8 @@ where
                         s.seq
                     )));
                 }
-                self.run(s.seq, &[s.last], s.sampler)
+                self.run(s.seq, false, &[s.last], Some(&mut *s.sampler))?
+                    .ok_or_else(|| StepError::failed("no token sampled"))
             })
             .collect())
     }

@@ -4,8 +4,9 @@
 //! - KV blocks are leased from the budget as sequences grow (before the step that needs them)
 //!   and given back when sequences end.
 //! - At every boundary (no step in flight): the routing counts of the sampled steps are folded
-//!   into the planner, the KV memory target is computed from the free blocks
-//!   (`D = max(0, T + 1 − F) · B_KV`, or memory to give back when `F > T + H`), the plan becomes
+//!   into the planner, the KV memory target is computed from the free blocks less those the
+//!   next steps will take (`D = max(0, T + 1 − F) · B_KV`, or memory to give back when
+//!   `F > T + H`), the plan becomes
 //!   the pages' desired bits, and the page table commits: lowerings at once, raisings when
 //!   their copy has finished. Nothing waits for a transfer.
 //! - A step that still finds no room (a long prompt between two boundaries) runs the same
@@ -170,7 +171,7 @@ impl PagedMemory {
         if self.planner.is_some() {
             // Plan as if the missing blocks were already taken.
             let missing = (want - self.kv.bytes()).div_ceil(self.block_bytes);
-            self.boundary_with(dec, blocks, missing)?;
+            self.boundary(dec, blocks, missing)?;
             if grow(&self.accountant, &mut self.kv) {
                 return Ok(());
             }
@@ -196,17 +197,9 @@ impl PagedMemory {
     }
 
     /// The boundary: the planner (if any) and the page table's commit. `used_blocks`: KV
-    /// blocks the live sequences need (held, or about to be appended).
+    /// blocks the live sequences hold; `missing`: blocks the next steps will lease (counted as
+    /// taken, so the planner makes room for them before they are asked for).
     pub(crate) fn boundary<R: Runtime, KV: Float + CubeElement>(
-        &mut self,
-        dec: &mut Decoder<R, KV>,
-        used_blocks: u64,
-    ) -> Result<MemoryState, StepError> {
-        self.boundary_with(dec, used_blocks, 0)
-    }
-
-    /// [`Self::boundary`] with `missing` blocks about to be leased (counted as taken).
-    fn boundary_with<R: Runtime, KV: Float + CubeElement>(
         &mut self,
         dec: &mut Decoder<R, KV>,
         used_blocks: u64,

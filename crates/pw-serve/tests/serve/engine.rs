@@ -228,7 +228,7 @@ impl pw_serve::StepModel for Flaky {
     fn prefill(
         &mut self,
         batch: &mut [pw_serve::PrefillSlot<'_>],
-    ) -> Result<Vec<pw_serve::SeqOutcome>, pw_serve::StepError> {
+    ) -> Result<Vec<pw_serve::PrefillOutcome>, pw_serve::StepError> {
         self.inner.prefill(batch)
     }
     fn decode(
@@ -300,7 +300,7 @@ impl pw_serve::StepModel for Picky {
     fn prefill(
         &mut self,
         batch: &mut [pw_serve::PrefillSlot<'_>],
-    ) -> Result<Vec<pw_serve::SeqOutcome>, pw_serve::StepError> {
+    ) -> Result<Vec<pw_serve::PrefillOutcome>, pw_serve::StepError> {
         self.inner.prefill(batch)
     }
     fn decode(
@@ -446,4 +446,50 @@ fn a_full_queue_refuses_with_overloaded() {
     for s in streams {
         assert_eq!(s.collect_blocking().unwrap().usage.completion_tokens, 50);
     }
+}
+
+/// A step budget of 8 tokens: prompts of up to 40 tokens are prefilled in chunks across steps
+/// beside the sequences already decoding, and every output equals the sequence's own
+/// generation.
+#[test]
+fn long_prompts_are_prefilled_in_chunks_beside_decoding_sequences() {
+    let model = common::load_model();
+    let cfg = pw_serve::EngineConfig { max_step_tokens: 8, ..common::config(u64::MAX, 4) };
+    let (engine, rec) = common::engine(cfg, None);
+    let h = engine.handle();
+    let lens = [(3, 12), (40, 6), (25, 9), (33, 4), (5, 10)];
+    let prompts: Vec<Vec<u32>> =
+        lens.iter().enumerate().map(|(i, &(n, _))| common::prompt(n, 40 + i as u32)).collect();
+    let params = |n| SamplingParams { ignore_eos: true, ..greedy(n) };
+    let streams: Vec<_> = prompts
+        .iter()
+        .zip(lens)
+        .map(|(p, (_, n))| h.submit(GenerateRequest { prompt: p.clone(), params: params(n) }).unwrap())
+        .collect();
+    for ((s, p), (_, n)) in streams.into_iter().zip(&prompts).zip(lens) {
+        assert_eq!(s.collect_blocking().unwrap().tokens, common::reference(&model, p, n, false), "{p:?}");
+    }
+    let m = common::wait_metrics(&h, |m| m.requests_finished_total == 5 && m.active_sequences == 0);
+    let prompt_tokens: usize = lens.iter().map(|l| l.0).sum();
+    assert_eq!(m.prefill_tokens_total, prompt_tokens as u64, "no preemption, so each prompt token once");
+    // 106 prompt tokens at most 8 per step: at least 14 steps, and the decodes ran beside them.
+    assert!(m.steps_total >= 14, "{m:?}");
+    assert!(rec.record().peak_active >= 2, "{:?}", rec.record());
+    assert_eq!((m.kv_bytes_used, m.kv_bytes_reserved), (0, 0));
+}
+
+#[test]
+fn a_step_budget_below_the_batch_is_refused() {
+    let cfg = pw_serve::EngineConfig { max_step_tokens: 3, ..common::config(u64::MAX, 4) };
+    let model =
+        pw_serve::BurnStepModel::<common::B, _>::load(&common::fixture(), &Default::default()).unwrap();
+    let e = pw_serve::Engine::start(
+        Box::new(model),
+        std::sync::Arc::new(common::tokenizer()),
+        cfg,
+        Box::new(pw_serve::UsageRecorder::default()),
+    )
+    .err()
+    .expect("refused");
+    assert!(e.to_string().contains("max_step_tokens"), "{e}");
 }

@@ -13,10 +13,21 @@ use pw_serve::{
 };
 use pw_testkit::{asset, wgpu_client};
 
+fn slot<'a>(
+    seq: u64,
+    start: usize,
+    tokens: &'a [u32],
+    sample: bool,
+    sampler: &'a mut Sampler,
+) -> PrefillSlot<'a> {
+    PrefillSlot { seq, start, tokens, sample, sampler }
+}
+
 fn alone(model: &mut dyn StepModel, seq: u64, prompt: &[u32], n: usize) -> Vec<u32> {
     let mut s = Sampler::new(SamplingConfig { temperature: 0.0, ..Default::default() });
     let tokens = |o: Vec<pw_serve::SeqOutcome>| o.into_iter().map(Result::unwrap).collect::<Vec<u32>>();
-    let mut out = tokens(model.prefill(&mut [PrefillSlot { seq, prompt, sampler: &mut s }]).unwrap());
+    let first = model.prefill(&mut [slot(seq, 0, prompt, true, &mut s)]).unwrap();
+    let mut out = vec![first[0].clone().unwrap().unwrap()];
     while out.len() < n {
         let last = *out.last().unwrap();
         out.extend(tokens(model.decode(&mut [DecodeSlot { seq, last, sampler: &mut s }]).unwrap()));
@@ -54,7 +65,7 @@ fn batches_equal_alone(dir: &Path) {
         kv_budget_bytes: 1 << 22,
         max_batch: 4,
         max_context: 128,
-        max_prefill_tokens: 2048,
+        max_step_tokens: 2048,
         max_waiting: 4096,
         eos_token_ids: vec![2],
     };
@@ -75,6 +86,65 @@ fn batches_equal_alone(dir: &Path) {
         assert_eq!(&s.collect_blocking().unwrap().tokens, w, "prompt {p:?}");
     }
     assert!(rec.record().peak_active >= 2, "the requests ran together: {:?}", rec.record());
+}
+
+/// A prompt prefilled in chunks over several calls, beside another sequence's chunks, gives
+/// the tokens of the whole prompt at once; a chunk that does not continue its sequence's
+/// cache fails alone.
+#[test]
+fn chunked_prefill_equals_the_whole_prompt() {
+    let client = wgpu_client();
+    let dir = asset("tiny-mixtral");
+    let mut model = FastStepModel::<WgpuRuntime, f32>::load(&client, &dir, 6, 1 << 22, 4, 128).unwrap();
+    let greedy = || Sampler::new(SamplingConfig { temperature: 0.0, ..Default::default() });
+    let prompt: Vec<u32> = (0..37).map(|i| 3 + (i * 7) % 50).collect();
+    let other: Vec<u32> = (0..21).map(|i| 4 + (i * 5) % 40).collect();
+    let want = alone(&mut model, 9, &prompt, 4);
+    let want_other = alone(&mut model, 10, &other, 1);
+    let (mut s, mut t) = (greedy(), greedy());
+    let mut got = None;
+    let mut got_other = None;
+    // Chunks of 10 and 7 tokens, the two sequences side by side in each call.
+    let (mut a, mut b) = (0, 0);
+    while got.is_none() || got_other.is_none() {
+        let (na, nb) = ((prompt.len() - a).min(10), (other.len() - b).min(7));
+        let mut slots = Vec::new();
+        if na > 0 {
+            slots.push(slot(1, a, &prompt[a..a + na], a + na == prompt.len(), &mut s));
+        }
+        if nb > 0 {
+            slots.push(slot(2, b, &other[b..b + nb], b + nb == other.len(), &mut t));
+        }
+        let out = model.prefill(&mut slots).unwrap();
+        let mut out = out.into_iter();
+        if na > 0 {
+            a += na;
+            if let Some(tok) = out.next().unwrap().unwrap() {
+                got = Some(tok);
+            }
+        }
+        if nb > 0 {
+            b += nb;
+            if let Some(tok) = out.next().unwrap().unwrap() {
+                got_other = Some(tok);
+            }
+        }
+    }
+    assert_eq!(got_other, Some(want_other[0]));
+    let mut out = vec![got.unwrap()];
+    while out.len() < want.len() {
+        let last = *out.last().unwrap();
+        let o = model.decode(&mut [DecodeSlot { seq: 1, last, sampler: &mut s }]).unwrap();
+        out.push(o[0].clone().unwrap());
+    }
+    assert_eq!(out, want);
+    // A chunk that skips tokens of its sequence fails alone.
+    let o = model.prefill(&mut [slot(1, 5, &prompt[..3], true, &mut s)]).unwrap();
+    let msg = o[0].clone().expect_err("skipped tokens").to_string();
+    assert!(msg.contains("sequence 1"), "{msg}");
+    model.release(1);
+    model.release(2);
+    assert_eq!(model.kv_bytes_held(), 0);
 }
 
 /// Issue 32, 2: a context of 10^12 tokens (config.json or --max-context) is refused at load,
@@ -110,13 +180,9 @@ fn a_sequence_at_the_context_end_fails_alone() {
     let mut t = Sampler::new(SamplingConfig { temperature: 0.0, ..Default::default() });
     let full: Vec<u32> = (0..32).map(|i| 3 + i % 50).collect();
     let short = [3u32, 4, 5];
-    let first = model
-        .prefill(&mut [
-            PrefillSlot { seq: 1, prompt: &full, sampler: &mut s },
-            PrefillSlot { seq: 2, prompt: &short, sampler: &mut t },
-        ])
-        .unwrap();
-    let (a, b) = (*first[0].as_ref().unwrap(), *first[1].as_ref().unwrap());
+    let first =
+        model.prefill(&mut [slot(1, 0, &full, true, &mut s), slot(2, 0, &short, true, &mut t)]).unwrap();
+    let (a, b) = (first[0].clone().unwrap().unwrap(), first[1].clone().unwrap().unwrap());
     let out = model
         .decode(&mut [
             DecodeSlot { seq: 1, last: a, sampler: &mut s },
@@ -128,7 +194,7 @@ fn a_sequence_at_the_context_end_fails_alone() {
     assert!(out[1].is_ok(), "{:?}", out[1]);
     // A prompt longer than the table fails alone at prefill too.
     let long: Vec<u32> = vec![5; 40];
-    let out = model.prefill(&mut [PrefillSlot { seq: 3, prompt: &long, sampler: &mut s }]).unwrap();
+    let out = model.prefill(&mut [slot(3, 0, &long, true, &mut s)]).unwrap();
     assert!(out[0].is_err());
     model.release(1);
     model.release(2);

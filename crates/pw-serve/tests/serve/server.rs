@@ -452,7 +452,7 @@ async fn the_planner_lowers_pages_under_16_concurrent_requests_and_raises_them_a
         kv_budget_bytes: capacity,
         max_batch: 16,
         max_context: 128,
-        max_prefill_tokens: 2048,
+        max_step_tokens: 2048,
         max_waiting: 4096,
         eos_token_ids: pw_serve::eos_token_ids(&dir).unwrap(),
     };

@@ -153,7 +153,7 @@ impl<M: StepModel> StepModel for Slow<M> {
     fn weight_bytes(&self) -> u64 {
         self.inner.weight_bytes()
     }
-    fn prefill(&mut self, batch: &mut [PrefillSlot<'_>]) -> Result<Vec<pw_serve::SeqOutcome>, StepError> {
+    fn prefill(&mut self, batch: &mut [PrefillSlot<'_>]) -> Result<Vec<pw_serve::PrefillOutcome>, StepError> {
         self.inner.prefill(batch)
     }
     fn decode(&mut self, batch: &mut [DecodeSlot<'_>]) -> Result<Vec<pw_serve::SeqOutcome>, StepError> {
@@ -175,7 +175,7 @@ pub fn config(kv_budget_bytes: u64, max_batch: usize) -> EngineConfig {
         kv_budget_bytes,
         max_batch,
         max_context: 256,
-        max_prefill_tokens: 512,
+        max_step_tokens: 512,
         max_waiting: 4096,
         eos_token_ids: vec![2],
     }
