@@ -43,8 +43,8 @@ pub struct BenchServeArgs {
     /// Arrivals per second (fixed rate).
     #[arg(long, default_value_t = 1.0)]
     pub rate: f64,
-    /// Prompt lengths, uniform in MIN,MAX tokens (prompts run token by token through the decode
-    /// kernels, so long ones stall the batch).
+    /// Prompt lengths, uniform in MIN,MAX tokens (prompts go through the decode kernels in
+    /// chunks of at most --max-step-tokens per step).
     #[arg(long, value_delimiter = ',', default_value = "8,32")]
     pub prompt: Vec<usize>,
     /// Output lengths, uniform in MIN,MAX tokens.
@@ -53,6 +53,9 @@ pub struct BenchServeArgs {
     /// Most sequences per engine step.
     #[arg(long, default_value_t = 16)]
     pub max_batch: usize,
+    /// Tokens per engine step, decodes and prompt chunks together (at least --max-batch).
+    #[arg(long, default_value_t = 2048)]
+    pub max_step_tokens: usize,
     /// KV admission: `preempt` reserves what each sequence holds and preempts (then resumes by
     /// recomputation) the latest requests when the cache runs out; `reserve` reserves prompt +
     /// max_tokens up front.
@@ -250,7 +253,7 @@ where
         kv_budget_bytes: capacity,
         max_batch: a.max_batch,
         max_context,
-        max_step_tokens: (4 * a.prompt[1]).max(a.max_batch),
+        max_step_tokens: a.max_step_tokens.max(a.max_batch),
         max_waiting: 4096,
         eos_token_ids: vec![],
     };
@@ -367,6 +370,8 @@ where
         "gpu_memory_gb": gpu_bytes as f64 / 1e9,
         "kv_capacity_gb": capacity as f64 / 1e9,
         "requests": a.requests, "submitted": submitted, "completed": results.len(),
+        "failed": m.requests_failed_total, "failed_out_of_memory": m.requests_failed_out_of_memory_total,
+        "preempted": m.requests_preempted_total, "max_step_tokens": a.max_step_tokens,
         "rate_req_s": a.rate, "prompt_tokens": a.prompt, "output_tokens": a.output,
         "max_batch": a.max_batch, "wall_s": wall, "load_s": load_s,
         "page_moves_down": mem.page_moves_down_total, "page_moves_up": mem.page_moves_up_total,

@@ -23,8 +23,8 @@ pub fn asset(name: &str) -> PathBuf {
     workspace().join("assets").join(name)
 }
 
-/// The default wgpu device's client. The runtime directory the Vulkan loader wants is set
-/// for every test process by the workspace's `.cargo/config.toml`, before any thread starts.
+/// The default wgpu device's client. Tests never set the runtime directory the Vulkan loader
+/// asks for: `.ci/run` exports `XDG_RUNTIME_DIR`, and without it Mesa only warns.
 pub fn wgpu_client() -> ComputeClient<WgpuRuntime> {
     WgpuRuntime::client(&WgpuDevice::DefaultDevice)
 }

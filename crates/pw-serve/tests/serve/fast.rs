@@ -201,3 +201,82 @@ fn a_sequence_at_the_context_end_fails_alone() {
     model.release(3);
     assert_eq!(model.kv_bytes_held(), 0);
 }
+
+/// Issue 28: 32 concurrent requests of mixed prompt lengths through the fast path with KV room
+/// for about four of them and a step budget of 32 tokens, so prompts are chunked and running
+/// sequences are preempted and resumed: every request completes with the tokens it generates
+/// alone, and the cache and the reservations are empty afterwards.
+fn thirty_two_requests_under_kv_pressure(dir: &Path) {
+    let client = wgpu_client();
+    let probe = FastStepModel::<WgpuRuntime, f32>::load(&client, dir, 6, 1 << 20, 16, 128).unwrap();
+    let budget = 4 * probe.kv_layout().bytes_for(64);
+    drop(probe);
+    let mut model = FastStepModel::<WgpuRuntime, f32>::load(&client, dir, 6, budget, 16, 128).unwrap();
+    let vocab = model.vocab_size() as u32;
+    let requests: Vec<(Vec<u32>, usize)> = (0..32u32)
+        .map(|i| {
+            let len = 3 + (i * 37 % 58) as usize;
+            let prompt = (0..len as u32).map(|j| 3 + (i * 131 + j * 17) % (vocab - 3)).collect();
+            (prompt, 4 + (i % 9) as usize)
+        })
+        .collect();
+    let want: Vec<Vec<u32>> =
+        requests.iter().enumerate().map(|(i, (p, n))| alone(&mut model, 1000 + i as u64, p, *n)).collect();
+    let config = EngineConfig {
+        admission: pw_serve::Admission::Preempt,
+        kv_budget_bytes: budget,
+        max_batch: 16,
+        max_context: 128,
+        max_step_tokens: 32,
+        max_waiting: 4096,
+        eos_token_ids: vec![],
+    };
+    let tok = pw_serve::load_tokenizer(dir).unwrap();
+    let rec = UsageRecorder::default();
+    let engine =
+        Engine::start(Box::new(model), std::sync::Arc::new(tok), config, Box::new(rec.clone())).unwrap();
+    let h = engine.handle();
+    let streams: Vec<_> = requests
+        .iter()
+        .map(|(p, n)| {
+            let params =
+                SamplingParams { temperature: 0.0, max_tokens: *n, ignore_eos: true, ..Default::default() };
+            h.submit(GenerateRequest { prompt: p.clone(), params }).unwrap()
+        })
+        .collect();
+    for (i, (s, w)) in streams.into_iter().zip(&want).enumerate() {
+        assert_eq!(&s.collect_blocking().unwrap().tokens, w, "request {i}");
+    }
+    let t0 = std::time::Instant::now();
+    let m = loop {
+        let m = h.metrics().snapshot();
+        if m.active_sequences == 0 && m.requests_finished_total == 32 {
+            break m;
+        }
+        assert!(t0.elapsed() < std::time::Duration::from_secs(10), "{m:?}");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    };
+    assert_eq!((m.requests_failed_total, m.queue_length), (0, 0), "{m:?}");
+    assert!(m.requests_preempted_total > 0, "the budget forced preemption: {m:?}");
+    assert_eq!((m.kv_bytes_used, m.kv_bytes_reserved), (0, 0), "{m:?}");
+    let r = rec.record();
+    assert!(r.peak_active >= 4 && r.peak_kv_bytes_reserved <= budget, "{r:?}");
+}
+
+#[test]
+fn thirty_two_mixtral_requests_under_kv_pressure_match_alone() {
+    thirty_two_requests_under_kv_pressure(&asset("tiny-mixtral"));
+}
+
+#[test]
+fn thirty_two_qwen2_moe_requests_under_kv_pressure_match_alone() {
+    thirty_two_requests_under_kv_pressure(&asset("tiny-qwen2-moe"));
+}
+
+#[test]
+fn thirty_two_gemma4_requests_under_kv_pressure_match_alone() {
+    let dir = pw_testkit::fixture_copy("gemma4");
+    let vocab = pw_hf::ModelConfig::from_dir(dir.path()).unwrap().vocab_size();
+    pw_testkit::write_word_tokenizer(dir.path(), vocab);
+    thirty_two_requests_under_kv_pressure(dir.path());
+}
