@@ -451,6 +451,7 @@ impl Engine {
             reserved: 0,
             step: 0,
             oom_strikes: 0,
+            step_prefill_tokens: 0,
             batch_cap: usize::MAX,
             seed_base: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64),
         };
@@ -542,6 +543,8 @@ struct Worker {
     seed_base: u64,
     /// Consecutive steps that produced nothing because the model was out of KV memory.
     oom_strikes: u32,
+    /// Prompt and recomputed tokens the current step has prefilled.
+    step_prefill_tokens: u64,
     /// Most sequences running at once as the model's memory allows: lowered when it runs out
     /// of KV memory, lifted once a sequence ends and frees some.
     batch_cap: usize,
@@ -832,6 +835,7 @@ impl Worker {
         let mut ended: Vec<(Active, After)> = Vec::new();
         let (mut decode, mut prefill) = (Vec::new(), Vec::new());
         let feed = plan.feed.into_iter().chain(plan.admit);
+        self.step_prefill_tokens = 0;
         for (a, n) in std::mem::take(&mut self.active).into_iter().zip(feed) {
             match n {
                 0 => self.active.push(a),
@@ -853,7 +857,6 @@ impl Worker {
             let fed = decode.into_iter().map(|a| (a, 1)).collect();
             tokens += self.conclude(fed, result, &eos, &mut ended);
         }
-        let prefill_tokens: usize = prefill.iter().map(|(_, n)| n).sum();
         if !prefill.is_empty() {
             let model = &mut self.model;
             let result = {
@@ -874,9 +877,10 @@ impl Worker {
         if tokens > 0 {
             self.oom_strikes = 0;
         }
+        let prefill_tokens = self.step_prefill_tokens;
         self.metrics.update(|m| {
-            m.step_prefill_tokens = prefill_tokens as u64;
-            m.prefill_tokens_total += prefill_tokens as u64;
+            m.step_prefill_tokens = prefill_tokens;
+            m.prefill_tokens_total += prefill_tokens;
         });
         self.end(ended);
         self.config.eos_token_ids = eos;
@@ -974,13 +978,15 @@ impl Worker {
     ) -> usize {
         let mut tokens = 0;
         for ((mut a, fed), outcome) in seqs.into_iter().zip(outcomes) {
+            if outcome.is_ok() {
+                // All but a generated token's first pass are prompt or recomputed tokens.
+                let fresh = a.generated > 0 && a.computed + fed == a.tokens.len();
+                self.step_prefill_tokens += (fed - usize::from(fresh)) as u64;
+                a.computed += fed;
+            }
             match outcome {
-                Ok(None) => {
-                    a.computed += fed;
-                    self.active.push(a);
-                }
+                Ok(None) => self.active.push(a),
                 Ok(Some(t)) => {
-                    a.computed += fed;
                     tokens += 1;
                     let max_context = self.config.max_context;
                     match deliver(&mut a, t, &self.tokenizer, eos, max_context, &self.metrics) {
