@@ -30,7 +30,8 @@ pub struct BenchServeArgs {
     /// tiny / tiny-mixtral / tiny-qwen / tiny-gemma (small shapes, for a smoke test).
     #[arg(long, default_value = "mixtral-8x7b")]
     pub model: String,
-    /// Policies to run: pinned (experts fixed at 8 bits) and/or planner.
+    /// Policies to run: pinned (experts fixed at 8 bits), uniform4 (fixed at 4 bits) and/or
+    /// planner (starting at 8 bits).
     #[arg(long, value_delimiter = ',', default_value = "pinned,planner")]
     pub policies: Vec<String>,
     /// Device memory in GB for dense weights + experts + KV cache (default: the model at 8 bits
@@ -97,11 +98,12 @@ pub fn bench_serve(a: &BenchServeArgs) -> Result<()> {
     if !(a.rate.is_finite() && a.rate > 0.0) {
         bail!("--rate must be > 0");
     }
-    let policy_of = |p: &str| -> Result<WeightPolicy> {
+    let policy_of = |p: &str| -> Result<Policy> {
         Ok(match p {
-            "pinned" => WeightPolicy::Pinned,
-            "planner" => WeightPolicy::Planner,
-            other => bail!("--policies: unknown policy {other} (pinned, planner)"),
+            "pinned" => Policy { weights: WeightPolicy::Pinned, bits: 8, name: "pinned-8bit" },
+            "uniform4" => Policy { weights: WeightPolicy::Pinned, bits: 4, name: "uniform-4bit" },
+            "planner" => Policy { weights: WeightPolicy::Planner, bits: 8, name: "planner" },
+            other => bail!("--policies: unknown policy {other} (pinned, uniform4, planner)"),
         })
     };
     if let Some(c) = &a.child {
@@ -136,7 +138,15 @@ pub fn bench_serve(a: &BenchServeArgs) -> Result<()> {
     Ok(())
 }
 
-fn run_policy(a: &BenchServeArgs, policy: WeightPolicy) -> Result<Value> {
+/// Who sets the experts' bits, and where they start.
+#[derive(Debug, Clone, Copy)]
+struct Policy {
+    weights: WeightPolicy,
+    bits: u8,
+    name: &'static str,
+}
+
+fn run_policy(a: &BenchServeArgs, policy: Policy) -> Result<Value> {
     {
         let rec = match a.device.as_str() {
             #[cfg(feature = "cuda")]
@@ -205,7 +215,7 @@ fn expert_bytes(c: &DecodeConfig, bits: u64) -> u64 {
     (sparse * c.experts) as u64 * (bits * (words(2 * i, h) + words(h, i)) + ((2 * i + h) << bits) * 2)
 }
 
-fn run<R: Runtime>(device: &R::Device, a: &BenchServeArgs, policy: WeightPolicy) -> Result<Value>
+fn run<R: Runtime>(device: &R::Device, a: &BenchServeArgs, policy: Policy) -> Result<Value>
 where
     pw_decode::Decoder<R, half::f16>: Send,
 {
@@ -227,23 +237,24 @@ where
     let budget = gpu_bytes.checked_sub(dense).context("--gpu-memory-gb is below the dense weights")?;
     let memory = MemoryOptions {
         budget_bytes: Some(budget),
-        policy,
+        policy: policy.weights,
         threshold_blocks: a.kv_threshold_blocks,
         give_back_blocks: a.kv_threshold_blocks.max(1),
         routing_every: a.routing_every.max(1),
         max_raise_bytes: (a.max_raise_mb * 1e6) as u64,
         ..Default::default()
     };
-    let options = FastOptions { bits: 8, kv_budget_bytes: 0, max_batch: a.max_batch, max_context, memory };
+    let options =
+        FastOptions { bits: policy.bits, kv_budget_bytes: 0, max_batch: a.max_batch, max_context, memory };
     let t_load = Instant::now();
     let model = FastStepModel::<R, half::f16>::synthetic(&client, cfg.clone(), &options)?;
     let capacity = model.kv_capacity_bytes();
     let start_weights = model.weight_bytes();
     let load_s = t_load.elapsed().as_secs_f64();
     eprintln!(
-        "{} {:?}: loaded in {load_s:.1} s; budget {:.2} GB for experts + KV, experts {:.2} GB, KV capacity {:.3} GB",
+        "{} {}: loaded in {load_s:.1} s; budget {:.2} GB for experts + KV, experts {:.2} GB, KV capacity {:.3} GB",
         a.model,
-        policy,
+        policy.name,
         budget as f64 / 1e9,
         (start_weights - dense) as f64 / 1e9,
         capacity as f64 / 1e9
@@ -358,7 +369,7 @@ where
     let min_experts = if min_experts.is_finite() { min_experts } else { mem.weight_bytes() as f64 / 1e9 };
     Ok(json!({
         "model": a.model,
-        "policy": match policy { WeightPolicy::Pinned => "pinned-8bit", WeightPolicy::Planner => "planner" },
+        "policy": policy.name,
         "req_s": results.len() as f64 / wall,
         "tok_s": tokens as f64 / wall,
         "ttft_p50_ms": percentile(&mut ttft, 0.5) * 1e3,

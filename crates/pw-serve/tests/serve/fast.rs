@@ -203,19 +203,18 @@ fn a_sequence_at_the_context_end_fails_alone() {
 }
 
 /// Issue 28: 32 concurrent requests of mixed prompt lengths through the fast path with KV room
-/// for about four of them and a step budget of 32 tokens, so prompts are chunked and running
+/// for about three of them and a step budget of 32 tokens, so prompts are chunked and running
 /// sequences are preempted and resumed: every request completes with the tokens it generates
 /// alone, and the cache and the reservations are empty afterwards.
 fn thirty_two_requests_under_kv_pressure(dir: &Path) {
     let client = wgpu_client();
-    let probe = FastStepModel::<WgpuRuntime, f32>::load(&client, dir, 6, 1 << 20, 16, 128).unwrap();
-    let budget = 4 * probe.kv_layout().bytes_for(64);
-    drop(probe);
-    let mut model = FastStepModel::<WgpuRuntime, f32>::load(&client, dir, 6, budget, 16, 128).unwrap();
+    // The cache holds every request; the engine's KV budget (admission) about four.
+    let mut model = FastStepModel::<WgpuRuntime, f32>::load(&client, dir, 6, 1 << 20, 16, 128).unwrap();
+    let budget = 3 * model.kv_layout().bytes_for(48);
     let vocab = model.vocab_size() as u32;
     let requests: Vec<(Vec<u32>, usize)> = (0..32u32)
         .map(|i| {
-            let len = 3 + (i * 37 % 58) as usize;
+            let len = 3 + (i * 37 % 40) as usize;
             let prompt = (0..len as u32).map(|j| 3 + (i * 131 + j * 17) % (vocab - 3)).collect();
             (prompt, 4 + (i % 9) as usize)
         })
@@ -279,4 +278,79 @@ fn thirty_two_gemma4_requests_under_kv_pressure_match_alone() {
     let vocab = pw_hf::ModelConfig::from_dir(dir.path()).unwrap().vocab_size();
     pw_testkit::write_word_tokenizer(dir.path(), vocab);
     thirty_two_requests_under_kv_pressure(dir.path());
+}
+
+/// Issue 28: the same 32 requests with the experts and the KV cache under one budget that holds
+/// 8-bit experts beside 16 KV blocks (the requests need about 64): the planner lowers pages while
+/// they run, sequences are preempted and resumed, every request completes with all its tokens,
+/// none fails, and the cache is empty afterwards.
+fn thirty_two_requests_under_a_planned_budget(dir: &Path) {
+    use pw_serve::{FastOptions, MemoryOptions, WeightPolicy};
+    let client = wgpu_client();
+    let probe = FastStepModel::<WgpuRuntime, half::f16>::load(&client, dir, 8, 1 << 18, 1, 128).unwrap();
+    let (experts8, block) = (probe.decoder().expert_bytes() as u64, probe.decoder().kv_block_bytes() as u64);
+    drop(probe);
+    let memory = MemoryOptions {
+        budget_bytes: Some(experts8 + 16 * block),
+        policy: WeightPolicy::Planner,
+        threshold_blocks: 4,
+        give_back_blocks: 8,
+        ..Default::default()
+    };
+    let options = FastOptions { bits: 8, kv_budget_bytes: 0, max_batch: 16, max_context: 128, memory };
+    let model = FastStepModel::<WgpuRuntime, half::f16>::load_with(&client, dir, &options).unwrap();
+    let vocab = model.vocab_size() as u32;
+    let config = EngineConfig {
+        admission: pw_serve::Admission::Preempt,
+        kv_budget_bytes: model.kv_capacity_bytes(),
+        max_batch: 16,
+        max_context: 128,
+        max_step_tokens: 32,
+        max_waiting: 4096,
+        eos_token_ids: vec![],
+    };
+    let tok = pw_serve::load_tokenizer(dir).unwrap();
+    let engine =
+        Engine::start(Box::new(model), std::sync::Arc::new(tok), config, Box::new(UsageRecorder::default()))
+            .unwrap();
+    let h = engine.handle();
+    let streams: Vec<_> = (0..32u32)
+        .map(|i| {
+            let len = 3 + (i * 37 % 40) as usize;
+            let prompt = (0..len as u32).map(|j| 3 + (i * 131 + j * 17) % (vocab - 3)).collect();
+            let n = 2 + (i % 7) as usize;
+            let params =
+                SamplingParams { temperature: 0.0, max_tokens: n, ignore_eos: true, ..Default::default() };
+            (h.submit(GenerateRequest { prompt, params }).unwrap(), n)
+        })
+        .collect();
+    for (i, (s, n)) in streams.into_iter().enumerate() {
+        assert_eq!(s.collect_blocking().unwrap().tokens.len(), n, "request {i}");
+    }
+    let t0 = std::time::Instant::now();
+    let m = loop {
+        let m = h.metrics().snapshot();
+        if m.active_sequences == 0 && m.requests_finished_total == 32 {
+            break m;
+        }
+        assert!(t0.elapsed() < std::time::Duration::from_secs(10), "{m:?}");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    };
+    assert_eq!((m.requests_failed_total, m.queue_length), (0, 0), "{m:?}");
+    assert_eq!((m.kv_bytes_used, m.kv_bytes_reserved), (0, 0), "{m:?}");
+    let mem = m.memory.expect("paged memory state");
+    assert!(
+        mem.page_moves_down_total > 0 && mem.planner_lower_total > 0,
+        "the planner lowered pages: {mem:?}"
+    );
+}
+
+#[test]
+fn thirty_two_mixtral_requests_under_a_planned_budget_all_complete() {
+    thirty_two_requests_under_a_planned_budget(&asset("tiny-mixtral"));
+}
+
+#[test]
+fn thirty_two_qwen2_moe_requests_under_a_planned_budget_all_complete() {
+    thirty_two_requests_under_a_planned_budget(&asset("tiny-qwen2-moe"));
 }
