@@ -451,7 +451,6 @@ impl Engine {
             reserved: 0,
             step: 0,
             oom_strikes: 0,
-            step_prefill_tokens: 0,
             batch_cap: usize::MAX,
             seed_base: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64),
         };
@@ -543,8 +542,6 @@ struct Worker {
     seed_base: u64,
     /// Consecutive steps that produced nothing because the model was out of KV memory.
     oom_strikes: u32,
-    /// Prompt and recomputed tokens the current step has prefilled.
-    step_prefill_tokens: u64,
     /// Most sequences running at once as the model's memory allows: lowered when it runs out
     /// of KV memory, lifted once a sequence ends and frees some.
     batch_cap: usize,
@@ -557,6 +554,22 @@ enum After {
     Finished,
     Cancelled,
     Failed,
+}
+
+/// What one model call of a step produced.
+#[derive(Debug, Default, Clone, Copy)]
+struct Ran {
+    /// Tokens sampled.
+    generated: usize,
+    /// Prompt and recomputed tokens that went into the cache.
+    prefilled: u64,
+}
+
+impl std::ops::AddAssign for Ran {
+    fn add_assign(&mut self, o: Self) {
+        self.generated += o.generated;
+        self.prefilled += o.prefilled;
+    }
 }
 
 /// Runs `f`, turning a panic inside the model into a step error so the engine keeps serving.
@@ -756,14 +769,11 @@ impl Worker {
             .preempted
             .iter()
             .map(|a| Candidate { tokens: a.tokens.len(), kv_bytes: kv.bytes_for(a.tokens.len()) })
-            .chain(self.waiting.iter().map(|p| {
-                let tokens = p.req.prompt.len();
-                let kv_bytes = match self.config.admission {
-                    Admission::Reserve => p.projected,
-                    Admission::Preempt => kv.bytes_for(tokens),
-                };
-                Candidate { tokens, kv_bytes }
-            }))
+            .chain(
+                self.waiting
+                    .iter()
+                    .map(|p| Candidate { tokens: p.req.prompt.len(), kv_bytes: self.admission_bytes(p) }),
+            )
             .take(room)
             .collect();
         let limits = StepLimits {
@@ -772,6 +782,14 @@ impl Worker {
             kv_room: self.config.kv_budget_bytes.saturating_sub(self.reserved),
         };
         plan_step(&running, &candidates, limits)
+    }
+
+    /// KV bytes admission reserves for queued request `p` (see [`Admission`]).
+    fn admission_bytes(&self, p: &Pending) -> u64 {
+        match self.config.admission {
+            Admission::Reserve => p.projected,
+            Admission::Preempt => self.kv_layout.bytes_for(p.req.prompt.len()),
+        }
     }
 
     /// Moves the first `n` candidates to the running set, preempted ones first, then queued
@@ -789,10 +807,7 @@ impl Worker {
             }
             let Some(p) = self.waiting.pop_front() else { break };
             let len = p.req.prompt.len();
-            let need = match self.config.admission {
-                Admission::Reserve => p.projected,
-                Admission::Preempt => self.kv_layout.bytes_for(len),
-            };
+            let need = self.admission_bytes(&p);
             self.reserved += need;
             prompt_tokens += len as u64;
             let params = p.req.params;
@@ -835,7 +850,6 @@ impl Worker {
         let mut ended: Vec<(Active, After)> = Vec::new();
         let (mut decode, mut prefill) = (Vec::new(), Vec::new());
         let feed = plan.feed.into_iter().chain(plan.admit);
-        self.step_prefill_tokens = 0;
         for (a, n) in std::mem::take(&mut self.active).into_iter().zip(feed) {
             match n {
                 0 => self.active.push(a),
@@ -843,7 +857,7 @@ impl Worker {
                 n => prefill.push((a, n)),
             }
         }
-        let mut tokens = 0;
+        let mut ran = Ran::default();
         if !decode.is_empty() {
             let model = &mut self.model;
             let result = {
@@ -855,7 +869,7 @@ impl Worker {
             };
             let result = result.map(|o| o.into_iter().map(|r| r.map(Some)).collect());
             let fed = decode.into_iter().map(|a| (a, 1)).collect();
-            tokens += self.conclude(fed, result, &eos, &mut ended);
+            ran += self.conclude(fed, result, &eos, &mut ended);
         }
         if !prefill.is_empty() {
             let model = &mut self.model;
@@ -872,19 +886,18 @@ impl Worker {
                     .collect();
                 guarded(|| model.prefill(&mut slots))
             };
-            tokens += self.conclude(prefill, result, &eos, &mut ended);
+            ran += self.conclude(prefill, result, &eos, &mut ended);
         }
-        if tokens > 0 {
+        if ran.generated > 0 {
             self.oom_strikes = 0;
         }
-        let prefill_tokens = self.step_prefill_tokens;
         self.metrics.update(|m| {
-            m.step_prefill_tokens = prefill_tokens;
-            m.prefill_tokens_total += prefill_tokens;
+            m.step_prefill_tokens = ran.prefilled;
+            m.prefill_tokens_total += ran.prefilled;
         });
         self.end(ended);
         self.config.eos_token_ids = eos;
-        tokens
+        ran.generated
     }
 
     /// Settles one model call of the step: its outcomes, or (out of KV memory, nothing ran)
@@ -896,7 +909,7 @@ impl Worker {
         result: Result<Vec<PrefillOutcome>, StepError>,
         eos: &[u32],
         ended: &mut Vec<(Active, After)>,
-    ) -> usize {
+    ) -> Ran {
         match self.outcomes(result, seqs.len()) {
             Ok(outcomes) => self.settle(seqs, outcomes, eos, ended),
             Err(StepError::OutOfMemory(_)) if self.oom_strikes < OOM_RETRIES => {
@@ -913,7 +926,7 @@ impl Worker {
                 }
                 self.active.extend(seqs.into_iter().map(|(a, _)| a));
                 self.batch_cap = self.active.len().max(1);
-                0
+                Ran::default()
             }
             Err(e) => {
                 if matches!(e, StepError::OutOfMemory(_)) {
@@ -921,7 +934,7 @@ impl Worker {
                     self.metrics.update(|m| m.requests_failed_out_of_memory_total += n);
                 }
                 fail_all(seqs.into_iter().map(|(a, _)| a), &e.to_string(), ended);
-                0
+                Ran::default()
             }
         }
     }
@@ -967,27 +980,26 @@ impl Worker {
     }
 
     /// Hands each sequence its outcome: its fed tokens are now in the cache, and a sampled
-    /// token goes on to [`deliver`]; an error ends that sequence alone. Returns the tokens
-    /// generated.
+    /// token goes on to [`deliver`]; an error ends that sequence alone.
     fn settle(
         &mut self,
         seqs: Vec<(Active, usize)>,
         outcomes: Vec<PrefillOutcome>,
         eos: &[u32],
         ended: &mut Vec<(Active, After)>,
-    ) -> usize {
-        let mut tokens = 0;
+    ) -> Ran {
+        let mut ran = Ran::default();
         for ((mut a, fed), outcome) in seqs.into_iter().zip(outcomes) {
             if outcome.is_ok() {
                 // All but a generated token's first pass are prompt or recomputed tokens.
                 let fresh = a.generated > 0 && a.computed + fed == a.tokens.len();
-                self.step_prefill_tokens += (fed - usize::from(fresh)) as u64;
+                ran.prefilled += (fed - usize::from(fresh)) as u64;
                 a.computed += fed;
             }
             match outcome {
                 Ok(None) => self.active.push(a),
                 Ok(Some(t)) => {
-                    tokens += 1;
+                    ran.generated += 1;
                     let max_context = self.config.max_context;
                     match deliver(&mut a, t, &self.tokenizer, eos, max_context, &self.metrics) {
                         After::Running => self.active.push(a),
@@ -997,7 +1009,7 @@ impl Worker {
                 Err(e) => fail_all(std::iter::once(a), &e.to_string(), ended),
             }
         }
-        tokens
+        ran
     }
 
     /// Frees a running sequence's KV and puts it, state intact, among the preempted (oldest

@@ -13,6 +13,8 @@ use pw_serve::{
 };
 use pw_testkit::{asset, wgpu_client};
 
+use crate::common;
+
 fn slot<'a>(
     seq: u64,
     start: usize,
@@ -202,6 +204,42 @@ fn a_sequence_at_the_context_end_fails_alone() {
     assert_eq!(model.kv_bytes_held(), 0);
 }
 
+/// 32 greedy requests: prompts of 3..42 tokens below `vocab`, and their output lengths (4..12).
+fn mixed_requests(vocab: u32) -> Vec<(Vec<u32>, usize)> {
+    (0..32u32)
+        .map(|i| {
+            let len = 3 + (i * 37 % 40) as usize;
+            let prompt = (0..len as u32).map(|j| 3 + (i * 131 + j * 17) % (vocab - 3)).collect();
+            (prompt, 4 + (i % 9) as usize)
+        })
+        .collect()
+}
+
+/// Preempt admission under `kv_budget_bytes`, 16 sequences and 32 tokens per step, context 128.
+fn pressure_config(kv_budget_bytes: u64) -> EngineConfig {
+    EngineConfig {
+        admission: pw_serve::Admission::Preempt,
+        kv_budget_bytes,
+        max_batch: 16,
+        max_context: 128,
+        max_step_tokens: 32,
+        max_waiting: 4096,
+        eos_token_ids: vec![],
+    }
+}
+
+/// Submits `requests` (greedy, `ignore_eos`) and returns their streams in order.
+fn submit_all(h: &pw_serve::EngineHandle, requests: &[(Vec<u32>, usize)]) -> Vec<pw_serve::RequestStream> {
+    requests
+        .iter()
+        .map(|(p, n)| {
+            let params =
+                SamplingParams { temperature: 0.0, max_tokens: *n, ignore_eos: true, ..Default::default() };
+            h.submit(GenerateRequest { prompt: p.clone(), params }).unwrap()
+        })
+        .collect()
+}
+
 /// Issue 28: 32 concurrent requests of mixed prompt lengths through the fast path with KV room
 /// for about three of them and a step budget of 32 tokens, so prompts are chunked and running
 /// sequences are preempted and resumed: every request completes with the tokens it generates
@@ -211,50 +249,23 @@ fn thirty_two_requests_under_kv_pressure(dir: &Path) {
     // The cache holds every request; the engine's KV budget (admission) about four.
     let mut model = FastStepModel::<WgpuRuntime, f32>::load(&client, dir, 6, 1 << 20, 16, 128).unwrap();
     let budget = 3 * model.kv_layout().bytes_for(48);
-    let vocab = model.vocab_size() as u32;
-    let requests: Vec<(Vec<u32>, usize)> = (0..32u32)
-        .map(|i| {
-            let len = 3 + (i * 37 % 40) as usize;
-            let prompt = (0..len as u32).map(|j| 3 + (i * 131 + j * 17) % (vocab - 3)).collect();
-            (prompt, 4 + (i % 9) as usize)
-        })
-        .collect();
+    let requests = mixed_requests(model.vocab_size() as u32);
     let want: Vec<Vec<u32>> =
         requests.iter().enumerate().map(|(i, (p, n))| alone(&mut model, 1000 + i as u64, p, *n)).collect();
-    let config = EngineConfig {
-        admission: pw_serve::Admission::Preempt,
-        kv_budget_bytes: budget,
-        max_batch: 16,
-        max_context: 128,
-        max_step_tokens: 32,
-        max_waiting: 4096,
-        eos_token_ids: vec![],
-    };
     let tok = pw_serve::load_tokenizer(dir).unwrap();
     let rec = UsageRecorder::default();
-    let engine =
-        Engine::start(Box::new(model), std::sync::Arc::new(tok), config, Box::new(rec.clone())).unwrap();
+    let engine = Engine::start(
+        Box::new(model),
+        std::sync::Arc::new(tok),
+        pressure_config(budget),
+        Box::new(rec.clone()),
+    )
+    .unwrap();
     let h = engine.handle();
-    let streams: Vec<_> = requests
-        .iter()
-        .map(|(p, n)| {
-            let params =
-                SamplingParams { temperature: 0.0, max_tokens: *n, ignore_eos: true, ..Default::default() };
-            h.submit(GenerateRequest { prompt: p.clone(), params }).unwrap()
-        })
-        .collect();
-    for (i, (s, w)) in streams.into_iter().zip(&want).enumerate() {
+    for (i, (s, w)) in submit_all(&h, &requests).into_iter().zip(&want).enumerate() {
         assert_eq!(&s.collect_blocking().unwrap().tokens, w, "request {i}");
     }
-    let t0 = std::time::Instant::now();
-    let m = loop {
-        let m = h.metrics().snapshot();
-        if m.active_sequences == 0 && m.requests_finished_total == 32 {
-            break m;
-        }
-        assert!(t0.elapsed() < std::time::Duration::from_secs(10), "{m:?}");
-        std::thread::sleep(std::time::Duration::from_millis(5));
-    };
+    let m = common::wait_metrics(&h, |m| m.active_sequences == 0 && m.requests_finished_total == 32);
     assert_eq!((m.requests_failed_total, m.queue_length), (0, 0), "{m:?}");
     assert!(m.requests_preempted_total > 0, "the budget forced preemption: {m:?}");
     assert_eq!((m.kv_bytes_used, m.kv_bytes_reserved), (0, 0), "{m:?}");
@@ -281,9 +292,9 @@ fn thirty_two_gemma4_requests_under_kv_pressure_match_alone() {
 }
 
 /// Issue 28: the same 32 requests with the experts and the KV cache under one budget that holds
-/// 8-bit experts beside 16 KV blocks (the requests need about 64): the planner lowers pages while
-/// they run, sequences are preempted and resumed, every request completes with all its tokens,
-/// none fails, and the cache is empty afterwards.
+/// 8-bit experts beside 16 KV blocks (the requests need more): the planner lowers pages while
+/// they run, every request completes with all its tokens, none fails, and the cache is empty
+/// afterwards.
 fn thirty_two_requests_under_a_planned_budget(dir: &Path) {
     use pw_serve::{FastOptions, MemoryOptions, WeightPolicy};
     let client = wgpu_client();
@@ -299,43 +310,17 @@ fn thirty_two_requests_under_a_planned_budget(dir: &Path) {
     };
     let options = FastOptions { bits: 8, kv_budget_bytes: 0, max_batch: 16, max_context: 128, memory };
     let model = FastStepModel::<WgpuRuntime, half::f16>::load_with(&client, dir, &options).unwrap();
-    let vocab = model.vocab_size() as u32;
-    let config = EngineConfig {
-        admission: pw_serve::Admission::Preempt,
-        kv_budget_bytes: model.kv_capacity_bytes(),
-        max_batch: 16,
-        max_context: 128,
-        max_step_tokens: 32,
-        max_waiting: 4096,
-        eos_token_ids: vec![],
-    };
+    let requests = mixed_requests(model.vocab_size() as u32);
+    let config = pressure_config(model.kv_capacity_bytes());
     let tok = pw_serve::load_tokenizer(dir).unwrap();
     let engine =
         Engine::start(Box::new(model), std::sync::Arc::new(tok), config, Box::new(UsageRecorder::default()))
             .unwrap();
     let h = engine.handle();
-    let streams: Vec<_> = (0..32u32)
-        .map(|i| {
-            let len = 3 + (i * 37 % 40) as usize;
-            let prompt = (0..len as u32).map(|j| 3 + (i * 131 + j * 17) % (vocab - 3)).collect();
-            let n = 2 + (i % 7) as usize;
-            let params =
-                SamplingParams { temperature: 0.0, max_tokens: n, ignore_eos: true, ..Default::default() };
-            (h.submit(GenerateRequest { prompt, params }).unwrap(), n)
-        })
-        .collect();
-    for (i, (s, n)) in streams.into_iter().enumerate() {
-        assert_eq!(s.collect_blocking().unwrap().tokens.len(), n, "request {i}");
+    for (i, (s, (_, n))) in submit_all(&h, &requests).into_iter().zip(&requests).enumerate() {
+        assert_eq!(s.collect_blocking().unwrap().tokens.len(), *n, "request {i}");
     }
-    let t0 = std::time::Instant::now();
-    let m = loop {
-        let m = h.metrics().snapshot();
-        if m.active_sequences == 0 && m.requests_finished_total == 32 {
-            break m;
-        }
-        assert!(t0.elapsed() < std::time::Duration::from_secs(10), "{m:?}");
-        std::thread::sleep(std::time::Duration::from_millis(5));
-    };
+    let m = common::wait_metrics(&h, |m| m.active_sequences == 0 && m.requests_finished_total == 32);
     assert_eq!((m.requests_failed_total, m.queue_length), (0, 0), "{m:?}");
     assert_eq!((m.kv_bytes_used, m.kv_bytes_reserved), (0, 0), "{m:?}");
     let mem = m.memory.expect("paged memory state");
