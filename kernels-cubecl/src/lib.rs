@@ -71,6 +71,10 @@ pub use embed::{embed, embed_reference};
 pub use expert_gemm::gemv::{
     GEMV_HOST_MAX_TOKENS, GEMV_MAX_TOKENS, GEMV_MIN_ITEMS, GEMV_ROWS, GEMV_WARPS_PER_SM, GemvPlan, gemv_plan,
 };
+pub use expert_gemm::grouped::{
+    ExpertBlock, GROUPED_MAX_TOKEN_GROUPS, GROUPED_MIN_MEAN_TOKENS, GroupedGemm, GroupedMode,
+    ap_gemm_grouped, ap_gemm_grouped_reference, grouped_mma_supported, mean_tokens,
+};
 pub use expert_gemm::routed::{GATED_MAX_TOKENS, ap_gemm_routed, ap_gemm_routed_gated};
 pub use expert_gemm::{GemmConfig, LUT_SLOTS, ap_gemm, ap_gemm_reference};
 pub use fill::{fill_hash, fill_hash_reference, fill_uniform, fill_uniform_reference};

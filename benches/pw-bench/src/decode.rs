@@ -10,7 +10,7 @@
 
 use anyhow::{Context, Result};
 use cubecl::prelude::*;
-use kernels_cubecl::{Activation, GemmConfig, MmaMode, MmaTuning, ROUTE_CHUNK, sync};
+use kernels_cubecl::{Activation, GemmConfig, GroupedMode, MmaMode, MmaTuning, ROUTE_CHUNK, sync};
 use pw_decode::{AttnLayer, DecodeConfig, Decoder, ExpertAct, Family};
 use pw_pages::Accountant;
 use serde_json::{Value, json};
@@ -93,6 +93,11 @@ pub struct BenchDecodeArgs {
     /// weights once per item.
     #[arg(long, value_delimiter = ',')]
     pub route_chunk: Vec<usize>,
+    /// Where the routed experts run (comma-separated, each measured): `off` (the default: the
+    /// routed GEMVs), `auto` (the grouped GEMM on the matrix units from
+    /// `GROUPED_MIN_MEAN_TOKENS` tokens per expert) or `always` (the grouped GEMM at every batch).
+    #[arg(long, value_delimiter = ',', default_value = "off")]
+    pub grouped: Vec<String>,
 }
 
 fn inv_freq(theta: f64, head_dim: usize, rotating_pairs: usize) -> Vec<f32> {
@@ -317,11 +322,24 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
             })
             .collect::<Result<Vec<_>>>()?;
         let chunks = if a.route_chunk.is_empty() { vec![ROUTE_CHUNK] } else { a.route_chunk.clone() };
+        let grouped_modes = a
+            .grouped
+            .iter()
+            .map(|m| match m.as_str() {
+                "off" => Ok((m.as_str(), GroupedMode::Off)),
+                "auto" => Ok((m.as_str(), GroupedMode::Auto)),
+                "always" => Ok((m.as_str(), GroupedMode::Always)),
+                _ => Err(anyhow::anyhow!("--grouped {m}: expected off, auto or always")),
+            })
+            .collect::<Result<Vec<_>>>()?;
         let combos = combos
             .flat_map(|c| wps_list.iter().map(move |w| (c, *w)))
             .flat_map(|(c, w)| prefetches.iter().map(move |p| (c, w, *p)))
-            .flat_map(|(c, w, p)| chunks.iter().map(move |k| (c, w, p, *k)));
-        for (((act_name, act), (mma_name, mma), x_half), wps, prefetch, chunk) in combos {
+            .flat_map(|(c, w, p)| chunks.iter().map(move |k| (c, w, p, *k)))
+            .flat_map(|(c, w, p, k)| grouped_modes.iter().map(move |gm| (c, w, p, k, *gm)));
+        for (((act_name, act), (mma_name, mma), x_half), wps, prefetch, chunk, (grouped_name, grouped)) in
+            combos
+        {
             // The kernel choices are fixed at construction: one model per combination.
             let mut g = base;
             g.gemv_x_half = x_half;
@@ -338,6 +356,7 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
                 .expert_act(*act)
                 .dense_mma(mma)
                 .route_chunk(chunk)
+                .grouped(grouped)
                 .synthetic(cfg.clone(), first)
                 .context("--route-chunk")?;
             let fused_router = dec.fused_router();
@@ -411,6 +430,7 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
                             "gemv_warps_per_sm": wps,
                             "gemv_prefetch": prefetch,
                             "route_chunk": chunk,
+                            "grouped": grouped_name,
                             "mma_supported": kernels_cubecl::dense_mma_supported(dec.client()),
                         });
                         eprintln!("{rec}");

@@ -79,6 +79,14 @@ pub struct BenchKernelsArgs {
     /// Only the stream read and the dense f16 GEMMs.
     #[arg(long)]
     pub dense_only: bool,
+    /// Tokens per step of the grouped expert GEMM's layers (comma-separated; default 8, 32, 64,
+    /// 128, 256, or 32 with `--quick`; 0 skips them and its check).
+    #[arg(long, value_delimiter = ',')]
+    pub grouped_tokens: Vec<usize>,
+    /// Only the stream read, the grouped expert GEMM (and with `--check` its check) and the
+    /// dense f16 GEMMs unless `--no-dense`.
+    #[arg(long)]
+    pub grouped_only: bool,
 }
 
 /// Runs the benchmark on the chosen runtime.
@@ -300,6 +308,27 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchKernelsArgs) -> Result<Vec<Value
         )?);
     }
     if a.dense_only {
+        return Ok(records);
+    }
+    let grouped_tokens = match a.grouped_tokens.as_slice() {
+        [] if a.quick => vec![32],
+        [] => vec![8, 32, 64, 128, 256],
+        [0] => vec![],
+        t => t.to_vec(),
+    };
+    if !grouped_tokens.is_empty() {
+        let bits = if a.bits.is_empty() { vec![4, 3] } else { a.bits.clone() };
+        records.extend(crate::grouped::grouped_records(
+            &client,
+            a.launches,
+            hbm,
+            a.check,
+            &bits,
+            &grouped_tokens,
+            wanted,
+        )?);
+    }
+    if a.grouped_only {
         return Ok(records);
     }
 

@@ -4,6 +4,7 @@
 
 mod decode;
 mod dense;
+mod grouped;
 mod kernels;
 mod pages;
 #[cfg(feature = "cuda")]

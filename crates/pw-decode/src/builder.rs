@@ -7,7 +7,7 @@ use std::path::Path;
 
 use cubecl::prelude::*;
 use kernels_cubecl::GemmConfig;
-use kernels_cubecl::{MmaMode, ROUTE_CHUNK, router_fusable};
+use kernels_cubecl::{GroupedMode, MmaMode, ROUTE_CHUNK, router_fusable};
 use pw_hf::{Checkpoint, ModelConfig};
 use pw_kv::{BlockTables, DevicePools};
 use pw_pages::Accountant;
@@ -35,6 +35,7 @@ pub struct DecoderBuilder<'a, R: Runtime, KV> {
     expert_act: ExpertAct,
     dense_mma: MmaMode,
     route_chunk: usize,
+    grouped: GroupedMode,
     _kv: PhantomData<KV>,
 }
 
@@ -53,6 +54,7 @@ impl<'a, R: Runtime, KV: Float + CubeElement> DecoderBuilder<'a, R, KV> {
             expert_act: ExpertAct::GateUpEpilogue,
             dense_mma: MmaMode::AUTO,
             route_chunk: ROUTE_CHUNK,
+            grouped: GroupedMode::Off,
             _kv: PhantomData,
         }
     }
@@ -117,6 +119,13 @@ impl<'a, R: Runtime, KV: Float + CubeElement> DecoderBuilder<'a, R, KV> {
         self
     }
 
+    /// Where the routed experts run (default `GroupedMode::Off`, the routed GEMVs: within steps
+    /// of 16 tokens the grouped GEMM does not beat them yet, `benches/results/h200-grouped.md`).
+    pub fn grouped(mut self, mode: GroupedMode) -> Self {
+        self.grouped = mode;
+        self
+    }
+
     /// Loads the dense weights of the HF checkpoint in `dir` (any supported family) in f16
     /// and its experts from `experts` (quantized from the same checkpoint, at their bits).
     pub fn load(self, dir: impl AsRef<Path>, experts: ExpertBlocks) -> Result<Decoder<R, KV>, DecodeError> {
@@ -172,6 +181,7 @@ impl<'a, R: Runtime, KV: Float + CubeElement> DecoderBuilder<'a, R, KV> {
             fused_router: self.fused_router && cfg.experts > 0 && router_fusable(client, cfg.moe_shape()),
             expert_act: self.expert_act,
             dense_mma: self.dense_mma,
+            grouped: self.grouped,
         };
         Ok(Decoder {
             client: client.clone(),

@@ -8,6 +8,7 @@ use std::path::Path;
 
 use burn_ndarray::NdArray;
 use cubecl::wgpu::WgpuRuntime;
+use kernels_cubecl::GroupedMode;
 use pw_decode::{DecodeConfig, Decoder, DecoderBuilder, ExpertAct, ExpertBlocks};
 use pw_hf::{Checkpoint, ModelConfig};
 use pw_models::generate::{argmax, ids_tensor, last_logits};
@@ -309,9 +310,10 @@ fn gemma4_multimodal_layout_f32_cache() {
 /// Whole prompts prefilled through the decode kernels in chunks of `MAX_TOKENS` tokens (several
 /// tokens of one sequence per chunk, prompts crossing chunk boundaries and, on Gemma, its
 /// sliding window of 8), then two decode steps: every next-token logit against the reference.
-fn check_prefill(dir: &Path, tol: f32, route_chunk: usize) {
+fn check_prefill(dir: &Path, tol: f32, route_chunk: usize, grouped: GroupedMode) {
     let (reference, experts, client) = setup(dir);
-    let mut dec = load::<f32>(&client, dir, &experts, 40, 48, |b| b.route_chunk(route_chunk));
+    let mut dec =
+        load::<f32>(&client, dir, &experts, 40, 48, |b| b.route_chunk(route_chunk).grouped(grouped));
     assert_eq!(dec.route_chunk(), route_chunk);
     let prompts: Vec<(u64, Vec<u32>)> = vec![
         (1, (0..20).map(|i| (i * 7 + 1) % 50).collect()),
@@ -344,7 +346,7 @@ fn check_prefill(dir: &Path, tol: f32, route_chunk: usize) {
 
 #[test]
 fn mixtral_shipped_chunked_prefill() {
-    check_prefill(&asset("tiny-mixtral"), F32_KV_TOL, kernels_cubecl::ROUTE_CHUNK);
+    check_prefill(&asset("tiny-mixtral"), F32_KV_TOL, kernels_cubecl::ROUTE_CHUNK, GroupedMode::Off);
 }
 
 /// Prefill steps of 16 tokens give the tiny Mixtral's experts several tokens each: routed
@@ -352,13 +354,22 @@ fn mixtral_shipped_chunked_prefill() {
 #[test]
 fn mixtral_shipped_chunked_prefill_wide_route_items() {
     for chunk in [4, 8] {
-        check_prefill(&asset("tiny-mixtral"), F32_KV_TOL, chunk);
+        check_prefill(&asset("tiny-mixtral"), F32_KV_TOL, chunk, GroupedMode::Off);
     }
 }
 
 #[test]
 fn gemma4_fixture_chunked_prefill_past_the_window() {
-    check_prefill(&fixture("gemma4"), F32_KV_TOL, kernels_cubecl::ROUTE_CHUNK);
+    check_prefill(&fixture("gemma4"), F32_KV_TOL, kernels_cubecl::ROUTE_CHUNK, GroupedMode::Off);
+}
+
+/// The routed experts through the grouped GEMM (its plain kernel here; steps of 16 tokens give
+/// each expert several) on the three families against the Burn reference.
+#[test]
+fn grouped_experts_chunked_prefill() {
+    for dir in [asset("tiny-mixtral"), fixture("qwen2_moe"), fixture("gemma4")] {
+        check_prefill(&dir, F32_KV_TOL, kernels_cubecl::ROUTE_CHUNK, GroupedMode::Always);
+    }
 }
 
 /// Launches of one layer of the fast path, by kind (the RMSNorms are folded into the GEMMs and

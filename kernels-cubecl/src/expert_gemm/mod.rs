@@ -8,6 +8,7 @@
 
 pub mod bitplane;
 pub mod gemv;
+pub mod grouped;
 pub mod routed;
 #[cfg(test)]
 mod tests;
@@ -220,7 +221,6 @@ pub fn ap_gemm<R: Runtime>(
 pub fn ap_gemm_reference(pool: &PoolImage, items: &[WorkItem], x: &[f32], y: &mut [f32], act: Activation) {
     for it in items {
         let (n, k, t, b) = (it.rows as usize, it.cols as usize, it.tokens as usize, it.bits as usize);
-        let words = k.div_ceil(32);
         let x_cols = if act == Activation::None { k } else { 2 * k };
         for tok in 0..t {
             let xr = &x[it.x_off as usize + tok * x_cols..][..x_cols];
@@ -232,16 +232,10 @@ pub fn ap_gemm_reference(pool: &PoolImage, items: &[WorkItem], x: &[f32], y: &mu
                     Activation::Applied => xr[c],
                 })
                 .collect();
+            let (p, l) = (&pool.planes[it.plane_off as usize..], &pool.luts[it.lut_off as usize..]);
             for r in 0..n {
-                let mut acc = 0f32;
-                for (c, &xc) in xv.iter().enumerate() {
-                    let mut idx = 0usize;
-                    for p in 0..b {
-                        let w = pool.planes[it.plane_off as usize + (p * n + r) * words + c / 32];
-                        idx = (idx << 1) | ((w >> (c % 32)) & 1) as usize;
-                    }
-                    acc += xc * pool.luts[it.lut_off as usize + r * (1 << b) + idx].to_f32();
-                }
+                let acc: f32 =
+                    xv.iter().enumerate().map(|(c, &xc)| xc * grouped::ap_weight(p, l, n, k, b, r, c)).sum();
                 y[it.y_off as usize + tok * n + r] = acc;
             }
         }

@@ -438,6 +438,7 @@ fn check_routed_moe(client: &ComputeClient<WgpuRuntime>, rng: &mut StdRng, shape
                 );
             }
         }
+        check_grouped_routing(client, shape, &bufs, (&planes, &luts, &slot_words), rows, &xg, &dn);
         moe_combine(client, tokens, shape.k, h, &dn, &bufs.pos, &bufs.weights, &hd).unwrap();
 
         let (sel, wts) = route_reference(shape, &logits);
@@ -462,4 +463,117 @@ fn check_routed_moe(client: &ComputeClient<WgpuRuntime>, rng: &mut StdRng, shape
         }
         assert_close(&read_f32(client, &hd).unwrap(), &want, MOE_TOL, &format!("moe layer, {tokens} tokens"));
     }
+}
+
+/// The grouped GEMMs over the routing's groups table (gate_up with SiLU·up in its epilogue, then
+/// down) give the routed GEMVs' down rows `dn`.
+fn check_grouped_routing(
+    client: &ComputeClient<WgpuRuntime>,
+    shape: MoeShape,
+    bufs: &RouteBuffers,
+    (planes, luts, slots): (&DeviceArray, &DeviceArray, &DeviceArray),
+    rows: usize,
+    xg: &DeviceArray,
+    dn: &DeviceArray,
+) {
+    let (h, i, e) = (shape.hidden, shape.inter, shape.experts);
+    let act = DeviceArray::empty::<WgpuRuntime, f32>(client, rows * i);
+    let out = DeviceArray::empty::<WgpuRuntime, f32>(client, rows * h);
+    let gu = GroupedGemm {
+        experts: e,
+        rows: 2 * i,
+        cols: h,
+        block: ExpertBlock::GateUp,
+        x_stride: h,
+        y_stride: i,
+        epilogue: Activation::SiluMul,
+    };
+    let down = GroupedGemm {
+        rows: h,
+        cols: i,
+        block: ExpertBlock::Down,
+        x_stride: i,
+        y_stride: h,
+        epilogue: Activation::None,
+        ..gu
+    };
+    for (g, x, y) in [(gu, xg, &act), (down, &act, &out)] {
+        ap_gemm_grouped(client, g, true, planes, luts, slots, &bufs.groups, rows, 2, x, y).unwrap();
+    }
+    assert_close(
+        &read_f32(client, &out).unwrap()[..rows * h],
+        &read_f32(client, dn).unwrap()[..rows * h],
+        MOE_TOL,
+        &format!("grouped down rows, {rows} rows"),
+    );
+}
+
+/// The grouped GEMM against its reference: experts of bit-widths 3..8 in one launch, experts
+/// with no tokens, one token, odd counts and 300 tokens, the gated gate_up epilogue (SiLU and
+/// GELU), the plain gate_up and a down launch reading rows of a wider stride over 48 columns
+/// (a last plane word of 16).
+#[test]
+fn grouped_gemm_matches_reference() {
+    let client = client();
+    let mut rng = StdRng::seed_from_u64(26);
+    let (h, i) = (64usize, 48usize);
+    let shape = MoeShape { experts: 6, k: 2, renormalize: true, hidden: h, inter: i };
+    let counts = [3u32, 0, 1, 17, 300, 6];
+    let bits = [3u8, 8, 4, 5, 6, 7];
+    let mut pool = PoolImage::default();
+    let slots: Vec<_> = bits
+        .iter()
+        .map(|&b| {
+            (pool.push(&random_block(&mut rng, 2 * i, h), b), pool.push(&random_block(&mut rng, h, i), b))
+        })
+        .collect();
+    let slot_words = expert_slot_words(shape, &slots).unwrap();
+    let mut groups = Vec::new();
+    let mut rows = 0u32;
+    for &c in &counts {
+        groups.extend([rows, c]);
+        rows += c;
+    }
+    let rows = rows as usize;
+    let planes = DeviceArray::from_slice(&client, &pool.planes);
+    let luts = DeviceArray::from_slice(&client, &pool.luts);
+    let slots_d = DeviceArray::from_slice(&client, &slot_words);
+    let groups_d = DeviceArray::from_slice(&client, &groups);
+    let cases = [
+        (ExpertBlock::GateUp, 2 * i, h, h, Activation::SiluMul, i + 3),
+        (ExpertBlock::GateUp, 2 * i, h, h + 4, Activation::GeluTanhMul, i),
+        (ExpertBlock::GateUp, 2 * i, h, h, Activation::None, 2 * i),
+        (ExpertBlock::Down, h, i, 2 * i, Activation::None, h),
+    ];
+    for (block, n, k, x_stride, epilogue, y_stride) in cases {
+        let g = GroupedGemm { experts: shape.experts, rows: n, cols: k, block, x_stride, y_stride, epilogue };
+        let x = rand_vec(&mut rng, rows * x_stride, 1.0);
+        let xd = DeviceArray::from_slice(&client, &x);
+        let yd = DeviceArray::from_slice(&client, &vec![f32::NAN; rows * y_stride]);
+        let mut want = vec![f32::NAN; rows * y_stride];
+        ap_gemm_grouped_reference(g, &pool.planes, &pool.luts, &slot_words, &groups, &x, &mut want);
+        ap_gemm_grouped(&client, g, true, &planes, &luts, &slots_d, &groups_d, rows, 8, &xd, &yd).unwrap();
+        let got = read_f32(&client, &yd).unwrap();
+        let scale = k as f32 * 0.5;
+        for (j, (a, b)) in got.iter().zip(&want).enumerate() {
+            if b.is_nan() {
+                assert!(a.is_nan(), "{g:?}: y[{j}] written outside the output columns");
+                continue;
+            }
+            let budget = GEMM_RTOL * scale * if epilogue == Activation::None { 1.0 } else { scale };
+            assert!((a - b).abs() <= budget, "{g:?}: y[{j}] = {a}, reference {b}");
+        }
+    }
+    let bad = GroupedGemm {
+        experts: 6,
+        rows: 2 * i,
+        cols: h,
+        block: ExpertBlock::Down,
+        x_stride: h,
+        y_stride: i,
+        epilogue: Activation::SiluMul,
+    };
+    let e =
+        ap_gemm_grouped(&client, bad, true, &planes, &luts, &slots_d, &groups_d, rows, 8, &planes, &planes);
+    assert!(e.is_err(), "a gated epilogue on the down block is refused");
 }

@@ -102,6 +102,9 @@ pub struct RouteBuffers {
     pub desc_gate_up: DeviceArray,
     /// `[experts · chunks + 1, 8]` down work items, laid out as `desc_gate_up`.
     pub desc_down: DeviceArray,
+    /// `[experts, 2]`: each expert's first gathered row and its row count (what the grouped
+    /// GEMM reads, [`crate::ap_gemm_grouped`]).
+    pub groups: DeviceArray,
     /// Most tokens per work item (see [`RouteBuffers::with_chunk`]).
     chunk: usize,
     /// One-element stand-ins for the statistics' buffers when none are kept (never written).
@@ -132,6 +135,7 @@ impl RouteBuffers {
             pos: DeviceArray::empty::<R, u32>(client, n),
             desc_gate_up: DeviceArray::empty::<R, u32>(client, table),
             desc_down: DeviceArray::empty::<R, u32>(client, table),
+            groups: DeviceArray::empty::<R, u32>(client, 2 * shape.experts),
             chunk,
             no_counts: DeviceArray::empty::<R, u32>(client, 1),
             no_mass: DeviceArray::empty::<R, f32>(client, 1),

@@ -33,6 +33,7 @@ pub fn moe_route_kernel(
     pos: &mut Array<u32>,
     desc_gate_up: &mut Array<u32>,
     desc_down: &mut Array<u32>,
+    groups: &mut Array<u32>,
     counts: &mut Array<u32>,
     mass: &mut Array<f32>,
     base: u32,
@@ -58,6 +59,7 @@ pub fn moe_route_kernel(
         pos,
         desc_gate_up,
         desc_down,
+        groups,
         counts,
         mass,
         base,
@@ -160,6 +162,7 @@ pub(crate) fn route_cube(
     pos: &mut Array<u32>,
     desc_gate_up: &mut Array<u32>,
     desc_down: &mut Array<u32>,
+    groups: &mut Array<u32>,
     counts: &mut Array<u32>,
     mass: &mut Array<f32>,
     base: u32,
@@ -243,6 +246,10 @@ pub(crate) fn route_cube(
                 counts[base as usize + u] += count;
                 mass[base as usize + u] += m;
             }
+        }
+        if write {
+            groups[2usize * u] = before;
+            groups[2usize * u + 1usize] = count;
         }
         esh[u] = before;
         csh[u] = count;
@@ -482,6 +489,7 @@ pub fn moe_route_counted<R: Runtime>(
             out.pos.arg(),
             out.desc_gate_up.arg(),
             out.desc_down.arg(),
+            out.groups.arg(),
             counts.arg(),
             mass.arg(),
             base as u32,

@@ -130,6 +130,11 @@ fn moe_route_gather_matches_reference() {
                     );
                 }
                 assert_eq!(
+                    read_u32(&client, &want_bufs.groups).unwrap(),
+                    read_u32(&client, &bufs.groups).unwrap(),
+                    "groups"
+                );
+                assert_eq!(
                     read_f32(&client, &want_bufs.weights).unwrap()[..n],
                     read_f32(&client, &bufs.weights).unwrap()[..n],
                     "weights"

@@ -15,7 +15,7 @@ pub(crate) use moe::Logits;
 use std::marker::PhantomData;
 
 use cubecl::prelude::*;
-use kernels_cubecl::{DenseGemm, MmaMode, RouteBuffers, RowNorm, dense_gemm_normed, embed};
+use kernels_cubecl::{DenseGemm, GroupedMode, MmaMode, RouteBuffers, RowNorm, dense_gemm_normed, embed};
 use kernels_cubecl::{DeviceArray, GemmConfig, KernelError, MAX_TOKENS};
 use kernels_cubecl::{GemmaFfnOut, add_rms_norm, gemma_ffn_out, softcap};
 use pw_kv::{DevicePools, StepArrays};
@@ -49,6 +49,8 @@ pub(crate) struct Tuning {
     pub(crate) expert_act: ExpertAct,
     /// Where the dense GEMMs run.
     pub(crate) dense_mma: MmaMode,
+    /// Where the routed experts run.
+    pub(crate) grouped: GroupedMode,
 }
 
 /// Per-step scratch buffers, sized for `MAX_TOKENS` tokens and the widest layer.

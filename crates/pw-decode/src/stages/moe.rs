@@ -8,8 +8,9 @@ use kernels_cubecl::Activation;
 use kernels_cubecl::DeviceArray;
 use kernels_cubecl::gated_act;
 use kernels_cubecl::{
-    GatedInput, LogitsLayout, ap_gemm_routed, ap_gemm_routed_gated, dense_gemm_normed, moe_combine,
-    moe_route_gather, moe_route_gather_router,
+    ExpertBlock, GatedInput, GroupedGemm, LogitsLayout, ap_gemm_grouped, ap_gemm_routed,
+    ap_gemm_routed_gated, dense_gemm_normed, mean_tokens, moe_combine, moe_route_gather,
+    moe_route_gather_router,
 };
 
 use super::{ExpertAct, Fwd};
@@ -122,6 +123,9 @@ impl<'a, R: Runtime, KV: Float + CubeElement> Fwd<'a, R, KV> {
     /// the gate_up GEMV's epilogue where the launch shape allows, else a launch of its own.
     pub(crate) fn experts(&mut self, ex: &LayerPool<'_>) -> Result<(), DecodeError> {
         let (c, s, cfg, t) = (self.c, self.s, self.cfg, self.t);
+        if self.tuning.grouped.grouped(c, t * cfg.top_k, cfg.experts) {
+            return self.experts_grouped(ex);
+        }
         let (h, i, e, gemm) = (cfg.hidden, cfg.inter, cfg.experts, self.tuning.gemm);
         let (gu, dn, chunk) = (&s.route.desc_gate_up, &s.route.desc_down, s.route.chunk());
         let routed = |desc, n, k, x, y, act| {
@@ -151,6 +155,39 @@ impl<'a, R: Runtime, KV: Float + CubeElement> Fwd<'a, R, KV> {
         let a = GatedInput { act: cfg.act, stride: 2 * i, gated: false };
         self.launched(gated_act(c, t * cfg.top_k, i, a, &s.gate_up, (&s.expert_act, 2 * i)))?;
         self.launched(routed(dn, h, i, &s.expert_act, &s.down, Activation::Applied))
+    }
+
+    /// The routed experts through the grouped GEMM over the routing's groups table: gate_up
+    /// with `act(gate) · up` in its epilogue into `[rows, I]`, then down; each expert's weights
+    /// decoded once per pass of its tokens.
+    fn experts_grouped(&mut self, ex: &LayerPool<'_>) -> Result<(), DecodeError> {
+        let (c, s, cfg) = (self.c, self.s, self.cfg);
+        let (h, i, rows) = (cfg.hidden, cfg.inter, self.t * cfg.top_k);
+        let mean = mean_tokens(rows, cfg.experts);
+        let gate_up = GroupedGemm {
+            experts: cfg.experts,
+            rows: 2 * i,
+            cols: h,
+            block: ExpertBlock::GateUp,
+            x_stride: h,
+            y_stride: i,
+            epilogue: cfg.act,
+        };
+        let down = GroupedGemm {
+            rows: h,
+            cols: i,
+            block: ExpertBlock::Down,
+            x_stride: i,
+            y_stride: h,
+            epilogue: Activation::None,
+            ..gate_up
+        };
+        let groups = &s.route.groups;
+        for (g, x, y) in [(gate_up, &s.xg, &s.expert_act), (down, &s.expert_act, &s.down)] {
+            let r = ap_gemm_grouped(c, g, true, ex.planes, ex.luts, ex.slots, groups, rows, mean, x, y);
+            self.launched(r)?;
+        }
+        Ok(())
     }
 
     /// `h += Σ_k weight_k · down_k`: the experts' outputs combined into the residual.

@@ -1,0 +1,633 @@
+//! The grouped expert GEMM of a whole step: every expert's gathered rows (grouped by expert, as
+//! the routing writes them) through its block at its committed bit-width, each 16-row weight
+//! tile decoded once per pass of up to `8 · token_groups` tokens whatever the expert's token
+//! count, all experts of a layer in one launch.
+//!
+//! On devices with f16 `mma.sync` (CUDA, planes of 32) the decoded weights feed the matrix
+//! units (the LUT-dequantize-into-MMA design): a warp holds a 16-row tile, lane `(g, c) =
+//! (lane / 4, lane % 4)` decodes word `4s + c` of its rows `g` and `g + 8` from the bit-planes,
+//! looks the indices up in the tile's LUTs (shared memory, f16) and feeds them as the A
+//! fragments of eight m16n8k16 MMAs, whose B fragments are 8 tokens of `x` rounded to f16
+//! (f32 accumulation). Any permutation of the reduction index gives the same sum when A and
+//! B use the same one: MMA `j` of a word reads its columns `j, j + 8, j + 16, j + 24`, which
+//! one shift-and-mask per plane (`(w >> j) & 0x01010101`) turns into four indices at once.
+//! Elsewhere a plain kernel computes the same results with f32 `x` ([`grouped_simt_kernel`]).
+//!
+//! With a gated epilogue the gate_up launch pairs gate row `r` with up row `I + r` in one tile
+//! (rows `g` and `g + 8` of the MMA) and stores `act(gate) · up` directly, so the activation
+//! needs no launch and the down launch reads `[rows, I]`.
+
+use cubecl::cmma::MmaDefinition;
+use cubecl::prelude::*;
+use half::f16;
+
+use crate::activation::{act_fn, gelu_tanh, silu};
+use crate::device::{bad, need};
+use crate::expert_gemm::bitplane::X4;
+use crate::{Activation, DeviceArray, KernelError};
+
+/// Two halves: one 32-bit register of an f16 MMA fragment.
+type H2 = Vector<f16, Const<2>>;
+
+type Acc = Vector<f32, Const<2>>;
+
+/// Warps per cube of the MMA kernel (their LUTs share the cube's shared memory).
+const MMA_WARPS: usize = 4;
+
+/// LUT slots per row in the MMA kernel's shared memory (the widest, 8 bits: bit-widths live in
+/// device words the host does not read).
+const LUT_ROW: usize = 256;
+
+/// Most token groups of 8 per pass of the MMA kernel (its accumulators: 4 registers each).
+pub const GROUPED_MAX_TOKEN_GROUPS: usize = 4;
+
+/// Output rows per cube of the plain kernel.
+const SIMT_UNITS: usize = 64;
+
+/// Tokens per pass of the plain kernel.
+const SIMT_TOKENS: usize = 4;
+
+/// Where a decoder's routed experts run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GroupedMode {
+    /// The routed GEMVs over work items ([`crate::ap_gemm_routed`]).
+    Off,
+    /// The grouped GEMM on the matrix units where the device has them and the experts get at
+    /// least [`GROUPED_MIN_MEAN_TOKENS`] tokens on average (the default), else the GEMVs.
+    Auto,
+    /// The grouped GEMM at any token count, on the plain kernel where the device has no matrix
+    /// units (tests, benchmarks).
+    Always,
+}
+
+/// Fewest tokens per active expert, on average, for which [`GroupedMode::Auto`] takes the
+/// grouped GEMM: below it most experts see one token, which the GEMV streams faster than a
+/// matrix unit fed eight columns of which one is used.
+pub const GROUPED_MIN_MEAN_TOKENS: usize = 2;
+
+impl GroupedMode {
+    /// Whether a step of `rows` gathered rows over `experts` experts takes the grouped GEMM on
+    /// `client`'s device.
+    pub fn grouped<R: Runtime>(self, client: &ComputeClient<R>, rows: usize, experts: usize) -> bool {
+        match self {
+            Self::Off => false,
+            Self::Always => true,
+            Self::Auto => {
+                rows >= GROUPED_MIN_MEAN_TOKENS * experts.min(rows).max(1) && grouped_mma_supported(client)
+            }
+        }
+    }
+}
+
+/// Expected tokens per active expert of a step of `rows` gathered rows over `experts`.
+pub fn mean_tokens(rows: usize, experts: usize) -> usize {
+    rows.div_ceil(experts.min(rows).max(1))
+}
+
+/// Which block of each expert a grouped launch reads from the slot words
+/// ([`crate::expert_slot_words`]: gate_up in words 0..3, down in 3..6).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExpertBlock {
+    /// `[2I, H]`: gate rows, then up rows.
+    GateUp,
+    /// `[H, I]`.
+    Down,
+}
+
+/// One grouped launch over a layer's experts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GroupedGemm {
+    /// Experts of the layer (the groups table's entries).
+    pub experts: usize,
+    /// Rows N of each expert's block.
+    pub rows: usize,
+    /// Columns K (a multiple of 4).
+    pub cols: usize,
+    /// The block read.
+    pub block: ExpertBlock,
+    /// Row stride of `x` in elements (≥ `cols`, a multiple of 4).
+    pub x_stride: usize,
+    /// Row stride of `y` in elements.
+    pub y_stride: usize,
+    /// [`Activation::SiluMul`] or [`Activation::GeluTanhMul`]: `rows` are gate | up and output
+    /// column `r < rows / 2` is `act(gate_r) · up_r`; [`Activation::None`]: output column `r`
+    /// is row `r`.
+    pub epilogue: Activation,
+}
+
+impl GroupedGemm {
+    /// Output columns of `y`.
+    pub fn out_cols(&self) -> usize {
+        if self.epilogue == Activation::None { self.rows } else { self.rows / 2 }
+    }
+
+    fn check(&self) -> Result<(), KernelError> {
+        let gated = matches!(self.epilogue, Activation::SiluMul | Activation::GeluTanhMul);
+        if !(gated || self.epilogue == Activation::None) {
+            return Err(bad(format!("grouped gemm: epilogue {:?}", self.epilogue)));
+        }
+        if gated && (self.block != ExpertBlock::GateUp || !self.rows.is_multiple_of(16)) {
+            return Err(bad(format!(
+                "grouped gemm: a gated epilogue needs gate_up rows of 8k gates, {self:?}"
+            )));
+        }
+        if self.cols == 0
+            || !self.cols.is_multiple_of(4)
+            || self.x_stride < self.cols
+            || !self.x_stride.is_multiple_of(4)
+        {
+            return Err(bad(format!("grouped gemm: columns / x stride {self:?}")));
+        }
+        if self.y_stride < self.out_cols() || self.experts == 0 || self.rows == 0 {
+            return Err(bad(format!("grouped gemm: y stride / shape {self:?}")));
+        }
+        Ok(())
+    }
+}
+
+/// Whether `client`'s device runs [`grouped_mma_kernel`]: f16 `mma` of 16 × 8 × 16 with f32
+/// accumulation and planes of 32 lanes (CUDA from sm_80; not lavapipe).
+pub fn grouped_mma_supported<R: Runtime>(client: &ComputeClient<R>) -> bool {
+    use cubecl::ir::{ElemType, FloatKind, features::MmaConfig};
+    let props = client.properties();
+    let cfg = MmaConfig {
+        a_type: ElemType::Float(FloatKind::F16).into(),
+        b_type: ElemType::Float(FloatKind::F16).into(),
+        cd_type: ElemType::Float(FloatKind::F32).into(),
+        m: 16,
+        n: 8,
+        k: 16,
+    };
+    props.features.matmul.mma.contains(&cfg)
+        && props.hardware.plane_size_min == 32
+        && props.hardware.plane_size_max == 32
+}
+
+/// The grouped GEMM: for every expert `e` with `groups[2e + 1]` gathered rows from
+/// `groups[2e]`, `y[row] = epilogue(x[row] · W_eᵀ)` with `W_e` the expert's block at the
+/// bit-width in its slot words. `rows` bounds the gathered rows (`x`, `y`); `mean_tokens` (the
+/// expected tokens per active expert) sizes the MMA kernel's passes. On the matrix units
+/// where the device has them and `mma`, else the plain kernel. Does not synchronise.
+///
+/// # Shapes
+/// - `slots`: `[experts, 6]` ([`crate::expert_slot_words`]); `groups`: `[experts, 2]`
+/// - `x`: `[rows, x_stride]`; `y`: `[rows, y_stride]`
+#[allow(clippy::too_many_arguments)]
+pub fn ap_gemm_grouped<R: Runtime>(
+    client: &ComputeClient<R>,
+    g: GroupedGemm,
+    mma: bool,
+    planes: &DeviceArray,
+    luts: &DeviceArray,
+    slots: &DeviceArray,
+    groups: &DeviceArray,
+    rows: usize,
+    mean_tokens: usize,
+    x: &DeviceArray,
+    y: &DeviceArray,
+) -> Result<(), KernelError> {
+    g.check()?;
+    need("grouped gemm slots", slots, 6 * g.experts)?;
+    need("grouped gemm groups", groups, 2 * g.experts)?;
+    need("grouped gemm x", x, rows * g.x_stride)?;
+    need("grouped gemm y", y, rows * g.y_stride)?;
+    if rows == 0 {
+        return Ok(());
+    }
+    let slot = match g.block {
+        ExpertBlock::GateUp => 0,
+        ExpertBlock::Down => 3,
+    };
+    let gate = g.epilogue.code();
+    if mma && grouped_mma_supported(client) {
+        let tiles = if gate == 0 { g.rows.div_ceil(16) } else { g.rows / 16 };
+        let token_groups = (2 * mean_tokens.max(1)).div_ceil(8).clamp(1, GROUPED_MAX_TOKEN_GROUPS);
+        // SAFETY: the groups and slot words come from the routing over slots validated by
+        // `expert_slot_words` against the layer's shapes (planes, LUTs inside the pool); the
+        // groups' rows lie inside `rows`, checked against `x` and `y` above.
+        unsafe {
+            grouped_mma_kernel::launch_unchecked::<R>(
+                client,
+                CubeCount::Static(tiles.div_ceil(MMA_WARPS) as u32, g.experts as u32, 1),
+                CubeDim::new_1d((MMA_WARPS * 32) as u32),
+                planes.arg(),
+                luts.arg(),
+                slots.arg(),
+                groups.arg(),
+                ArrayArg::from_raw_parts(x.handle.clone(), x.len / 4),
+                y.arg(),
+                g.rows,
+                g.cols,
+                g.x_stride,
+                g.y_stride,
+                slot,
+                gate,
+                token_groups,
+            )
+        };
+        return Ok(());
+    }
+    // SAFETY: as above.
+    unsafe {
+        grouped_simt_kernel::launch_unchecked::<R>(
+            client,
+            CubeCount::Static(g.out_cols().div_ceil(SIMT_UNITS) as u32, g.experts as u32, 1),
+            CubeDim::new_1d(SIMT_UNITS as u32),
+            planes.arg(),
+            luts.arg(),
+            slots.arg(),
+            groups.arg(),
+            x.arg(),
+            y.arg(),
+            g.rows,
+            g.cols,
+            g.x_stride,
+            g.y_stride,
+            slot,
+            gate,
+        )
+    };
+    Ok(())
+}
+
+/// Weight `(r, c)` of a block of `n` rows and `k` columns at `bits` from its planes and LUT.
+pub(crate) fn ap_weight(
+    planes: &[u32],
+    luts: &[f16],
+    n: usize,
+    k: usize,
+    bits: usize,
+    r: usize,
+    c: usize,
+) -> f32 {
+    let words = k.div_ceil(32);
+    let mut idx = 0usize;
+    for p in 0..bits {
+        idx = (idx << 1) | ((planes[(p * n + r) * words + c / 32] >> (c % 32)) & 1) as usize;
+    }
+    luts[r * (1 << bits) + idx].to_f32()
+}
+
+/// CPU reference of [`ap_gemm_grouped`] over host copies of the pool, slot words and groups;
+/// `y` is updated in place (rows of no group are left as they are).
+#[allow(clippy::too_many_arguments)]
+pub fn ap_gemm_grouped_reference(
+    g: GroupedGemm,
+    planes: &[u32],
+    luts: &[f16],
+    slots: &[u32],
+    groups: &[u32],
+    x: &[f32],
+    y: &mut [f32],
+) {
+    let slot = if g.block == ExpertBlock::GateUp { 0 } else { 3 };
+    let (n, k) = (g.rows, g.cols);
+    for e in 0..g.experts {
+        let (first, count) = (groups[2 * e] as usize, groups[2 * e + 1] as usize);
+        let s = &slots[6 * e + slot..][..3];
+        let (p, l, bits) = (&planes[s[0] as usize..], &luts[s[1] as usize..], s[2] as usize);
+        for row in first..first + count {
+            let xr = &x[row * g.x_stride..][..k];
+            let dot = |r: usize| -> f32 { (0..k).map(|c| xr[c] * ap_weight(p, l, n, k, bits, r, c)).sum() };
+            for o in 0..g.out_cols() {
+                y[row * g.y_stride + o] = match g.epilogue {
+                    Activation::SiluMul => silu(dot(o)) * dot(n / 2 + o),
+                    Activation::GeluTanhMul => gelu_tanh(dot(o)) * dot(n / 2 + o),
+                    _ => dot(o),
+                };
+            }
+        }
+    }
+}
+
+/// `(a, b)` as one f16 fragment register.
+#[cube]
+fn pair(a: f16, b: f16) -> H2 {
+    let mut v = H2::empty();
+    v[0] = a;
+    v[1] = b;
+    v
+}
+
+/// The MMA kernel (see the module docs). Grid: `(ceil(tiles / MMA_WARPS), experts)` cubes of
+/// `MMA_WARPS` warps; warp `w` of cube `(x, e)` takes tile `x · MMA_WARPS + w` of expert `e`:
+/// rows `16t .. 16t + 16` (`gate = 0`), or gate rows `8t .. 8t + 8` and the matching up rows
+/// (`gate` an [`Activation`] code), and runs the expert's tokens in passes of
+/// `8 · token_groups`. `slot`: the block's first slot word (0 gate_up, 3 down).
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn grouped_mma_kernel(
+    planes: &Array<u32>,
+    luts: &Array<f16>,
+    slots: &Array<u32>,
+    groups: &Array<u32>,
+    x: &Array<X4>,
+    y: &mut Array<f32>,
+    #[comptime] n: usize,
+    #[comptime] k: usize,
+    #[comptime] x_stride: usize,
+    #[comptime] y_stride: usize,
+    #[comptime] slot: usize,
+    #[comptime] gate: u32,
+    #[comptime] token_groups: usize,
+) {
+    let e = CUBE_POS_Y as usize;
+    let count = groups[2usize * e + 1usize] as usize;
+    if count == 0usize {
+        terminate!();
+    }
+    let first = groups[2usize * e] as usize;
+    let unit = UNIT_POS as usize;
+    let lane = unit % 32usize;
+    let warp = unit / 32usize;
+    let g = lane / 4usize;
+    let c = lane % 4usize;
+    let plane_off = slots[6usize * e + slot] as usize;
+    let lut_off = slots[6usize * e + slot + 1usize] as usize;
+    let bits = slots[6usize * e + slot + 2usize] as usize;
+    let tile = CUBE_POS_X as usize * comptime![MMA_WARPS] + warp;
+    let half_n = comptime![n / 2];
+    // The tile's rows: `lo` (MMA row g) and `hi` (MMA row g + 8); past the end they read the
+    // last row and store nothing.
+    let mut base_lo = tile * 16usize;
+    let mut base_hi = tile * 16usize + 8usize;
+    if comptime![gate != 0] {
+        base_lo = tile * 8usize;
+        base_hi = half_n + tile * 8usize;
+    }
+    let words = comptime![k.div_ceil(32)];
+    let pstride = comptime![n * k.div_ceil(32)];
+    // The tile's 16 LUT rows (row i < 8: lo row i, else hi row i − 8) into this warp's slots,
+    // `2^bits` apart: the eight rows a lookup instruction reads then start on different banks
+    // at ≤ 4 bits (rows 256 slots apart all started on bank 0: four-way conflicts).
+    let mut lut = SharedMemory::<f16>::new(comptime![MMA_WARPS * 16 * LUT_ROW]);
+    let entries = 1usize << bits;
+    let lbase = warp * comptime![16 * LUT_ROW];
+    for i in range_stepped(lane, 16usize * entries, 32usize) {
+        let ri = i >> bits;
+        let j = i & (entries - 1usize);
+        let mut r = base_lo + ri;
+        if ri >= 8usize {
+            r = base_hi + ri - 8usize;
+        }
+        lut[lbase + i] = luts[lut_off + min(r, n - 1usize) * entries + j];
+    }
+    sync_cube();
+    let row_lo = min(base_lo + g, n - 1usize);
+    let row_hi = min(base_hi + g, n - 1usize);
+    let p_lo = plane_off + row_lo * words;
+    let p_hi = plane_off + row_hi * words;
+    let l_lo = lbase + g * entries;
+    let l_hi = lbase + (g + 8usize) * entries;
+    let def = MmaDefinition::<f16, f16, f32>::new(16usize, 8usize, 16usize);
+    let steps = comptime![k.div_ceil(32).div_ceil(4)];
+    for p0 in range_stepped(0usize, count, comptime![8 * token_groups]) {
+        let mut acc = Array::<Acc>::new(comptime![2 * token_groups]);
+        #[unroll]
+        for i in 0..comptime![2 * token_groups] {
+            acc[i] = Acc::empty().fill(0.0f32);
+        }
+        // This lane's token row of each group (`x` in X4 units; past the expert's count it
+        // reads its last row and stores nothing).
+        let mut x_row = Array::<usize>::new(token_groups);
+        #[unroll]
+        for q in 0..token_groups {
+            let tok = min(p0 + 8usize * q + g, count - 1usize);
+            x_row[q] = (first + tok) * comptime![x_stride / 4];
+        }
+        // Plane words of the step, the next step's loaded before this one's decode.
+        let mut pa = Array::<u32>::new(8usize);
+        let mut pb = Array::<u32>::new(8usize);
+        load_words(planes, &mut pa, &mut pb, p_lo, p_hi, pstride, bits, min(c, words - 1usize));
+        for s in 0..steps {
+            let w = 4usize * s + c;
+            let mut na = Array::<u32>::new(8usize);
+            let mut nb = Array::<u32>::new(8usize);
+            load_words(planes, &mut na, &mut nb, p_lo, p_hi, pstride, bits, min(w + 4usize, words - 1usize));
+            let wc = min(w, words - 1usize);
+            // Indices of MMA j's columns j + 8b in byte b of il[j] (row lo), ih[j] (row hi).
+            let mut il = Array::<u32>::new(8usize);
+            let mut ih = Array::<u32>::new(8usize);
+            #[unroll]
+            for j in 0..8usize {
+                il[j] = 0u32;
+                ih[j] = 0u32;
+            }
+            #[unroll]
+            for p in 0..8usize {
+                if p < bits {
+                    let a = pa[p];
+                    let b = pb[p];
+                    #[unroll]
+                    for j in 0..8usize {
+                        il[j] = (il[j] << 1u32) | ((a >> comptime![j as u32]) & 0x0101_0101u32);
+                        ih[j] = (ih[j] << 1u32) | ((b >> comptime![j as u32]) & 0x0101_0101u32);
+                    }
+                }
+            }
+            #[unroll]
+            for p in 0..8usize {
+                pa[p] = na[p];
+                pb[p] = nb[p];
+            }
+            // A fragments: [4j] row lo, columns j, j + 8; [4j + 1] row hi, the same; [4j + 2],
+            // [4j + 3] columns j + 16, j + 24. A word past the end contributes zeros.
+            let mut af = Array::<H2>::new(32usize);
+            let zero = f16::new(0.0);
+            #[unroll]
+            for j in 0..8usize {
+                let lo = il[j];
+                let hi = ih[j];
+                let mut v = Array::<f16>::new(8usize);
+                #[unroll]
+                for b in 0..4usize {
+                    let sh = comptime![(8 * b) as u32];
+                    v[b] = lut[l_lo + ((lo >> sh) & 0xFFu32) as usize];
+                    v[4usize + b] = lut[l_hi + ((hi >> sh) & 0xFFu32) as usize];
+                }
+                if w >= words {
+                    #[unroll]
+                    for b in 0..8usize {
+                        v[b] = zero;
+                    }
+                }
+                af[4usize * j] = pair(v[0], v[1]);
+                af[4usize * j + 1usize] = pair(v[4], v[5]);
+                af[4usize * j + 2usize] = pair(v[2], v[3]);
+                af[4usize * j + 3usize] = pair(v[6], v[7]);
+            }
+            #[unroll]
+            for q in 0..token_groups {
+                let mut xv = Array::<X4>::new(8usize);
+                #[unroll]
+                for v in 0..8usize {
+                    // Columns past `k` (a last word of fewer than 32) are zeros.
+                    if comptime![k % 32 == 0] {
+                        xv[v] = x[x_row[q] + 8usize * wc + v];
+                    } else if 32usize * wc + 4usize * v < k {
+                        xv[v] = x[x_row[q] + 8usize * wc + v];
+                    } else {
+                        xv[v] = X4::empty().fill(0.0f32);
+                    }
+                }
+                #[unroll]
+                for j in 0..8usize {
+                    let mut a = Array::<H2>::new(4usize);
+                    #[unroll]
+                    for i in 0..4usize {
+                        a[i] = af[4usize * j + i];
+                    }
+                    let mut b = Array::<H2>::new(2usize);
+                    b[0] = pair(f16::cast_from(xv[j / 4][j % 4]), f16::cast_from(xv[(j + 8) / 4][j % 4]));
+                    b[1] = pair(
+                        f16::cast_from(xv[(j + 16) / 4][j % 4]),
+                        f16::cast_from(xv[(j + 24) / 4][j % 4]),
+                    );
+                    let mut cq = Array::<Acc>::new(2usize);
+                    cq[0] = acc[2usize * q];
+                    cq[1] = acc[2usize * q + 1usize];
+                    def.execute_inplace(&a, &b, &mut cq);
+                    acc[2usize * q] = cq[0];
+                    acc[2usize * q + 1usize] = cq[1];
+                }
+            }
+        }
+        // C fragment: acc[2q][i] is (row lo, token 8q + 2c + i), acc[2q + 1][i] (row hi, …).
+        #[unroll]
+        for q in 0..token_groups {
+            #[unroll]
+            for i in 0..2usize {
+                let tok = p0 + 8usize * q + 2usize * c + i;
+                if tok < count {
+                    let yb = (first + tok) * y_stride;
+                    if comptime![gate != 0] {
+                        if base_lo + g < half_n {
+                            y[yb + base_lo + g] =
+                                act_fn(acc[2usize * q][i], gate) * acc[2usize * q + 1usize][i];
+                        }
+                    } else {
+                        if base_lo + g < n {
+                            y[yb + base_lo + g] = acc[2usize * q][i];
+                        }
+                        if base_hi + g < n {
+                            y[yb + base_hi + g] = acc[2usize * q + 1usize][i];
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Word `wc` of planes `0..bits` of the rows whose plane 0 starts at `p_lo` and `p_hi` into
+/// `a[p]`, `b[p]` (unrolled over the widest 8 planes, so the words stay in registers).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn load_words(
+    planes: &Array<u32>,
+    a: &mut Array<u32>,
+    b: &mut Array<u32>,
+    p_lo: usize,
+    p_hi: usize,
+    #[comptime] pstride: usize,
+    bits: usize,
+    wc: usize,
+) {
+    #[unroll]
+    for p in 0..8usize {
+        if p < bits {
+            a[p] = planes[p_lo + p * pstride + wc];
+            b[p] = planes[p_hi + p * pstride + wc];
+        }
+    }
+}
+
+/// The plain kernel (any device): unit `u` of cube `(x, e)` computes output column
+/// `x · SIMT_UNITS + u` of expert `e`'s rows, [`SIMT_TOKENS`] tokens per pass, with `x` in
+/// f32 (see [`grouped_mma_kernel`] for the arguments).
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn grouped_simt_kernel(
+    planes: &Array<u32>,
+    luts: &Array<f16>,
+    slots: &Array<u32>,
+    groups: &Array<u32>,
+    x: &Array<f32>,
+    y: &mut Array<f32>,
+    #[comptime] n: usize,
+    #[comptime] k: usize,
+    #[comptime] x_stride: usize,
+    #[comptime] y_stride: usize,
+    #[comptime] slot: usize,
+    #[comptime] gate: u32,
+) {
+    let e = CUBE_POS_Y as usize;
+    let count = groups[2usize * e + 1usize] as usize;
+    let o = CUBE_POS_X as usize * comptime![SIMT_UNITS] + UNIT_POS as usize;
+    let half_n = comptime![n / 2];
+    let out = comptime![if gate != 0 { n / 2 } else { n }];
+    if count == 0usize || o >= out {
+        terminate!();
+    }
+    let first = groups[2usize * e] as usize;
+    let plane_off = slots[6usize * e + slot] as usize;
+    let lut_off = slots[6usize * e + slot + 1usize] as usize;
+    let bits = slots[6usize * e + slot + 2usize] as usize;
+    let entries = 1usize << bits;
+    let words = comptime![k.div_ceil(32)];
+    let pstride = comptime![n * k.div_ceil(32)];
+    // Row a (the output row, or the gate row) and row b (the up row).
+    let ra = o;
+    let rb = half_n + o;
+    for p0 in range_stepped(0usize, count, comptime![SIMT_TOKENS]) {
+        let mut acc_a = Array::<f32>::new(comptime![SIMT_TOKENS]);
+        let mut acc_b = Array::<f32>::new(comptime![SIMT_TOKENS]);
+        let mut xb = Array::<usize>::new(comptime![SIMT_TOKENS]);
+        #[unroll]
+        for t in 0..comptime![SIMT_TOKENS] {
+            acc_a[t] = 0.0;
+            acc_b[t] = 0.0;
+            xb[t] = (first + min(p0 + t, count - 1usize)) * x_stride;
+        }
+        for w in 0..words {
+            let left = k - 32usize * w;
+            let end = min(left, 32usize);
+            for cc in 0..end {
+                let mut ia = 0usize;
+                let mut ib = 0usize;
+                for p in 0..bits {
+                    let sh = cc as u32;
+                    ia = (ia << 1usize)
+                        | ((planes[plane_off + p * pstride + ra * words + w] >> sh) & 1u32) as usize;
+                    if comptime![gate != 0] {
+                        ib = (ib << 1usize)
+                            | ((planes[plane_off + p * pstride + rb * words + w] >> sh) & 1u32) as usize;
+                    }
+                }
+                let wa = f32::cast_from(luts[lut_off + ra * entries + ia]);
+                let mut wb = 0.0f32;
+                if comptime![gate != 0] {
+                    wb = f32::cast_from(luts[lut_off + rb * entries + ib]);
+                }
+                #[unroll]
+                for t in 0..comptime![SIMT_TOKENS] {
+                    let xv = x[xb[t] + 32usize * w + cc];
+                    acc_a[t] += wa * xv;
+                    if comptime![gate != 0] {
+                        acc_b[t] += wb * xv;
+                    }
+                }
+            }
+        }
+        #[unroll]
+        for t in 0..comptime![SIMT_TOKENS] {
+            if p0 + t < count {
+                let mut v = acc_a[t];
+                if comptime![gate != 0] {
+                    v = act_fn(acc_a[t], gate) * acc_b[t];
+                }
+                y[(first + p0 + t) * y_stride + o] = v;
+            }
+        }
+    }
+}
