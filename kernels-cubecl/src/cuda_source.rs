@@ -12,7 +12,7 @@ use cubecl::ir::{ElemType, HardwareProperties, StorageType, UIntKind};
 use cubecl::prelude::*;
 use cubecl::{Compiler, ExecutionMode};
 
-use crate::expert_gemm::gemv;
+use crate::expert_gemm::{gemv, grouped};
 use crate::{Activation, GemmConfig, GemvPlan, KernelError};
 
 /// The H200's hardware properties as `cubecl-cuda` reads them (132 SMs, 232448 bytes of
@@ -80,5 +80,49 @@ pub fn gemv_cuda_source<R: Runtime>(
             StorageType::Scalar(ElemType::UInt(UIntKind::U32)),
         )
         .map_err(|e| KernelError::Config(format!("CUDA compilation of the GEMV: {e}")))?;
+    Ok(kernel.to_string())
+}
+
+/// CUDA C++ source of [`grouped::grouped_mma_kernel`] for launch `g` with `token_groups`
+/// groups of 8 tokens per pass, as the CUDA runtime would compile it.
+pub fn grouped_cuda_source<R: Runtime>(
+    client: &ComputeClient<R>,
+    g: crate::GroupedGemm,
+    token_groups: usize,
+) -> Result<String, KernelError> {
+    let settings = KernelSettings::default()
+        .cube_dim(CubeDim::new_1d((grouped::MMA_WARPS * 32) as u32))
+        .address_type(AddressType::U32);
+    let arr = || ArrayCompilationArg { inplace: None };
+    let slot = if g.block == crate::ExpertBlock::GateUp { 0 } else { 3 };
+    let definition = grouped::grouped_mma_kernel::GroupedMmaKernel::<R>::new(
+        settings,
+        client.clone(),
+        arr(),
+        arr(),
+        arr(),
+        arr(),
+        arr(),
+        arr(),
+        g.rows,
+        g.cols,
+        g.x_stride,
+        g.y_stride,
+        slot,
+        g.epilogue.code(),
+        token_groups,
+    )
+    .define();
+    let mut options = <cubecl::cuda::CudaCompiler as Compiler>::CompilationOptions::default();
+    options.supports_features.fast_math = true;
+    options.supports_features.grid_constants = true;
+    let kernel = cubecl::cuda::CudaCompiler::default()
+        .compile(
+            definition,
+            &options,
+            ExecutionMode::Unchecked,
+            StorageType::Scalar(ElemType::UInt(UIntKind::U32)),
+        )
+        .map_err(|e| KernelError::Config(format!("CUDA compilation of the grouped GEMM: {e}")))?;
     Ok(kernel.to_string())
 }

@@ -32,7 +32,7 @@ type H2 = Vector<f16, Const<2>>;
 type Acc = Vector<f32, Const<2>>;
 
 /// Warps per cube of the MMA kernel (their LUTs share the cube's shared memory).
-const MMA_WARPS: usize = 4;
+pub(crate) const MMA_WARPS: usize = 4;
 
 /// LUT slots per row in the MMA kernel's shared memory (the widest, 8 bits: bit-widths live in
 /// device words the host does not read).
@@ -356,7 +356,6 @@ pub fn grouped_mma_kernel(
         base_hi = half_n + tile * 8usize;
     }
     let words = comptime![k.div_ceil(32)];
-    let pstride = comptime![n * k.div_ceil(32)];
     // The tile's 16 LUT rows (row i < 8: lo row i, else hi row i − 8) into this warp's slots,
     // `2^bits` apart: the eight rows a lookup instruction reads then start on different banks
     // at ≤ 4 bits (rows 256 slots apart all started on bank 0: four-way conflicts).
@@ -379,12 +378,11 @@ pub fn grouped_mma_kernel(
     let p_hi = plane_off + row_hi * words;
     let l_lo = lbase + g * entries;
     let l_hi = lbase + (g + 8usize) * entries;
-    let def = MmaDefinition::<f16, f16, f32>::new(16usize, 8usize, 16usize);
-    let steps = comptime![k.div_ceil(32).div_ceil(4)];
     for p0 in range_stepped(0usize, count, comptime![8 * token_groups]) {
-        let mut acc = Array::<Acc>::new(comptime![2 * token_groups]);
+        // Two accumulator pairs per group (even and odd MMAs of a word): two dependency chains.
+        let mut acc = Array::<Acc>::new(comptime![4 * token_groups]);
         #[unroll]
-        for i in 0..comptime![2 * token_groups] {
+        for i in 0..comptime![4 * token_groups] {
             acc[i] = Acc::empty().fill(0.0f32);
         }
         // This lane's token row of each group (`x` in X4 units; past the expert's count it
@@ -395,104 +393,18 @@ pub fn grouped_mma_kernel(
             let tok = min(p0 + 8usize * q + g, count - 1usize);
             x_row[q] = (first + tok) * comptime![x_stride / 4];
         }
-        // Plane words of the step, the next step's loaded before this one's decode.
-        let mut pa = Array::<u32>::new(8usize);
-        let mut pb = Array::<u32>::new(8usize);
-        load_words(planes, &mut pa, &mut pb, p_lo, p_hi, pstride, bits, min(c, words - 1usize));
-        for s in 0..steps {
-            let w = 4usize * s + c;
-            let mut na = Array::<u32>::new(8usize);
-            let mut nb = Array::<u32>::new(8usize);
-            load_words(planes, &mut na, &mut nb, p_lo, p_hi, pstride, bits, min(w + 4usize, words - 1usize));
-            let wc = min(w, words - 1usize);
-            // Indices of MMA j's columns j + 8b in byte b of il[j] (row lo), ih[j] (row hi).
-            let mut il = Array::<u32>::new(8usize);
-            let mut ih = Array::<u32>::new(8usize);
-            #[unroll]
-            for j in 0..8usize {
-                il[j] = 0u32;
-                ih[j] = 0u32;
-            }
-            #[unroll]
-            for p in 0..8usize {
-                if p < bits {
-                    let a = pa[p];
-                    let b = pb[p];
-                    #[unroll]
-                    for j in 0..8usize {
-                        il[j] = (il[j] << 1u32) | ((a >> comptime![j as u32]) & 0x0101_0101u32);
-                        ih[j] = (ih[j] << 1u32) | ((b >> comptime![j as u32]) & 0x0101_0101u32);
-                    }
-                }
-            }
-            #[unroll]
-            for p in 0..8usize {
-                pa[p] = na[p];
-                pb[p] = nb[p];
-            }
-            // A fragments: [4j] row lo, columns j, j + 8; [4j + 1] row hi, the same; [4j + 2],
-            // [4j + 3] columns j + 16, j + 24. A word past the end contributes zeros.
-            let mut af = Array::<H2>::new(32usize);
-            let zero = f16::new(0.0);
-            #[unroll]
-            for j in 0..8usize {
-                let lo = il[j];
-                let hi = ih[j];
-                let mut v = Array::<f16>::new(8usize);
-                #[unroll]
-                for b in 0..4usize {
-                    let sh = comptime![(8 * b) as u32];
-                    v[b] = lut[l_lo + ((lo >> sh) & 0xFFu32) as usize];
-                    v[4usize + b] = lut[l_hi + ((hi >> sh) & 0xFFu32) as usize];
-                }
-                if w >= words {
-                    #[unroll]
-                    for b in 0..8usize {
-                        v[b] = zero;
-                    }
-                }
-                af[4usize * j] = pair(v[0], v[1]);
-                af[4usize * j + 1usize] = pair(v[4], v[5]);
-                af[4usize * j + 2usize] = pair(v[2], v[3]);
-                af[4usize * j + 3usize] = pair(v[6], v[7]);
-            }
-            #[unroll]
-            for q in 0..token_groups {
-                let mut xv = Array::<X4>::new(8usize);
-                #[unroll]
-                for v in 0..8usize {
-                    // Columns past `k` (a last word of fewer than 32) are zeros.
-                    if comptime![k % 32 == 0] {
-                        xv[v] = x[x_row[q] + 8usize * wc + v];
-                    } else if 32usize * wc + 4usize * v < k {
-                        xv[v] = x[x_row[q] + 8usize * wc + v];
-                    } else {
-                        xv[v] = X4::empty().fill(0.0f32);
-                    }
-                }
-                #[unroll]
-                for j in 0..8usize {
-                    let mut a = Array::<H2>::new(4usize);
-                    #[unroll]
-                    for i in 0..4usize {
-                        a[i] = af[4usize * j + i];
-                    }
-                    let mut b = Array::<H2>::new(2usize);
-                    b[0] = pair(f16::cast_from(xv[j / 4][j % 4]), f16::cast_from(xv[(j + 8) / 4][j % 4]));
-                    b[1] = pair(
-                        f16::cast_from(xv[(j + 16) / 4][j % 4]),
-                        f16::cast_from(xv[(j + 24) / 4][j % 4]),
-                    );
-                    let mut cq = Array::<Acc>::new(2usize);
-                    cq[0] = acc[2usize * q];
-                    cq[1] = acc[2usize * q + 1usize];
-                    def.execute_inplace(&a, &b, &mut cq);
-                    acc[2usize * q] = cq[0];
-                    acc[2usize * q + 1usize] = cq[1];
-                }
-            }
+        // The step loop specialised for 3 and 4 bits (the planes unrolled exactly), else
+        // unrolled over 8 planes with the unused ones skipped.
+        let wv = WordView { p_lo, p_hi, l_lo, l_hi, c, bits };
+        if bits == 3usize {
+            word_steps(planes, &lut, x, &x_row, &mut acc, wv, n, k, token_groups, 3usize, true);
+        } else if bits == 4usize {
+            word_steps(planes, &lut, x, &x_row, &mut acc, wv, n, k, token_groups, 4usize, true);
+        } else {
+            word_steps(planes, &lut, x, &x_row, &mut acc, wv, n, k, token_groups, 8usize, false);
         }
-        // C fragment: acc[2q][i] is (row lo, token 8q + 2c + i), acc[2q + 1][i] (row hi, …).
+        // C fragment: acc[4q][i] + acc[4q + 2][i] is (row lo, token 8q + 2c + i),
+        // acc[4q + 1][i] + acc[4q + 3][i] (row hi, …).
         #[unroll]
         for q in 0..token_groups {
             #[unroll]
@@ -500,17 +412,18 @@ pub fn grouped_mma_kernel(
                 let tok = p0 + 8usize * q + 2usize * c + i;
                 if tok < count {
                     let yb = (first + tok) * y_stride;
+                    let lo = acc[4usize * q][i] + acc[4usize * q + 2usize][i];
+                    let hi = acc[4usize * q + 1usize][i] + acc[4usize * q + 3usize][i];
                     if comptime![gate != 0] {
                         if base_lo + g < half_n {
-                            y[yb + base_lo + g] =
-                                act_fn(acc[2usize * q][i], gate) * acc[2usize * q + 1usize][i];
+                            y[yb + base_lo + g] = act_fn(lo, gate) * hi;
                         }
                     } else {
                         if base_lo + g < n {
-                            y[yb + base_lo + g] = acc[2usize * q][i];
+                            y[yb + base_lo + g] = lo;
                         }
                         if base_hi + g < n {
-                            y[yb + base_hi + g] = acc[2usize * q + 1usize][i];
+                            y[yb + base_hi + g] = hi;
                         }
                     }
                 }
@@ -519,25 +432,193 @@ pub fn grouped_mma_kernel(
     }
 }
 
-/// Word `wc` of planes `0..bits` of the rows whose plane 0 starts at `p_lo` and `p_hi` into
-/// `a[p]`, `b[p]` (unrolled over the widest 8 planes, so the words stay in registers).
+/// Half `half` of word `wc` of the `x` row starting at `row` (X4 units): its X4 vectors
+/// `half + 2h` into `xh[h]`; columns past `k` (a last word of fewer than 32) are zeros.
+#[cube]
+// A comptime switch beside a runtime test stays two branches: CubeCL expands them differently.
+#[allow(clippy::if_same_then_else)]
+fn load_x_half(
+    x: &Array<X4>,
+    xh: &mut Array<X4>,
+    row: usize,
+    wc: usize,
+    #[comptime] half: usize,
+    #[comptime] k: usize,
+) {
+    #[unroll]
+    for h in 0..4usize {
+        let v = comptime![half + 2 * h];
+        if comptime![k.is_multiple_of(32)] {
+            xh[h] = x[row + 8usize * wc + v];
+        } else if 32usize * wc + 4usize * v < k {
+            xh[h] = x[row + 8usize * wc + v];
+        } else {
+            xh[h] = X4::empty().fill(0.0f32);
+        }
+    }
+}
+
+/// Where a warp's rows and LUTs are: plane 0 of rows lo and hi, their LUTs in shared memory,
+/// the lane's word within a step, the committed bits.
+#[derive(CubeType, Clone, Copy)]
+struct WordView {
+    p_lo: usize,
+    p_hi: usize,
+    l_lo: usize,
+    l_hi: usize,
+    c: usize,
+    bits: usize,
+}
+
+/// Whether plane `p` is read: always where the planes were unrolled to exactly the bits
+/// (`exact`), else below `bits`.
+#[cube]
+fn plane_on(#[comptime] p: usize, bits: usize, #[comptime] exact: bool) -> bool {
+    let mut on = true;
+    if comptime![!exact] {
+        on = p < bits;
+    }
+    on
+}
+
+/// One pass's steps of [`grouped_mma_kernel`] over the tile's words: `planes_n` planes
+/// unrolled (the committed bits when `exact`, else the most, 8), the A fragments decoded once
+/// per word and fed to the MMAs of every token group into `acc`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn word_steps(
+    planes: &Array<u32>,
+    lut: &SharedMemory<f16>,
+    x: &Array<X4>,
+    x_row: &Array<usize>,
+    acc: &mut Array<Acc>,
+    wv: WordView,
+    #[comptime] n: usize,
+    #[comptime] k: usize,
+    #[comptime] token_groups: usize,
+    #[comptime] planes_n: usize,
+    #[comptime] exact: bool,
+) {
+    let words = comptime![k.div_ceil(32)];
+    let pstride = comptime![n * k.div_ceil(32)];
+    let steps = comptime![k.div_ceil(32).div_ceil(4)];
+    let def = MmaDefinition::<f16, f16, f32>::new(16usize, 8usize, 16usize);
+    // Plane words of the step, the next step's loaded before this one's decode.
+    let mut pa = Array::<u32>::new(planes_n);
+    let mut pb = Array::<u32>::new(planes_n);
+    load_words(planes, &mut pa, &mut pb, wv, pstride, min(wv.c, words - 1usize), planes_n, exact);
+    for s in 0..steps {
+        let w = 4usize * s + wv.c;
+        let mut na = Array::<u32>::new(planes_n);
+        let mut nb = Array::<u32>::new(planes_n);
+        load_words(planes, &mut na, &mut nb, wv, pstride, min(w + 4usize, words - 1usize), planes_n, exact);
+        let wc = min(w, words - 1usize);
+        // The word in two halves (MMAs 0..4, then 4..8), so a half's indices, A fragments
+        // and `x` are live at once rather than the whole word's (registers: occupancy).
+        #[unroll]
+        for half in 0..2usize {
+            // Indices of MMA 4·half + jj's columns (4·half + jj) + 8b in byte b of il[jj]
+            // (row lo), ih[jj] (row hi).
+            let mut il = Array::<u32>::new(4usize);
+            let mut ih = Array::<u32>::new(4usize);
+            #[unroll]
+            for jj in 0..4usize {
+                il[jj] = 0u32;
+                ih[jj] = 0u32;
+            }
+            #[unroll]
+            for p in 0..planes_n {
+                if plane_on(p, wv.bits, exact) {
+                    let a = pa[p];
+                    let b = pb[p];
+                    #[unroll]
+                    for jj in 0..4usize {
+                        let sh = comptime![(4 * half + jj) as u32];
+                        il[jj] = (il[jj] << 1u32) | ((a >> sh) & 0x0101_0101u32);
+                        ih[jj] = (ih[jj] << 1u32) | ((b >> sh) & 0x0101_0101u32);
+                    }
+                }
+            }
+            // A fragments: [4jj] row lo, columns j, j + 8; [4jj + 1] row hi, the same;
+            // [4jj + 2], [4jj + 3] columns j + 16, j + 24. A word past the end gives zeros.
+            let mut af = Array::<H2>::new(16usize);
+            let zero = f16::new(0.0);
+            #[unroll]
+            for jj in 0..4usize {
+                let lo = il[jj];
+                let hi = ih[jj];
+                let mut v = Array::<f16>::new(8usize);
+                #[unroll]
+                for b in 0..4usize {
+                    let sh = comptime![(8 * b) as u32];
+                    v[b] = lut[wv.l_lo + ((lo >> sh) & 0xFFu32) as usize];
+                    v[4usize + b] = lut[wv.l_hi + ((hi >> sh) & 0xFFu32) as usize];
+                }
+                if w >= words {
+                    #[unroll]
+                    for b in 0..8usize {
+                        v[b] = zero;
+                    }
+                }
+                af[4usize * jj] = pair(v[0], v[1]);
+                af[4usize * jj + 1usize] = pair(v[4], v[5]);
+                af[4usize * jj + 2usize] = pair(v[2], v[3]);
+                af[4usize * jj + 3usize] = pair(v[6], v[7]);
+            }
+            #[unroll]
+            for q in 0..token_groups {
+                // Columns half + 4h .. of the word: X4 vectors half, half + 2, half + 4,
+                // half + 6 hold columns j, j + 8, j + 16, j + 24 of MMA j = 4·half + jj
+                // as their component jj.
+                let mut xh = Array::<X4>::new(4usize);
+                load_x_half(x, &mut xh, x_row[q], wc, half, k);
+                #[unroll]
+                for jj in 0..4usize {
+                    let mut a = Array::<H2>::new(4usize);
+                    #[unroll]
+                    for i in 0..4usize {
+                        a[i] = af[4usize * jj + i];
+                    }
+                    let mut b = Array::<H2>::new(2usize);
+                    b[0] = pair(f16::cast_from(xh[0][jj]), f16::cast_from(xh[1][jj]));
+                    b[1] = pair(f16::cast_from(xh[2][jj]), f16::cast_from(xh[3][jj]));
+                    let ai = comptime![4 * q + 2 * (jj % 2)];
+                    let mut cq = Array::<Acc>::new(2usize);
+                    cq[0] = acc[ai];
+                    cq[1] = acc[ai + 1usize];
+                    def.execute_inplace(&a, &b, &mut cq);
+                    acc[ai] = cq[0];
+                    acc[ai + 1usize] = cq[1];
+                }
+            }
+        }
+        #[unroll]
+        for p in 0..planes_n {
+            pa[p] = na[p];
+            pb[p] = nb[p];
+        }
+    }
+}
+
+/// Word `wc` of the planes of the rows whose plane 0 starts at `wv.p_lo` and `wv.p_hi` into
+/// `a[p]`, `b[p]` (unrolled over `planes_n` planes, so the words stay in registers).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn load_words(
     planes: &Array<u32>,
     a: &mut Array<u32>,
     b: &mut Array<u32>,
-    p_lo: usize,
-    p_hi: usize,
+    wv: WordView,
     #[comptime] pstride: usize,
-    bits: usize,
     wc: usize,
+    #[comptime] planes_n: usize,
+    #[comptime] exact: bool,
 ) {
     #[unroll]
-    for p in 0..8usize {
-        if p < bits {
-            a[p] = planes[p_lo + p * pstride + wc];
-            b[p] = planes[p_hi + p * pstride + wc];
+    for p in 0..planes_n {
+        if plane_on(p, wv.bits, exact) {
+            a[p] = planes[wv.p_lo + p * pstride + wc];
+            b[p] = planes[wv.p_hi + p * pstride + wc];
         }
     }
 }
