@@ -69,6 +69,11 @@ pub fn gemv_cuda_source<R: Runtime>(
         };
     }
     let definition = if cfg.gemv_x_half { define!(half::f16) } else { define!(f32) };
+    cuda_compile(definition, "the GEMV")
+}
+
+/// The CUDA C++ of `definition` with `cubecl-cuda`'s options on sm_90.
+fn cuda_compile(definition: cubecl::prelude::KernelDefinition, what: &str) -> Result<String, KernelError> {
     let mut options = <cubecl::cuda::CudaCompiler as Compiler>::CompilationOptions::default();
     options.supports_features.fast_math = true;
     options.supports_features.grid_constants = true;
@@ -79,7 +84,7 @@ pub fn gemv_cuda_source<R: Runtime>(
             ExecutionMode::Unchecked,
             StorageType::Scalar(ElemType::UInt(UIntKind::U32)),
         )
-        .map_err(|e| KernelError::Config(format!("CUDA compilation of the GEMV: {e}")))?;
+        .map_err(|e| KernelError::Config(format!("CUDA compilation of {what}: {e}")))?;
     Ok(kernel.to_string())
 }
 
@@ -113,16 +118,5 @@ pub fn grouped_cuda_source<R: Runtime>(
         token_groups,
     )
     .define();
-    let mut options = <cubecl::cuda::CudaCompiler as Compiler>::CompilationOptions::default();
-    options.supports_features.fast_math = true;
-    options.supports_features.grid_constants = true;
-    let kernel = cubecl::cuda::CudaCompiler::default()
-        .compile(
-            definition,
-            &options,
-            ExecutionMode::Unchecked,
-            StorageType::Scalar(ElemType::UInt(UIntKind::U32)),
-        )
-        .map_err(|e| KernelError::Config(format!("CUDA compilation of the grouped GEMM: {e}")))?;
-    Ok(kernel.to_string())
+    cuda_compile(definition, "the grouped GEMM")
 }

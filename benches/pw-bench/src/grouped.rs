@@ -12,7 +12,7 @@ use kernels_cubecl::{
 };
 use serde_json::{Value, json};
 
-use crate::kernels::{gaussian_block, time_batches};
+use crate::kernels::{gaussian_block, random_x, relative_error, time_batches};
 
 /// Largest `|kernel − reference| / max |reference|` of the grouped GEMM on the matrix units:
 /// `x` rounded to f16 (relative error ≤ 2⁻¹¹ per element) before f32 accumulation.
@@ -82,13 +82,7 @@ fn check<R: Runtime>(client: &ComputeClient<R>, records: &mut Vec<Value>) -> Res
             }
             let gr = groups(&CHECK_COUNTS);
             let rows: usize = CHECK_COUNTS.iter().map(|&c| c as usize).sum();
-            let mut s = 0x2545_F491_4F6C_DD1Du64 ^ cols as u64;
-            let x: Vec<f32> = (0..rows * cols)
-                .map(|_| {
-                    s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                    (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-                })
-                .collect();
+            let x = random_x(rows * cols, 0x2545_F491_4F6C_DD1D ^ cols as u64);
             let up32 = |v: &[u32]| DeviceArray::from_slice(client, v);
             let (planes, luts) = (up32(&pool.planes), DeviceArray::from_slice(client, &pool.luts));
             let (sd, gd, xd) = (up32(&slots), up32(&gr), DeviceArray::from_slice(client, &x));
@@ -98,12 +92,7 @@ fn check<R: Runtime>(client: &ComputeClient<R>, records: &mut Vec<Value>) -> Res
             let got = read_f32(client, &y)?;
             let mut want = vec![0f32; rows * g.y_stride];
             ap_gemm_grouped_reference(g, &pool.planes, &pool.luts, &slots, &gr, &x, &mut want);
-            let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(f32::MIN_POSITIVE);
-            let err = got
-                .iter()
-                .zip(&want)
-                .fold(0f32, |m, (a, b)| if a.is_nan() { f32::INFINITY } else { m.max((a - b).abs()) })
-                / scale;
+            let err = relative_error(&got, &want);
             eprintln!(
                 "check grouped {model} {block:?} {CHECK_ROWS}x{cols} mma {mma}: relative error {err:.2e}"
             );
@@ -189,8 +178,7 @@ pub(crate) fn grouped_records<R: Runtime>(
                 let x = DeviceArray::from_slice(client, &vec![0.01f32; rows * hidden]);
                 let a = DeviceArray::empty::<R, f32>(client, rows * inter);
                 let y = DeviceArray::empty::<R, f32>(client, rows * hidden);
-                let gu = launch(ExpertBlock::GateUp, experts, 2 * inter, hidden, act);
-                let dn = launch(ExpertBlock::Down, experts, hidden, inter, act);
+                let (gu, dn) = GroupedGemm::layer(experts, hidden, inter, act);
                 let mean = mean_tokens(rows, experts);
                 let time = time_batches(client, launches / 4 + 1, |i| {
                     let s = &slots[i % slots.len()];

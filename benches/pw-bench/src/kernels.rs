@@ -142,6 +142,24 @@ pub(crate) fn gaussian_block(rows: usize, cols: usize, seed: u64) -> Result<ApBl
     Ok(ApBlock::quantize("bench", &w, None, rows, cols, 3, 8)?)
 }
 
+/// `n` values uniform in [-0.5, 0.5) from `seed` (the checks' random inputs).
+pub(crate) fn random_x(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed;
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+        })
+        .collect()
+}
+
+/// `max |got − want| / max |want|`; infinite where `got` has a NaN (a max would skip it).
+pub(crate) fn relative_error(got: &[f32], want: &[f32]) -> f32 {
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(f32::MIN_POSITIVE);
+    got.iter().zip(want).fold(0f32, |m, (a, b)| if a.is_nan() { f32::INFINITY } else { m.max((a - b).abs()) })
+        / scale
+}
+
 /// Largest `|kernel − reference| / max |reference|` accepted by `bench-kernels --check` (f32
 /// accumulation in a different order over up to 14336 columns).
 const CHECK_BUDGET: f32 = 1e-4;
@@ -161,13 +179,7 @@ fn check_block<R: Runtime>(
     let (rows, cols) = (block.rows, block.cols);
     let mut pool = PoolImage::default();
     let slot = pool.push(block, bits);
-    let mut s = 0x9E37_79B9_7F4A_7C15u64 ^ ((bits as u64) << 8) ^ (tokens as u64);
-    let x: Vec<f32> = (0..tokens * cols)
-        .map(|_| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-        })
-        .collect();
+    let x = random_x(tokens * cols, 0x9E37_79B9_7F4A_7C15 ^ ((bits as u64) << 8) ^ (tokens as u64));
     let it = slot.item(0, 0, tokens as u32);
     let planes = DeviceArray::from_slice(client, &pool.planes);
     let luts = DeviceArray::from_slice(client, &pool.luts);
@@ -178,13 +190,7 @@ fn check_block<R: Runtime>(
     let got = kernels_cubecl::read_f32(client, &y)?;
     let mut want = vec![0f32; tokens * rows];
     kernels_cubecl::ap_gemm_reference(&pool, &[it], &x, &mut want, Activation::None);
-    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(f32::MIN_POSITIVE);
-    // A NaN fails (max would skip it).
-    let err = got
-        .iter()
-        .zip(&want)
-        .fold(0f32, |m, (a, b)| if a.is_nan() { f32::INFINITY } else { m.max((a - b).abs()) })
-        / scale;
+    let err = relative_error(&got, &want);
     let budget = if cfg.gemv_x_half { CHECK_BUDGET_X_HALF } else { CHECK_BUDGET };
     anyhow::ensure!(
         err <= budget,

@@ -6,7 +6,7 @@
 use anyhow::{Context, Result};
 use cubecl::prelude::Runtime;
 use kernels_cubecl::cuda_source::{gemv_cuda_source, grouped_cuda_source, h200_gemm_config, h200_hardware};
-use kernels_cubecl::{Activation, ExpertBlock, GroupedGemm, LUT_SLOTS, MAX_TOKENS, gemv_plan};
+use kernels_cubecl::{Activation, GroupedGemm, LUT_SLOTS, MAX_TOKENS, gemv_plan};
 use serde_json::json;
 
 /// Arguments of `sass-gemv`.
@@ -78,24 +78,7 @@ pub fn sass_gemv(a: &SassGemvArgs) -> Result<()> {
     // The grouped GEMM's launches (gate_up with its activation, down) at one and four token
     // groups per pass.
     for (model, experts, hidden, inter, gated) in MODELS {
-        let gate_up = GroupedGemm {
-            experts,
-            rows: 2 * inter,
-            cols: hidden,
-            block: ExpertBlock::GateUp,
-            x_stride: hidden,
-            y_stride: inter,
-            epilogue: gated,
-        };
-        let down = GroupedGemm {
-            rows: hidden,
-            cols: inter,
-            block: ExpertBlock::Down,
-            x_stride: inter,
-            y_stride: hidden,
-            epilogue: Activation::None,
-            ..gate_up
-        };
+        let (gate_up, down) = GroupedGemm::layer(experts, hidden, inter, gated);
         for (block, g) in [("gate_up", gate_up), ("down", down)] {
             for groups in [1, 4] {
                 let name = format!("grouped_{model}_{block}_g{groups}");

@@ -116,6 +116,31 @@ pub struct GroupedGemm {
 }
 
 impl GroupedGemm {
+    /// The two launches of an MoE layer of `experts` experts (width `hidden`, expert width
+    /// `inter`, gated activation `act`) over compact rows: gate_up from `[rows, hidden]` with
+    /// `act(gate) · up` into `[rows, inter]`, then down from those into `[rows, hidden]`.
+    pub fn layer(experts: usize, hidden: usize, inter: usize, act: Activation) -> (Self, Self) {
+        let gate_up = Self {
+            experts,
+            rows: 2 * inter,
+            cols: hidden,
+            block: ExpertBlock::GateUp,
+            x_stride: hidden,
+            y_stride: inter,
+            epilogue: act,
+        };
+        let down = Self {
+            rows: hidden,
+            cols: inter,
+            block: ExpertBlock::Down,
+            x_stride: inter,
+            y_stride: hidden,
+            epilogue: Activation::None,
+            ..gate_up
+        };
+        (gate_up, down)
+    }
+
     /// Output columns of `y`.
     pub fn out_cols(&self) -> usize {
         if self.epilogue == Activation::None { self.rows } else { self.rows / 2 }

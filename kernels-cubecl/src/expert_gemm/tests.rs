@@ -479,24 +479,7 @@ fn check_grouped_routing(
     let (h, i, e) = (shape.hidden, shape.inter, shape.experts);
     let act = DeviceArray::empty::<WgpuRuntime, f32>(client, rows * i);
     let out = DeviceArray::empty::<WgpuRuntime, f32>(client, rows * h);
-    let gu = GroupedGemm {
-        experts: e,
-        rows: 2 * i,
-        cols: h,
-        block: ExpertBlock::GateUp,
-        x_stride: h,
-        y_stride: i,
-        epilogue: Activation::SiluMul,
-    };
-    let down = GroupedGemm {
-        rows: h,
-        cols: i,
-        block: ExpertBlock::Down,
-        x_stride: i,
-        y_stride: h,
-        epilogue: Activation::None,
-        ..gu
-    };
+    let (gu, down) = GroupedGemm::layer(e, h, i, Activation::SiluMul);
     for (g, x, y) in [(gu, xg, &act), (down, &act, &out)] {
         ap_gemm_grouped(client, g, true, planes, luts, slots, &bufs.groups, rows, 2, x, y).unwrap();
     }

@@ -8,9 +8,8 @@ use kernels_cubecl::Activation;
 use kernels_cubecl::DeviceArray;
 use kernels_cubecl::gated_act;
 use kernels_cubecl::{
-    ExpertBlock, GatedInput, GroupedGemm, LogitsLayout, ap_gemm_grouped, ap_gemm_routed,
-    ap_gemm_routed_gated, dense_gemm_normed, mean_tokens, moe_combine, moe_route_gather,
-    moe_route_gather_router,
+    GatedInput, GroupedGemm, LogitsLayout, ap_gemm_grouped, ap_gemm_routed, ap_gemm_routed_gated,
+    dense_gemm_normed, mean_tokens, moe_combine, moe_route_gather, moe_route_gather_router,
 };
 
 use super::{ExpertAct, Fwd};
@@ -164,24 +163,7 @@ impl<'a, R: Runtime, KV: Float + CubeElement> Fwd<'a, R, KV> {
         let (c, s, cfg) = (self.c, self.s, self.cfg);
         let (h, i, rows) = (cfg.hidden, cfg.inter, self.t * cfg.top_k);
         let mean = mean_tokens(rows, cfg.experts);
-        let gate_up = GroupedGemm {
-            experts: cfg.experts,
-            rows: 2 * i,
-            cols: h,
-            block: ExpertBlock::GateUp,
-            x_stride: h,
-            y_stride: i,
-            epilogue: cfg.act,
-        };
-        let down = GroupedGemm {
-            rows: h,
-            cols: i,
-            block: ExpertBlock::Down,
-            x_stride: i,
-            y_stride: h,
-            epilogue: Activation::None,
-            ..gate_up
-        };
+        let (gate_up, down) = GroupedGemm::layer(cfg.experts, h, i, cfg.act);
         let groups = &s.route.groups;
         for (g, x, y) in [(gate_up, &s.xg, &s.expert_act), (down, &s.expert_act, &s.down)] {
             let r = ap_gemm_grouped(c, g, true, ex.planes, ex.luts, ex.slots, groups, rows, mean, x, y);
