@@ -38,7 +38,7 @@ pub(crate) const MMA_WARPS: usize = 4;
 /// device words the host does not read).
 const LUT_ROW: usize = 256;
 
-/// Most token groups of 8 per pass of the MMA kernel (its accumulators: 4 registers each).
+/// Most token groups of 8 per pass of the MMA kernel (its accumulators: 8 registers each).
 pub const GROUPED_MAX_TOKEN_GROUPS: usize = 4;
 
 /// Output rows per cube of the plain kernel.
@@ -53,7 +53,7 @@ pub enum GroupedMode {
     /// The routed GEMVs over work items ([`crate::ap_gemm_routed`]).
     Off,
     /// The grouped GEMM on the matrix units where the device has them and the experts get at
-    /// least [`GROUPED_MIN_MEAN_TOKENS`] tokens on average (the default), else the GEMVs.
+    /// least [`GROUPED_MIN_MEAN_TOKENS`] tokens on average, else the GEMVs.
     Auto,
     /// The grouped GEMM at any token count, on the plain kernel where the device has no matrix
     /// units (tests, benchmarks).

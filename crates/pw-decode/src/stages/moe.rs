@@ -1,7 +1,8 @@
 //! The routed experts: router logits of the normed residual, on-device softmax/top-k that
 //! writes the grouped kernels' descriptors (and the planner's routing counts when armed) with
-//! the gather of the normed rows in the same launch, the grouped bit-plane GEMVs for gate_up
-//! and down, and the weighted combine into the residual.
+//! the gather of the normed rows in the same launch, the grouped bit-plane GEMVs (or the grouped
+//! GEMM, [`kernels_cubecl::GroupedMode`]) for gate_up and down, and the weighted combine into
+//! the residual.
 
 use cubecl::prelude::*;
 use kernels_cubecl::Activation;
