@@ -334,6 +334,30 @@ fn pair(a: f16, b: f16) -> H2 {
     v
 }
 
+/// Expert `e`'s gathered rows and its block's committed page: what both kernels read first.
+#[derive(CubeType, Clone, Copy)]
+struct ExpertGroup {
+    first: usize,
+    count: usize,
+    plane_off: usize,
+    lut_off: usize,
+    bits: usize,
+}
+
+/// Expert `e`'s first row and row count from `groups`, and the plane offset, LUT offset and bits
+/// of its block from the slot words (`slot`: 0 gate_up, 3 down).
+#[cube]
+fn expert_group(groups: &Array<u32>, slots: &Array<u32>, e: usize, #[comptime] slot: usize) -> ExpertGroup {
+    let w = 6usize * e + slot;
+    ExpertGroup {
+        first: groups[2usize * e] as usize,
+        count: groups[2usize * e + 1usize] as usize,
+        plane_off: slots[w] as usize,
+        lut_off: slots[w + 1usize] as usize,
+        bits: slots[w + 2usize] as usize,
+    }
+}
+
 /// The MMA kernel (see the module docs). Grid: `(ceil(tiles / MMA_WARPS), experts)` cubes of
 /// `MMA_WARPS` warps; warp `w` of cube `(x, e)` takes tile `x · MMA_WARPS + w` of expert `e`:
 /// rows `16t .. 16t + 16` (`gate = 0`), or gate rows `8t .. 8t + 8` and the matching up rows
@@ -356,20 +380,16 @@ pub fn grouped_mma_kernel(
     #[comptime] gate: u32,
     #[comptime] token_groups: usize,
 ) {
-    let e = CUBE_POS_Y as usize;
-    let count = groups[2usize * e + 1usize] as usize;
-    if count == 0usize {
+    let eg = expert_group(groups, slots, CUBE_POS_Y as usize, slot);
+    if eg.count == 0usize {
         terminate!();
     }
-    let first = groups[2usize * e] as usize;
+    let (first, count, plane_off, lut_off, bits) = (eg.first, eg.count, eg.plane_off, eg.lut_off, eg.bits);
     let unit = UNIT_POS as usize;
     let lane = unit % 32usize;
     let warp = unit / 32usize;
     let g = lane / 4usize;
     let c = lane % 4usize;
-    let plane_off = slots[6usize * e + slot] as usize;
-    let lut_off = slots[6usize * e + slot + 1usize] as usize;
-    let bits = slots[6usize * e + slot + 2usize] as usize;
     let tile = CUBE_POS_X as usize * comptime![MMA_WARPS] + warp;
     let half_n = comptime![n / 2];
     // The tile's rows: `lo` (MMA row g) and `hi` (MMA row g + 8); past the end they read the
@@ -667,18 +687,14 @@ pub fn grouped_simt_kernel(
     #[comptime] slot: usize,
     #[comptime] gate: u32,
 ) {
-    let e = CUBE_POS_Y as usize;
-    let count = groups[2usize * e + 1usize] as usize;
+    let eg = expert_group(groups, slots, CUBE_POS_Y as usize, slot);
     let o = CUBE_POS_X as usize * comptime![SIMT_UNITS] + UNIT_POS as usize;
     let half_n = comptime![n / 2];
     let out = comptime![if gate != 0 { n / 2 } else { n }];
-    if count == 0usize || o >= out {
+    if eg.count == 0usize || o >= out {
         terminate!();
     }
-    let first = groups[2usize * e] as usize;
-    let plane_off = slots[6usize * e + slot] as usize;
-    let lut_off = slots[6usize * e + slot + 1usize] as usize;
-    let bits = slots[6usize * e + slot + 2usize] as usize;
+    let (first, count, plane_off, lut_off, bits) = (eg.first, eg.count, eg.plane_off, eg.lut_off, eg.bits);
     let entries = 1usize << bits;
     let words = comptime![k.div_ceil(32)];
     let pstride = comptime![n * k.div_ceil(32)];
