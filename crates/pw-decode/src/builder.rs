@@ -36,8 +36,13 @@ pub struct DecoderBuilder<'a, R: Runtime, KV> {
     dense_mma: MmaMode,
     route_chunk: usize,
     grouped: GroupedMode,
+    max_step_tokens: usize,
     _kv: PhantomData<KV>,
 }
+
+/// Most tokens of one decoder step by default (sequences decoding, or prompt tokens): one set
+/// of launches per layer for up to this many, so every weight is read once per step.
+pub const DEFAULT_MAX_STEP_TOKENS: usize = 256;
 
 impl<'a, R: Runtime, KV: Float + CubeElement> DecoderBuilder<'a, R, KV> {
     /// The defaults: blocks of 16 tokens, sequences of up to 4096, enough blocks for one such
@@ -54,7 +59,8 @@ impl<'a, R: Runtime, KV: Float + CubeElement> DecoderBuilder<'a, R, KV> {
             expert_act: ExpertAct::GateUpEpilogue,
             dense_mma: MmaMode::AUTO,
             route_chunk: ROUTE_CHUNK,
-            grouped: GroupedMode::Off,
+            grouped: GroupedMode::Auto,
+            max_step_tokens: DEFAULT_MAX_STEP_TOKENS,
             _kv: PhantomData,
         }
     }
@@ -119,10 +125,17 @@ impl<'a, R: Runtime, KV: Float + CubeElement> DecoderBuilder<'a, R, KV> {
         self
     }
 
-    /// Where the routed experts run (default `GroupedMode::Off`, the routed GEMVs: within steps
-    /// of 16 tokens the grouped GEMM does not beat them yet, `benches/results/h200-grouped.md`).
+    /// Where the routed experts run (default `GroupedMode::Auto`: the grouped GEMM once the
+    /// experts see enough tokens each, the routed GEMVs below).
     pub fn grouped(mut self, mode: GroupedMode) -> Self {
         self.grouped = mode;
+        self
+    }
+
+    /// Most tokens of one step (default [`DEFAULT_MAX_STEP_TOKENS`]): larger batches and
+    /// prompts run in steps of this many; the scratch buffers are sized for it.
+    pub fn max_step_tokens(mut self, tokens: usize) -> Self {
+        self.max_step_tokens = tokens;
         self
     }
 
@@ -183,9 +196,13 @@ impl<'a, R: Runtime, KV: Float + CubeElement> DecoderBuilder<'a, R, KV> {
             dense_mma: self.dense_mma,
             grouped: self.grouped,
         };
+        if self.max_step_tokens == 0 {
+            return Err(DecodeError::Unsupported("max_step_tokens must be at least 1".into()));
+        }
         Ok(Decoder {
             client: client.clone(),
-            s: Scratch::new(client, &cfg, self.route_chunk)?,
+            s: Scratch::new(client, &cfg, self.route_chunk, self.max_step_tokens)?,
+            max_step: self.max_step_tokens,
             w,
             stats: RouteStats::new(client, cfg.layers, cfg.experts.max(1)),
             experts,

@@ -9,7 +9,7 @@ use std::marker::PhantomData;
 use cubecl::prelude::*;
 use kernels_cubecl::MmaMode;
 use kernels_cubecl::argmax;
-use kernels_cubecl::{DeviceArray, GemmConfig, MAX_TOKENS, read_f32, read_u32};
+use kernels_cubecl::{DeviceArray, GemmConfig, read_f32, read_u32};
 use pw_kv::{BlockTables, DevicePools, SeqId};
 
 use crate::DecodeError;
@@ -21,8 +21,8 @@ use crate::stages::{ExpertAct, Fwd, Scratch, Tuning};
 use crate::weights::DenseWeights;
 
 /// A MoE model of one of the three families on a CubeCL device, decoding batches of
-/// sequences (in chunks of `MAX_TOKENS`) over a paged KV cache of `KV` elements (f16 on the
-/// GPU). Built with [`Decoder::builder`].
+/// sequences (in steps of up to [`Decoder::max_step_tokens`]) over a paged KV cache of `KV`
+/// elements (f16 on the GPU). Built with [`Decoder::builder`].
 pub struct Decoder<R: Runtime, KV: Float + CubeElement> {
     pub(crate) client: ComputeClient<R>,
     pub(crate) cfg: DecodeConfig,
@@ -35,6 +35,8 @@ pub struct Decoder<R: Runtime, KV: Float + CubeElement> {
     pub(crate) kv: DevicePools<R>,
     pub(crate) tables: BlockTables,
     pub(crate) s: Scratch,
+    /// Most tokens of one step (what the scratch buffers hold).
+    pub(crate) max_step: usize,
     /// One greedy-id buffer per chunk of a step.
     pub(crate) ids_out: Vec<DeviceArray>,
     pub(crate) launches: usize,
@@ -149,6 +151,12 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
         self.s.route.chunk()
     }
 
+    /// Most tokens of one step: a batch or prompt of more runs in steps of this many (see
+    /// [`DecoderBuilder::max_step_tokens`]).
+    pub fn max_step_tokens(&self) -> usize {
+        self.max_step
+    }
+
     /// Kernel launches of the last step (all chunks).
     pub fn last_launches(&self) -> usize {
         self.launches
@@ -173,11 +181,12 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
     }
 
     /// One decode step: appends `token` to each listed sequence (distinct; any number, run in
-    /// chunks of `MAX_TOKENS`) and returns each one's next-token logits, in batch order.
+    /// chunks of [`Self::max_step_tokens`]) and returns each one's next-token logits, in batch
+    /// order.
     pub fn step(&mut self, batch: &[(SeqId, u32)]) -> Result<Vec<Vec<f32>>, DecodeError> {
         self.launches = 0;
         let mut out = Vec::with_capacity(batch.len());
-        for chunk in batch.chunks(MAX_TOKENS) {
+        for chunk in batch.chunks(self.max_step) {
             self.enqueue(chunk)?;
             let all = read_f32(&self.client, &self.s.logits)?;
             out.extend(all.chunks(self.cfg.vocab).take(chunk.len()).map(<[f32]>::to_vec));
@@ -185,10 +194,11 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
         Ok(out)
     }
 
-    /// Prefills whole prompts: their tokens go through the decode kernels `MAX_TOKENS` at a
-    /// time (one step per chunk, each token attending causally to the positions up to its
-    /// own), so a prompt of `n` tokens costs `⌈n / MAX_TOKENS⌉` steps instead of `n`. Returns
-    /// each prompt's next-token logits (after its last token), in order.
+    /// Prefills whole prompts: their tokens go through the decode kernels
+    /// [`Self::max_step_tokens`] at a time (one step per chunk, each token attending causally to
+    /// the positions up to its own), so a prompt of `n` tokens costs `⌈n / max_step_tokens⌉`
+    /// steps instead of `n`. Returns each prompt's next-token logits (after its last token), in
+    /// order.
     pub fn prefill(&mut self, prompts: &[(SeqId, &[u32])]) -> Result<Vec<Vec<f32>>, DecodeError> {
         self.launches = 0;
         // (sequence, token, index of the prompt it ends)
@@ -200,7 +210,7 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
             })
             .collect();
         let mut out = vec![Vec::new(); prompts.len()];
-        for chunk in flat.chunks(MAX_TOKENS) {
+        for chunk in flat.chunks(self.max_step) {
             let batch: Vec<(SeqId, u32)> = chunk.iter().map(|f| (f.0, f.1)).collect();
             self.enqueue(&batch)?;
             // Only chunks that end a prompt are read back (and waited for).
@@ -226,9 +236,9 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
     /// ids with [`Self::read_greedy`].
     pub fn enqueue_greedy(&mut self, batch: &[(SeqId, u32)]) -> Result<(), DecodeError> {
         self.launches = 0;
-        for (i, chunk) in batch.chunks(MAX_TOKENS).enumerate() {
+        for (i, chunk) in batch.chunks(self.max_step).enumerate() {
             if self.ids_out.len() <= i {
-                self.ids_out.push(DeviceArray::empty::<R, u32>(&self.client, MAX_TOKENS));
+                self.ids_out.push(DeviceArray::empty::<R, u32>(&self.client, self.max_step));
             }
             self.enqueue(chunk)?;
             argmax(&self.client, chunk.len(), self.cfg.vocab, &self.s.logits, &self.ids_out[i])?;
@@ -240,13 +250,16 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
     /// The ids of the last [`Self::enqueue_greedy`] of `n` sequences (waits for the step).
     pub fn read_greedy(&mut self, n: usize) -> Result<Vec<u32>, DecodeError> {
         let mut ids = Vec::with_capacity(n);
-        for (i, buf) in self.ids_out.iter().enumerate().take(n.div_ceil(MAX_TOKENS)) {
+        let m = self.max_step;
+        for (i, buf) in self.ids_out.iter().enumerate().take(n.div_ceil(m)) {
             let got = read_u32(&self.client, buf)?;
-            ids.extend_from_slice(&got[..(n - i * MAX_TOKENS).min(MAX_TOKENS)]);
+            ids.extend_from_slice(&got[..(n - i * m).min(m)]);
         }
         Ok(ids)
     }
-    /// Enqueues one chunk of at most `MAX_TOKENS` sequences; the logits land in `s.logits`.
+
+    /// Enqueues one chunk of at most [`Self::max_step_tokens`] tokens; the logits land in
+    /// `s.logits`.
     fn enqueue(&mut self, batch: &[(SeqId, u32)]) -> Result<(), DecodeError> {
         let t = batch.len();
         if t == 0 {

@@ -8,8 +8,8 @@ use std::path::Path;
 
 use burn_ndarray::NdArray;
 use cubecl::wgpu::WgpuRuntime;
-use kernels_cubecl::GroupedMode;
-use pw_decode::{DecodeConfig, Decoder, DecoderBuilder, ExpertAct, ExpertBlocks};
+use kernels_cubecl::{GroupedMode, ROUTE_CHUNK};
+use pw_decode::{DEFAULT_MAX_STEP_TOKENS, DecodeConfig, Decoder, DecoderBuilder, ExpertAct, ExpertBlocks};
 use pw_hf::{Checkpoint, ModelConfig};
 use pw_models::generate::{argmax, ids_tensor, last_logits};
 use pw_models::{AnyModel, CausalLm, HfSource};
@@ -307,20 +307,39 @@ fn gemma4_multimodal_layout_f32_cache() {
     check_short(&fixture("gemma4_mm"), false, F32_KV_TOL);
 }
 
-/// Whole prompts prefilled through the decode kernels in chunks of `MAX_TOKENS` tokens (several
-/// tokens of one sequence per chunk, prompts crossing chunk boundaries and, on Gemma, its
-/// sliding window of 8), then two decode steps: every next-token logit against the reference.
-fn check_prefill(dir: &Path, tol: f32, route_chunk: usize, grouped: GroupedMode) {
-    let (reference, experts, client) = setup(dir);
-    let mut dec =
-        load::<f32>(&client, dir, &experts, 40, 48, |b| b.route_chunk(route_chunk).grouped(grouped));
-    assert_eq!(dec.route_chunk(), route_chunk);
-    let prompts: Vec<(u64, Vec<u32>)> = vec![
+/// Three prompts of 20, 5 and 19 tokens (44 in all).
+fn three_prompts() -> Vec<(u64, Vec<u32>)> {
+    vec![
         (1, (0..20).map(|i| (i * 7 + 1) % 50).collect()),
         (2, vec![1, 90, 91, 92, 93]),
         (3, (0..19).map(|i| (i * 3 + 2) % 60).collect()),
-    ];
-    for (id, _) in &prompts {
+    ]
+}
+
+/// Whole prompts prefilled through the decode kernels in steps of `max_step` tokens (at 16:
+/// several tokens of one sequence per step, prompts crossing step boundaries and, on Gemma,
+/// its sliding window of 8; at the default all 44 in one step), then two decode steps: every
+/// next-token logit against the reference.
+fn check_prefill(dir: &Path, tol: f32, route_chunk: usize, grouped: GroupedMode, max_step: usize) {
+    check_prompts(dir, tol, route_chunk, grouped, max_step, &three_prompts());
+}
+
+/// [`check_prefill`] of `prompts`, decoded together.
+fn check_prompts(
+    dir: &Path,
+    tol: f32,
+    route_chunk: usize,
+    grouped: GroupedMode,
+    max_step: usize,
+    prompts: &[(u64, Vec<u32>)],
+) {
+    let (reference, experts, client) = setup(dir);
+    let blocks = prompts.iter().map(|p| (p.1.len() + 3).div_ceil(4)).sum::<usize>();
+    let mut dec = load::<f32>(&client, dir, &experts, blocks, 48, |b| {
+        b.route_chunk(route_chunk).grouped(grouped).max_step_tokens(max_step)
+    });
+    assert_eq!((dec.route_chunk(), dec.max_step_tokens()), (route_chunk, max_step));
+    for (id, _) in prompts {
         dec.add_sequence(*id).unwrap();
     }
     let refs: Vec<(u64, &[u32])> = prompts.iter().map(|(id, p)| (*id, p.as_slice())).collect();
@@ -344,9 +363,13 @@ fn check_prefill(dir: &Path, tol: f32, route_chunk: usize, grouped: GroupedMode)
     }
 }
 
+/// Prefill in steps of 16 tokens, and in one step of 44 (past the kernels' 16-token tiles, the
+/// routing in a cube of its own).
 #[test]
 fn mixtral_shipped_chunked_prefill() {
-    check_prefill(&asset("tiny-mixtral"), F32_KV_TOL, kernels_cubecl::ROUTE_CHUNK, GroupedMode::Off);
+    for max_step in [16, DEFAULT_MAX_STEP_TOKENS] {
+        check_prefill(&asset("tiny-mixtral"), F32_KV_TOL, ROUTE_CHUNK, GroupedMode::Off, max_step);
+    }
 }
 
 /// Prefill steps of 16 tokens give the tiny Mixtral's experts several tokens each: routed
@@ -354,21 +377,34 @@ fn mixtral_shipped_chunked_prefill() {
 #[test]
 fn mixtral_shipped_chunked_prefill_wide_route_items() {
     for chunk in [4, 8] {
-        check_prefill(&asset("tiny-mixtral"), F32_KV_TOL, chunk, GroupedMode::Off);
+        check_prefill(&asset("tiny-mixtral"), F32_KV_TOL, chunk, GroupedMode::Off, 16);
     }
 }
 
 #[test]
 fn gemma4_fixture_chunked_prefill_past_the_window() {
-    check_prefill(&fixture("gemma4"), F32_KV_TOL, kernels_cubecl::ROUTE_CHUNK, GroupedMode::Off);
+    for max_step in [16, DEFAULT_MAX_STEP_TOKENS] {
+        check_prefill(&fixture("gemma4"), F32_KV_TOL, ROUTE_CHUNK, GroupedMode::Off, max_step);
+    }
 }
 
-/// The routed experts through the grouped GEMM (its plain kernel here; steps of 16 tokens give
-/// each expert several) on the three families against the Burn reference.
+/// The routed experts through the grouped GEMM (its plain kernel here; a step of 44 tokens
+/// gives each expert several) on the three families against the Burn reference.
 #[test]
 fn grouped_experts_chunked_prefill() {
     for dir in [asset("tiny-mixtral"), fixture("qwen2_moe"), fixture("gemma4")] {
-        check_prefill(&dir, F32_KV_TOL, kernels_cubecl::ROUTE_CHUNK, GroupedMode::Always);
+        check_prefill(&dir, F32_KV_TOL, ROUTE_CHUNK, GroupedMode::Always, DEFAULT_MAX_STEP_TOKENS);
+    }
+}
+
+/// Decode steps of 40 sequences in one step (and in steps of 16) on the default options, with
+/// the grouped GEMM and with the GEMVs: every sequence's logits against the reference.
+#[test]
+fn decode_steps_of_many_sequences() {
+    let prompts: Vec<(u64, Vec<u32>)> =
+        (0..40u64).map(|s| (s + 1, vec![(s as u32 * 13 + 1) % 90, (s as u32 * 7 + 3) % 90])).collect();
+    for (grouped, max_step) in [(GroupedMode::Always, 64), (GroupedMode::Off, 64), (GroupedMode::Auto, 16)] {
+        check_prompts(&asset("tiny-mixtral"), F32_KV_TOL, ROUTE_CHUNK, grouped, max_step, &prompts);
     }
 }
 

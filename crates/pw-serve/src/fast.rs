@@ -16,7 +16,8 @@ use crate::model::{DecodeSlot, PrefillOutcome, PrefillSlot, SeqId, SeqOutcome, S
 use crate::paged::PagedMemory;
 use crate::{KvLayout, MemoryOptions, MemoryState, ServeError, WeightPolicy};
 
-/// Sequences per fused step (the kernels' token bucket).
+/// The largest of the kernels' token buckets: the warm-up compiles a step at each one up to it
+/// (larger steps take the same kernels in tiles of it).
 const STEP_BATCH: usize = kernels_cubecl::MAX_TOKENS;
 /// Tokens per KV block.
 const BLOCK: usize = 16;

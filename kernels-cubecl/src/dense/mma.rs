@@ -37,8 +37,8 @@ type Acc = Vector<f32, Const<2>>;
 /// Columns per step (4 lanes × 8).
 pub const MMA_STEP_COLS: usize = 32;
 
-/// Most tokens of one launch (two 8-token fragments).
-pub const MMA_MAX_TOKENS: usize = 16;
+/// Tokens of one cube's token tile (two 8-token fragments); more tokens take more tiles.
+pub const MMA_TILE_TOKENS: usize = 16;
 
 /// Where a dense GEMM runs. The matrix units need a device with TF32 `mma`
 /// ([`dense_mma_supported`]), `k` a multiple of [`MMA_STEP_COLS`] and a plain or
@@ -120,7 +120,7 @@ const MMA_WARPS: usize = 8;
 const MMA_MAX_SPLITS: usize = 16;
 
 /// Launches [`dense_mma_kernel`] (arguments checked by the caller: `k` a multiple
-/// of 32, `tokens ≤ MMA_MAX_TOKENS`, the device supported).
+/// of 32, the device supported).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn launch<R: Runtime>(
     client: &ComputeClient<R>,
@@ -145,7 +145,8 @@ pub(crate) fn launch<R: Runtime>(
     }
     let tiles = (MMA_WARPS / splits).max(1);
     let warps = tiles * splits;
-    let groups = tokens.div_ceil(8);
+    let groups = tokens.min(MMA_TILE_TOKENS).div_ceil(8);
+    let ttiles = tokens.div_ceil(8 * groups);
     let (nw, np) = norm_args(norm, x, meta);
     // SAFETY: the caller checked `x` ≥ tokens · k, `w` = n · k, `y` ≥ tokens · n, the bias and
     // norm buffers; `k` is a multiple of 32, so every row starts 16-byte aligned and the
@@ -153,7 +154,7 @@ pub(crate) fn launch<R: Runtime>(
     unsafe {
         dense_mma_kernel::launch_unchecked::<R>(
             client,
-            CubeCount::Static(row_tiles.div_ceil(tiles) as u32, 1, 1),
+            CubeCount::Static((row_tiles.div_ceil(tiles) * ttiles) as u32, 1, 1),
             CubeDim::new_1d((warps * 32) as u32),
             ArrayArg::from_raw_parts(x.handle.clone(), x.len / 4),
             ArrayArg::from_raw_parts(w.handle.clone(), g.n * g.k / 8),
@@ -162,6 +163,7 @@ pub(crate) fn launch<R: Runtime>(
             ArrayArg::from_raw_parts(nw.handle.clone(), (nw.len / 4).max(1)),
             np.arg(),
             y.arg(),
+            ttiles as u32,
             g.n,
             g.k,
             groups,
@@ -178,10 +180,13 @@ pub(crate) fn launch<R: Runtime>(
     };
 }
 
-/// The kernel. Grid: `ceil(ceil(n / 16) / tiles)` cubes of `tiles · splits` warps of 32
-/// lanes; warp `w` of a cube takes row tile `w / splits` (16 rows) and every `splits`-th
+/// The kernel. Grid: `ceil(ceil(n / 16) / tiles) · ttiles` cubes of `tiles · splits` warps of
+/// 32 lanes; cube `i` takes the row block `i / ttiles` for the token tile `i mod ttiles` (`groups`
+/// token groups of 8 from token `8 · groups · (i mod ttiles)`, of `meta[0]` tokens; the token
+/// tiles of a row block run side by side, so its weights come from DRAM once, then from L2);
+/// warp `w` of a cube takes row tile `w / splits` (16 rows) and every `splits`-th
 /// step of 32 columns from `w % splits`, then the cube adds its splits' partial tiles in
-/// shared memory. `groups` token groups of 8 (`meta[0]` tokens, at most `8 · groups`).
+/// shared memory.
 /// `k` a multiple of [`MMA_STEP_COLS`]; `x` rows of `k`; with `norm` the per-token RMSNorm
 /// of [`super::simt::dense_gemm_kernel`] (weight `norm_w[c] + norm_p[1]`, `eps = norm_p[0]`).
 /// `unroll`, `pipeline`, `accs`, `x_ahead`: the launch shape ([`MmaTuning`]).
@@ -195,6 +200,7 @@ pub fn dense_mma_kernel(
     norm_w: &Array<X4>,
     norm_p: &Array<f32>,
     y: &mut Array<f32>,
+    ttiles: u32,
     #[comptime] n: usize,
     #[comptime] k: usize,
     #[comptime] groups: usize,
@@ -213,11 +219,17 @@ pub fn dense_mma_kernel(
     let warp = unit / 32usize;
     let tile_in = warp / splits;
     let split = warp % splits;
-    let row0 = (CUBE_POS_X as usize * tiles + tile_in) * 16usize;
+    let block = CUBE_POS_X as usize / ttiles as usize;
+    let t0 = (CUBE_POS_X as usize % ttiles as usize) * comptime![8 * groups];
+    let row0 = (block * tiles + tile_in) * 16usize;
     let g = lane / 4usize;
     let c = lane % 4usize;
-    let tokens = meta[0] as usize;
-    let last = max(tokens, 1usize) - 1usize;
+    let all = meta[0] as usize;
+    if t0 >= all {
+        terminate!();
+    }
+    let tokens = min(all - t0, comptime![8 * groups]);
+    let last = tokens - 1usize;
     let steps = comptime![k / MMA_STEP_COLS];
     let kw = comptime![k / 8];
     let kx = comptime![k / 4];
@@ -227,7 +239,7 @@ pub fn dense_mma_kernel(
     let mut x_row = Array::<usize>::new(groups);
     #[unroll]
     for j in 0..groups {
-        x_row[j] = min(8usize * j + g, last) * kx + 2usize * c;
+        x_row[j] = (t0 + min(8usize * j + g, last)) * kx + 2usize * c;
     }
     let def = MmaDefinition::<tf32, tf32, f32>::new(16usize, 8usize, 8usize);
     // `accs` accumulators per group, MMA `m` of a step into `m mod accs`: independent chains
@@ -322,8 +334,8 @@ pub fn dense_mma_kernel(
     }
 
     store_tiles(
-        &mut acc, &ss, y, bias, norm_p, tokens, unit, g, c, n, k, groups, tiles, splits, accs, has_bias,
-        accumulate, norm,
+        &mut acc, &ss, y, bias, norm_p, block, t0, tokens, unit, g, c, n, k, groups, tiles, splits, accs,
+        has_bias, accumulate, norm,
     );
 }
 
@@ -362,7 +374,8 @@ fn step_x(
 
 /// Adds the cube's warps' partial tiles (their accumulators `acc`, and with `norm` their shares
 /// `ss` of each token's `Σ x²`) through shared memory, applies the norm's scale and the bias,
-/// and stores (or adds) the cube's rows of `y` (see [`dense_mma_kernel`]).
+/// and stores (or adds) the cube's rows of `y` (row block `block`, tokens `t0 ..`; see
+/// [`dense_mma_kernel`]).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn store_tiles(
@@ -371,6 +384,8 @@ fn store_tiles(
     y: &mut Array<f32>,
     bias: &Array<f32>,
     norm_p: &Array<f32>,
+    block: usize,
+    t0: usize,
     tokens: usize,
     unit: usize,
     g: usize,
@@ -438,7 +453,7 @@ fn store_tiles(
         let l = e / (4usize * groups);
         let j = (e / 4usize) % groups;
         let i = e % 4usize;
-        let row = (CUBE_POS_X as usize * tiles + t_in) * 16usize + l / 4usize + 8usize * (i / 2usize);
+        let row = (block * tiles + t_in) * 16usize + l / 4usize + 8usize * (i / 2usize);
         let tk = 8usize * j + 2usize * (l % 4usize) + i % 2usize;
         if comptime![norm] {
             let mut q = 0.0f32;
@@ -453,9 +468,9 @@ fn store_tiles(
         }
         if tk < tokens && row < n {
             if comptime![accumulate] {
-                y[tk * n + row] += s;
+                y[(t0 + tk) * n + row] += s;
             } else {
-                y[tk * n + row] = s;
+                y[(t0 + tk) * n + row] = s;
             }
         }
     }

@@ -10,9 +10,8 @@ mod tests;
 use cubecl::prelude::*;
 use half::f16;
 
-use crate::device::{bad, need};
+use crate::device::need;
 use crate::norms::{RowNorm, rms_norm_reference};
-use crate::pool::MAX_TOKENS;
 use crate::{DeviceArray, KernelError};
 use mma::{MMA_MIN_TOKENS, MmaMode};
 
@@ -41,7 +40,8 @@ impl DenseGemm {
     }
 }
 
-/// `y (+)= x · Wᵀ (+ bias)` with `W` f16 `[n, k]` row-major; `meta[0]` = tokens (≤ 16).
+/// `y (+)= x · Wᵀ (+ bias)` with `W` f16 `[n, k]` row-major; `meta[0]` = tokens (any number:
+/// the kernels take them in tiles of up to 16).
 ///
 /// # Shapes
 /// - `x`: `[tokens, k]`; `w`: `[n, k]`; `y`: `[tokens, n]`
@@ -103,9 +103,6 @@ fn dense_gemm_launch<R: Runtime>(
     bias: &DeviceArray,
     y: &DeviceArray,
 ) -> Result<(), KernelError> {
-    if tokens > MAX_TOKENS {
-        return Err(bad(format!("dense_gemm: {tokens} tokens, at most {MAX_TOKENS}")));
-    }
     need("dense_gemm x", x, tokens * g.k)?;
     need("dense_gemm w", w, g.n * g.k)?;
     need("dense_gemm y", y, tokens * g.n)?;
@@ -125,7 +122,6 @@ fn dense_gemm_launch<R: Runtime>(
         MmaMode::Always(t) => Some(t),
     };
     if let Some(tuning) = tuning
-        && tokens <= mma::MMA_MAX_TOKENS
         && g.k.is_multiple_of(mma::MMA_STEP_COLS)
         && mma::dense_mma_supported(client)
     {

@@ -6,12 +6,15 @@ use half::f16;
 use super::{DenseGemm, GemmInput};
 use crate::DeviceArray;
 use crate::plane::warp_sum;
-use crate::pool::token_bucket;
+use crate::pool::{MAX_TOKENS, token_bucket};
 
 /// `y[t, r] (+)= Σ_c x[t, c] · W[r, c] (+ bias[r])` for `t < meta[0]`, `W` f16 row-major
 /// `[n, k]` as PyTorch stores it, read as vectors of `vec` halves (16-byte loads on CUDA).
-/// Grid `(ceil(n / (warps · rows)))`, cube `warps` planes; a plane owns `rows` rows, its lanes
-/// stride the rows' vectors (coalesced), one `plane_sum` per row and token.
+/// Grid `(ceil(n / (warps · rows)) · ttiles)`, cube `warps` planes: cube `i` takes the row
+/// block `i / ttiles` for tokens `(i mod ttiles) · max_tokens ..` (the token tiles of a row
+/// block run side by side, so its weights are read from DRAM once and then from L2); a plane
+/// owns `rows` rows, its lanes stride the rows' vectors (coalesced), one `plane_sum` per row
+/// and token.
 ///
 /// `x` is read as vectors of the same width as `W`'s (two 16-byte loads on CUDA): read one
 /// f32 at a time, a warp's loads of a column were 32 bytes apart, eight L1 wavefronts per
@@ -34,6 +37,7 @@ pub fn dense_gemm_kernel<N: Size>(
     norm_w: &Array<Vector<f32, N>>,
     norm_p: &Array<f32>,
     y: &mut Array<f32>,
+    ttiles: u32,
     #[comptime] n: usize,
     #[comptime] k: usize,
     #[comptime] vec: usize,
@@ -46,11 +50,14 @@ pub fn dense_gemm_kernel<N: Size>(
     #[comptime] norm: bool,
 ) {
     let lane = UNIT_POS as usize % plane_size;
-    let row0 = (CUBE_POS_X as usize * warps + UNIT_POS as usize / plane_size) * rows;
-    let tokens = meta[0] as usize;
-    if row0 >= n {
+    let block = CUBE_POS_X as usize / ttiles as usize;
+    let t0 = (CUBE_POS_X as usize % ttiles as usize) * max_tokens;
+    let row0 = (block * warps + UNIT_POS as usize / plane_size) * rows;
+    let all = meta[0] as usize;
+    if row0 >= n || t0 >= all {
         terminate!();
     }
+    let tokens = min(all - t0, max_tokens);
     let mut acc = Array::<f32>::new(max_tokens * rows);
     #[unroll]
     for t in 0..max_tokens * rows {
@@ -100,6 +107,7 @@ pub fn dense_gemm_kernel<N: Size>(
                 rv,
                 v0 + q * plane_size,
                 kv,
+                t0,
                 tokens,
                 &mut acc,
                 &mut ss,
@@ -117,7 +125,7 @@ pub fn dense_gemm_kernel<N: Size>(
             wv[r] = w[wrow[r] + v];
         }
         dense_fma(
-            x, &wv, norm_w, off, 0usize, 1usize, v, kv, tokens, &mut acc, &mut ss, max_tokens, rows, vec,
+            x, &wv, norm_w, off, 0usize, 1usize, v, kv, t0, tokens, &mut acc, &mut ss, max_tokens, rows, vec,
             norm,
         );
     }
@@ -145,9 +153,9 @@ pub fn dense_gemm_kernel<N: Size>(
             }
             if lane == 0 && t < tokens && row < n {
                 if comptime![accumulate] {
-                    y[t * n + row] += s;
+                    y[(t0 + t) * n + row] += s;
                 } else {
-                    y[t * n + row] = s;
+                    y[(t0 + t) * n + row] = s;
                 }
             }
         }
@@ -155,7 +163,7 @@ pub fn dense_gemm_kernel<N: Size>(
 }
 
 /// `acc[r · max_tokens + t] += W vector · x vector` for the weight vectors `wv[r · per_row + q]`
-/// of each row and `x`'s vector `v` of each real token. With `norm` the weights are first
+/// of each row and `x`'s vector `v` of each real token `t0 + t`. With `norm` the weights are first
 /// scaled by the norm weight `g[v] + off` and `ss[t]` gains the squares of `x`'s vector.
 #[cube]
 #[allow(clippy::too_many_arguments)]
@@ -168,6 +176,7 @@ fn dense_fma<N: Size>(
     #[comptime] per_row: usize,
     v: usize,
     kv: usize,
+    t0: usize,
     tokens: usize,
     acc: &mut Array<f32>,
     ss: &mut Array<f32>,
@@ -203,7 +212,7 @@ fn dense_fma<N: Size>(
     #[unroll]
     for t in 0..max_tokens {
         let tr = min(t, last);
-        let xv = x[tr * kv + v];
+        let xv = x[(t0 + tr) * kv + v];
         let mut xf = Array::<f32>::new(vec);
         #[unroll]
         for i in 0..vec {
@@ -243,7 +252,8 @@ pub(crate) fn launch<R: Runtime>(
     // The widest load the device likes that divides the row (16 bytes of halves on CUDA).
     let vec =
         client.io_optimized_vector_sizes(2).filter(|v| *v <= 8 && g.k.is_multiple_of(*v)).max().unwrap_or(1);
-    let tb = token_bucket(tokens);
+    let tb = token_bucket(tokens.min(MAX_TOKENS));
+    let ttiles = tokens.div_ceil(tb);
     // Two rows per plane share each `x` vector (and with a norm its weight vector and Σ x²)
     // once there are two tokens or a norm; a plain input at one token keeps one row per plane,
     // twice the cubes in flight (the faster choice on the H200).
@@ -255,14 +265,14 @@ pub(crate) fn launch<R: Runtime>(
         GemmInput::Norm(nm) => (nm.w, nm.params),
         _ => (x, meta),
     };
-    // SAFETY: sizes checked above; the kernel reads `meta[0] ≤ tokens` rows of `k`;
+    // SAFETY: sizes checked above; the kernel reads `meta[0] = tokens` rows of `k`;
     // `w` holds `n · k` halves, i.e. `n · k / vec` vectors, and `x` at least
     // `tokens · k / vec`, the norm weight (when read) `k / vec` (whole buffers, so their
     // starts are aligned for any vector width).
     unsafe {
         dense_gemm_kernel::launch_unchecked::<R>(
             client,
-            CubeCount::Static(g.n.div_ceil(warps * rows) as u32, 1, 1),
+            CubeCount::Static((g.n.div_ceil(warps * rows) * ttiles) as u32, 1, 1),
             CubeDim::new_1d((warps * plane) as u32),
             vec,
             ArrayArg::from_raw_parts(x.handle.clone(), x.len / vec),
@@ -272,6 +282,7 @@ pub(crate) fn launch<R: Runtime>(
             ArrayArg::from_raw_parts(nw.handle.clone(), (nw.len / vec).max(1)),
             np.arg(),
             y.arg(),
+            ttiles as u32,
             g.n,
             g.k,
             vec,

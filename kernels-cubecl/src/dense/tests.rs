@@ -10,7 +10,8 @@ use crate::*;
 /// Dense GEMM: f32 accumulation in another order.
 const STEP_TOL: f32 = 2e-5;
 
-/// The plain dense GEMM with bias, and accumulating into a residual, at 1, 3 and 16 tokens.
+/// The plain dense GEMM with bias, and accumulating into a residual, at 1, 3 and 16 tokens and
+/// at 37 (three token tiles, the last ragged).
 #[test]
 fn dense_gemm_matches_reference() {
     use half::f16;
@@ -18,7 +19,7 @@ fn dense_gemm_matches_reference() {
     let mut rng = StdRng::seed_from_u64(99);
     let up = |v: &[f32]| DeviceArray::from_slice(&client, v);
     let hidden = 96;
-    for tokens in [1usize, 3, 16] {
+    for tokens in [1usize, 3, 16, 37] {
         let meta = DeviceArray::from_slice(&client, &[tokens as u32]);
         let x = rand_vec(&mut rng, tokens * hidden, 2.0);
         let h = up(&x);
@@ -43,8 +44,8 @@ fn dense_gemm_matches_reference() {
 const NORMED_TOL: f32 = 2e-5;
 
 /// The dense GEMM with a fused input RMSNorm (plain and `1 + w`) against [`rms_norm_reference`]
-/// followed by the plain reference; widths with and without the GEMM's 4-vector rounds, 1, 3
-/// and 16 tokens, bias and residual add.
+/// followed by the plain reference; widths with and without the GEMM's 4-vector rounds, 1, 3,
+/// 16 and 37 tokens, bias and residual add.
 #[test]
 fn dense_gemm_normed_matches_reference() {
     use half::f16;
@@ -52,7 +53,7 @@ fn dense_gemm_normed_matches_reference() {
     let mut rng = StdRng::seed_from_u64(101);
     let up = |v: &[f32]| DeviceArray::from_slice(&client, v);
     for (k, n) in [(96usize, 70usize), (1000, 37)] {
-        for tokens in [1usize, 3, 16] {
+        for tokens in [1usize, 3, 16, 37] {
             let meta = DeviceArray::from_slice(&client, &[tokens as u32]);
             // Rows of different magnitudes, so the per-token scale matters.
             let x: Vec<f32> =
@@ -90,7 +91,8 @@ fn dense_gemm_normed_matches_reference() {
 /// `DenseGemm::mma` on any device: the matrix-unit kernel where the device has TF32 `mma`
 /// (its inputs rounded to TF32: relative error ≤ 2⁻¹¹ per `x`), the plain kernel elsewhere
 /// (lavapipe); both within [`DENSE_MMA_RTOL`] of the reference, plain and normed, with bias
-/// and residual add, at 1, 3, 8 and 9 tokens (one and two token groups).
+/// and residual add, at 1, 3, 8 and 9 tokens (one and two token groups) and 41 (three token
+/// tiles).
 const DENSE_MMA_RTOL: f32 = 1e-3;
 
 #[test]
@@ -99,7 +101,8 @@ fn dense_mma_matches_reference() {
     let client = client();
     let mut rng = StdRng::seed_from_u64(211);
     let up = |v: &[f32]| DeviceArray::from_slice(&client, v);
-    for (n, k, tokens) in [(70usize, 96usize, 1usize), (33, 128, 3), (16, 64, 8), (40, 160, 9)] {
+    for (n, k, tokens) in [(70usize, 96usize, 1usize), (33, 128, 3), (16, 64, 8), (40, 160, 9), (24, 96, 41)]
+    {
         let meta = DeviceArray::from_slice(&client, &[tokens as u32]);
         let x: Vec<f32> =
             (0..tokens * k).map(|i| rng.random_range(-1.0f32..1.0) * (1 + i / k) as f32).collect();

@@ -61,9 +61,9 @@ pub enum GroupedMode {
 }
 
 /// Fewest tokens per active expert, on average, for which [`GroupedMode::Auto`] takes the
-/// grouped GEMM: below it most experts see one token, which the GEMV streams faster than a
-/// matrix unit fed eight columns of which one is used.
-pub const GROUPED_MIN_MEAN_TOKENS: usize = 2;
+/// grouped GEMM: below it the routed GEMVs, which stream an expert's weights once per few
+/// tokens, are faster than its LUT lookups (one per weight per pass of up to 32 tokens).
+pub const GROUPED_MIN_MEAN_TOKENS: usize = 8;
 
 impl GroupedMode {
     /// Whether a step of `rows` gathered rows over `experts` experts takes the grouped GEMM on

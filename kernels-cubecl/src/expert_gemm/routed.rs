@@ -4,15 +4,15 @@
 use cubecl::prelude::*;
 
 use super::{GemmConfig, LUT_SLOTS, gemv, tiled};
-use crate::device::{bad, need};
+use crate::device::bad;
 use crate::pool::token_bucket;
 use crate::pool::{DESC_WORDS, MAX_TOKENS};
 use crate::routing::check_route_chunk;
 use crate::{Activation, DeviceArray, KernelError};
 
-/// Work items of a routed launch over `experts` (`experts · MAX_TOKENS / chunk`), with the
-/// launch configuration, the chunk and the descriptor table's length (with its header slot)
-/// checked.
+/// Work items of a routed launch over `experts`: the descriptor table's items (without its
+/// header slot; `experts · capacity / chunk`, see [`crate::routing::RouteBuffers::chunks`]),
+/// with the launch configuration, the chunk and the table's shape checked.
 fn routed_items(
     cfg: GemmConfig,
     desc: &DeviceArray,
@@ -20,16 +20,21 @@ fn routed_items(
     experts: usize,
 ) -> Result<usize, KernelError> {
     check_route_chunk(chunk)?;
-    let items = experts * (MAX_TOKENS / chunk);
     cfg.check()?;
-    need("routed gemm descriptors", desc, (items + 1) * DESC_WORDS)?;
+    let items = (desc.len / DESC_WORDS).saturating_sub(1);
+    if experts == 0 || items < experts * (MAX_TOKENS / chunk) || !items.is_multiple_of(experts) {
+        return Err(bad(format!(
+            "routed gemm descriptors: {} words for {experts} experts in items of {chunk} tokens",
+            desc.len
+        )));
+    }
     Ok(items)
 }
 
 /// The grouped expert GEMM over a descriptor table built on the device by [`crate::routing::route::moe_route`]
-/// into buffers of route chunk `chunk` ([`crate::routing::RouteBuffers::chunk`]; `experts · MAX_TOKENS /
-/// chunk` items, each at most `min(tokens, chunk)` tokens and `max_rows` rows of `cols`
-/// columns).
+/// into buffers of route chunk `chunk` ([`crate::routing::RouteBuffers::chunk`]; `experts ·
+/// capacity / chunk` items, each at most `min(tokens, chunk)` tokens and `max_rows` rows of
+/// `cols` columns).
 #[allow(clippy::too_many_arguments)]
 pub fn ap_gemm_routed<R: Runtime>(
     client: &ComputeClient<R>,

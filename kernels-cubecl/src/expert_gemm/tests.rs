@@ -338,9 +338,10 @@ fn check_routed_moe(client: &ComputeClient<WgpuRuntime>, rng: &mut StdRng, shape
     // The routed launches through the GEMV kernel (few items here; at most `chunk` tokens
     // each, so every token count takes it).
     let cfg = GemmConfig { gemv_min_items: 1, ..GemmConfig::for_client(client) };
-    let bufs = RouteBuffers::with_chunk(client, shape, chunk).unwrap();
+    // Room for steps of more than MAX_TOKENS tokens (routed in a cube of their own).
+    let bufs = RouteBuffers::with_capacity(client, shape, chunk, 40).unwrap();
     assert!(RouteBuffers::with_chunk(client, shape, 3).is_err(), "a chunk of 3 tokens");
-    for tokens in [1usize, 2, 5, 16] {
+    for tokens in [1usize, 2, 5, 16, 40] {
         let meta = DeviceArray::from_slice(client, &[tokens as u32]);
         let x = rand_vec(rng, tokens * h, 1.0);
         let logits = rand_vec(rng, tokens * shape.experts, 3.0);

@@ -3,7 +3,7 @@
 
 use cubecl::prelude::*;
 
-use super::route::route_cube;
+use super::route::{launch_route, route_cube};
 use super::{LogitsLayout, MoeShape, RouteBuffers, RouteCounters};
 use crate::device::{bad, need, row_units};
 use crate::norms::{RowNorm, norm_args, rms_norm_reference};
@@ -286,9 +286,15 @@ pub fn moe_route_gather<R: Runtime>(
         logits,
         tokens.saturating_sub(1) * layout.stride + layout.offset + shape.experts,
     )?;
-    let (units, plane) = check_route_gather(client, shape, tokens, slots, stats, x, norm, xg)?;
+    let (units, plane) = check_route_gather(client, shape, tokens, slots, out, stats, x, norm, xg)?;
     if tokens == 0 {
         return Ok(());
+    }
+    if tokens > MAX_TOKENS {
+        // Every cube of the fused launch routes all the tokens again: past `MAX_TOKENS` the
+        // routing runs once, in a cube of its own, and the gather follows it.
+        launch_route(client, shape, tokens, meta, (logits, layout), slots, out, stats)?;
+        return gather_rows_normed(client, tokens, shape.k, shape.hidden, meta, x, norm, &out.gather, xg);
     }
     let (counts, mass, base) = out.counters(stats);
     let (nw, np) = norm_args(norm, x, meta);
@@ -342,6 +348,7 @@ pub(crate) fn check_route_gather<R: Runtime>(
     shape: MoeShape,
     tokens: usize,
     slots: &DeviceArray,
+    out: &RouteBuffers,
     stats: Option<RouteCounters<'_>>,
     x: &DeviceArray,
     norm: Option<RowNorm<'_>>,
@@ -350,8 +357,8 @@ pub(crate) fn check_route_gather<R: Runtime>(
     if shape.experts > 128 || shape.k == 0 || shape.k > shape.experts {
         return Err(bad(format!("moe_route: unsupported {shape:?} (at most 128 experts, 1 ≤ k ≤ experts)")));
     }
-    if tokens > MAX_TOKENS {
-        return Err(bad(format!("moe_route: {tokens} tokens, at most {MAX_TOKENS}")));
+    if tokens > out.capacity() {
+        return Err(bad(format!("moe_route: {tokens} tokens, the buffers hold {}", out.capacity())));
     }
     let width = shape.hidden;
     need("moe_route slots", slots, shape.experts * 6)?;

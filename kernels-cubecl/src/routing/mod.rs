@@ -56,8 +56,13 @@ pub fn expert_slot_words(shape: MoeShape, slots: &[(PoolSlot, PoolSlot)]) -> Res
 /// about two tokens. An expert with more tokens reads its weights once per item.
 pub const ROUTE_CHUNK: usize = 2;
 
-/// Work items per expert (`MAX_TOKENS / ROUTE_CHUNK`); empty ones exit at once.
+/// Work items per expert (`MAX_TOKENS / ROUTE_CHUNK`) in buffers of the default capacity; empty
+/// ones exit at once.
 pub const ROUTE_CHUNKS: usize = MAX_TOKENS / ROUTE_CHUNK;
+
+/// Most (token, expert) choices of one routing launch: the single routing cube keeps each
+/// choice's expert and weight in shared memory (8 bytes each, 32 KiB in all).
+pub const ROUTE_MAX_CHOICES: usize = 4096;
 
 /// Route chunks [`RouteBuffers::with_chunk`] accepts: powers of two up to the persistent
 /// GEMV's largest token bucket ([`crate::GEMV_MAX_TOKENS`]; where an item's `x` does not fit in
@@ -96,7 +101,7 @@ pub struct RouteBuffers {
     pub gather: DeviceArray,
     /// `[tokens, k]` gathered row of each choice.
     pub pos: DeviceArray,
-    /// `[experts · chunks + 1, 8]` gate_up work items (`chunks = MAX_TOKENS / chunk`): the live
+    /// `[experts · chunks + 1, 8]` gate_up work items (`chunks = capacity / chunk`): the live
     /// ones first (expert order), then empty ones; word 0 of the last (header) slot counts the
     /// live ones.
     pub desc_gate_up: DeviceArray,
@@ -107,6 +112,8 @@ pub struct RouteBuffers {
     pub groups: DeviceArray,
     /// Most tokens per work item (see [`RouteBuffers::with_chunk`]).
     chunk: usize,
+    /// Most tokens of one routing launch (a multiple of `MAX_TOKENS`).
+    capacity: usize,
     /// One-element stand-ins for the statistics' buffers when none are kept (never written).
     no_counts: DeviceArray,
     no_mass: DeviceArray,
@@ -125,10 +132,28 @@ impl RouteBuffers {
         shape: MoeShape,
         chunk: usize,
     ) -> Result<Self, KernelError> {
+        Self::with_capacity(client, shape, chunk, MAX_TOKENS)
+    }
+
+    /// [`Self::with_chunk`] for routing launches of up to `tokens` tokens (rounded up to a
+    /// multiple of `MAX_TOKENS`): a decode step of that many sequences or prompt tokens.
+    pub fn with_capacity<R: Runtime>(
+        client: &ComputeClient<R>,
+        shape: MoeShape,
+        chunk: usize,
+        tokens: usize,
+    ) -> Result<Self, KernelError> {
         check_route_chunk(chunk)?;
-        let n = MAX_TOKENS * shape.k;
+        let capacity = tokens.max(1).next_multiple_of(MAX_TOKENS);
+        if capacity * shape.k > ROUTE_MAX_CHOICES {
+            return Err(bad(format!(
+                "routing of {tokens} tokens × {} experts each: at most {ROUTE_MAX_CHOICES} choices per launch",
+                shape.k
+            )));
+        }
+        let n = capacity * shape.k;
         // Both tables: `experts · chunks` items and the header slot.
-        let table = (shape.experts * (MAX_TOKENS / chunk) + 1) * DESC_WORDS;
+        let table = (shape.experts * (capacity / chunk) + 1) * DESC_WORDS;
         Ok(Self {
             weights: DeviceArray::empty::<R, f32>(client, n),
             gather: DeviceArray::empty::<R, u32>(client, n),
@@ -137,6 +162,7 @@ impl RouteBuffers {
             desc_down: DeviceArray::empty::<R, u32>(client, table),
             groups: DeviceArray::empty::<R, u32>(client, 2 * shape.experts),
             chunk,
+            capacity,
             no_counts: DeviceArray::empty::<R, u32>(client, 1),
             no_mass: DeviceArray::empty::<R, f32>(client, 1),
         })
@@ -150,7 +176,12 @@ impl RouteBuffers {
 
     /// Work items per expert in the tables.
     pub fn chunks(&self) -> usize {
-        MAX_TOKENS / self.chunk
+        self.capacity / self.chunk
+    }
+
+    /// Most tokens of one routing launch into these buffers.
+    pub fn capacity(&self) -> usize {
+        self.capacity
     }
 
     /// The statistics counters a routing launch writes: the caller's, or these buffers' unused

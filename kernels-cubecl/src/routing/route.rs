@@ -2,7 +2,7 @@
 
 use cubecl::prelude::*;
 
-use super::{MoeShape, RouteBuffers, RouteCounters};
+use super::{LogitsLayout, MoeShape, RouteBuffers, RouteCounters};
 use crate::device::{bad, need, row_units};
 use crate::plane::{warp_arg_max, warp_max, warp_sum};
 use crate::pool::MAX_TOKENS;
@@ -10,7 +10,8 @@ use crate::{DeviceArray, KernelError};
 
 /// Routing and grouping in one cube of `units` units (whole planes of `plane_size`, at least
 /// `experts`):
-/// 1. a plane per token `t < meta[0]`: softmax over `logits[t]`, top-`k` (ties: lower expert
+/// 1. a plane per token `t < meta[0]`: softmax over `logits[t · lstride + loff ..][..experts]`,
+///    top-`k` (ties: lower expert
 ///    first), optional renormalisation → `weights[t, j]`;
 /// 2. unit `e`: its tokens in token order get consecutive gathered rows after every lower
 ///    expert's; writes `gather[row] = t`, `pos[t, j] = row` and the work items of expert `e`
@@ -37,6 +38,8 @@ pub fn moe_route_kernel(
     counts: &mut Array<u32>,
     mass: &mut Array<f32>,
     base: u32,
+    #[comptime] lstride: usize,
+    #[comptime] loff: usize,
     #[comptime] experts: usize,
     #[comptime] k: usize,
     #[comptime] max_tokens: usize,
@@ -67,8 +70,8 @@ pub fn moe_route_kernel(
         true,
         0usize,
         1usize,
-        experts,
-        0usize,
+        lstride,
+        loff,
         experts,
         k,
         max_tokens,
@@ -457,13 +460,38 @@ pub fn moe_route_counted<R: Runtime>(
     out: &RouteBuffers,
     stats: Option<RouteCounters<'_>>,
 ) -> Result<(), KernelError> {
+    let layout = LogitsLayout { stride: shape.experts, offset: 0 };
+    launch_route(client, shape, tokens, meta, (logits, layout), slots, out, stats)
+}
+
+/// [`moe_route_counted`] of logits laid out as `layout` (the one-cube routing launch; also the
+/// first of [`super::gather::moe_route_gather`]'s two launches for steps of more than
+/// `MAX_TOKENS` tokens).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn launch_route<R: Runtime>(
+    client: &ComputeClient<R>,
+    shape: MoeShape,
+    tokens: usize,
+    meta: &DeviceArray,
+    (logits, layout): (&DeviceArray, LogitsLayout),
+    slots: &DeviceArray,
+    out: &RouteBuffers,
+    stats: Option<RouteCounters<'_>>,
+) -> Result<(), KernelError> {
     if shape.experts > 128 || shape.k == 0 || shape.k > shape.experts {
         return Err(bad(format!("moe_route: unsupported {shape:?} (at most 128 experts, 1 ≤ k ≤ experts)")));
     }
-    if tokens > MAX_TOKENS {
-        return Err(bad(format!("moe_route: {tokens} tokens, at most {MAX_TOKENS}")));
+    if tokens > out.capacity() {
+        return Err(bad(format!("moe_route: {tokens} tokens, the buffers hold {}", out.capacity())));
     }
-    need("moe_route logits", logits, tokens * shape.experts)?;
+    if layout.stride < layout.offset + shape.experts {
+        return Err(bad(format!("moe_route: {layout:?} for {} experts", shape.experts)));
+    }
+    need(
+        "moe_route logits",
+        logits,
+        tokens.saturating_sub(1) * layout.stride + layout.offset + shape.experts,
+    )?;
     need("moe_route slots", slots, shape.experts * 6)?;
     if let Some(st) = stats {
         need("moe_route counts", st.counts, st.base + shape.experts)?;
@@ -475,7 +503,7 @@ pub fn moe_route_counted<R: Runtime>(
     // A unit per expert and per token, whole planes (the top-k runs a plane per token).
     let (units, plane) = row_units(client, shape.experts.max(MAX_TOKENS), 1);
     let (counts, mass, base) = out.counters(stats);
-    // SAFETY: sizes checked above; outputs were sized for MAX_TOKENS tokens by RouteBuffers.
+    // SAFETY: sizes checked above; outputs were sized for `capacity` tokens by RouteBuffers.
     unsafe {
         moe_route_kernel::launch_unchecked::<R>(
             client,
@@ -493,9 +521,11 @@ pub fn moe_route_counted<R: Runtime>(
             counts.arg(),
             mass.arg(),
             base as u32,
+            layout.stride,
+            layout.offset,
             shape.experts,
             shape.k,
-            MAX_TOKENS,
+            out.capacity(),
             shape.renormalize,
             shape.hidden,
             shape.inter,

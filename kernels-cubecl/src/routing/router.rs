@@ -3,9 +3,9 @@
 use cubecl::prelude::*;
 use half::f16;
 
-use super::gather::{check_route_gather, gather_row};
+use super::gather::{check_route_gather, gather_row, moe_route_gather};
 use super::route::route_cube;
-use super::{MoeShape, RouteBuffers, RouteCounters};
+use super::{LogitsLayout, MoeShape, RouteBuffers, RouteCounters};
 use crate::device::{bad, need, row_units};
 use crate::norms::{RowNorm, norm_args, rms_norm_reference};
 use crate::plane::warp_sum;
@@ -293,7 +293,8 @@ fn router_logits<N: Size>(
 /// [`moe_route_gather`] with the router GEMM in the same launch (see
 /// [`decode::route_gather_router_kernel`]): the logits `norm(x) · routerᵀ` are computed in each
 /// routing cube (the norm is the gather's), and written to `logits` by one of them. For
-/// routers that pass [`router_fusable`] only.
+/// routers that pass [`router_fusable`] only. Steps of more than `MAX_TOKENS` tokens run the
+/// router's GEMM, then [`moe_route_gather`].
 ///
 /// # Shapes
 /// - `router`: f16 `[experts, hidden]`; `logits`: `[tokens, experts]`; `slots`: `[experts · 6]`;
@@ -322,9 +323,29 @@ pub fn moe_route_gather_router<R: Runtime>(
     }
     need("moe_route_gather_router router", router, shape.experts * shape.hidden)?;
     need("moe_route_gather_router logits", logits, tokens * shape.experts)?;
-    let (units, plane) = check_route_gather(client, shape, tokens, slots, stats, x, norm, xg)?;
+    let (units, plane) = check_route_gather(client, shape, tokens, slots, out, stats, x, norm, xg)?;
     if tokens == 0 {
         return Ok(());
+    }
+    if tokens > MAX_TOKENS {
+        // The cube's shared memory holds `MAX_TOKENS` tokens' partial logits: a larger step
+        // computes them in a GEMM of their own first.
+        let g = crate::DenseGemm::new(shape.experts, shape.hidden);
+        crate::dense_gemm_normed(client, g, tokens, meta, x, norm, router, logits, logits)?;
+        let layout = LogitsLayout { stride: shape.experts, offset: 0 };
+        return moe_route_gather(
+            client,
+            shape,
+            tokens,
+            meta,
+            (logits, layout),
+            slots,
+            out,
+            stats,
+            x,
+            norm,
+            xg,
+        );
     }
     let (counts, mass, base) = out.counters(stats);
     let (nw, np) = norm_args(norm, x, meta);

@@ -65,8 +65,10 @@ fn moe_route_gather_matches_reference() {
         let slots =
             vec![(slot(2 * shape.inter as u32, h as u32), slot(h as u32, shape.inter as u32)); shape.experts];
         let slot_words = DeviceArray::from_slice(&client, &expert_slot_words(shape, &slots).unwrap());
-        let (want_bufs, bufs) = (RouteBuffers::new(&client, shape), RouteBuffers::new(&client, shape));
-        for tokens in [1usize, 5, 16] {
+        let cap = || RouteBuffers::with_capacity(&client, shape, ROUTE_CHUNK, 40).unwrap();
+        let (want_bufs, bufs) = (cap(), cap());
+        // 40 tokens: past MAX_TOKENS (the routing in a cube of its own, the router's GEMM).
+        for tokens in [1usize, 5, 16, 40] {
             let meta = DeviceArray::from_slice(&client, &[tokens as u32]);
             let x = rand_vec(&mut rng, tokens * h, 2.0);
             // Few distinct values, so ties between experts occur.
@@ -119,7 +121,7 @@ fn moe_route_gather_matches_reference() {
                         "{what}"
                     );
                 }
-                let d = shape.experts * ROUTE_CHUNKS * DESC_WORDS + 1;
+                let d = shape.experts * bufs.chunks() * DESC_WORDS + 1;
                 for (a, b) in
                     [(&want_bufs.desc_gate_up, &bufs.desc_gate_up), (&want_bufs.desc_down, &bufs.desc_down)]
                 {
@@ -178,11 +180,13 @@ fn moe_route_gather_router_matches_reference() {
         let slots =
             vec![(slot(2 * shape.inter as u32, h as u32), slot(h as u32, shape.inter as u32)); shape.experts];
         let slot_words = DeviceArray::from_slice(&client, &expert_slot_words(shape, &slots).unwrap());
-        let (want_bufs, bufs) = (RouteBuffers::new(&client, shape), RouteBuffers::new(&client, shape));
+        let cap = || RouteBuffers::with_capacity(&client, shape, ROUTE_CHUNK, 40).unwrap();
+        let (want_bufs, bufs) = (cap(), cap());
         let router: Vec<half::f16> =
             (0..shape.experts * h).map(|_| half::f16::from_f32(rng.random_range(-0.1f32..0.1))).collect();
         let rd = DeviceArray::from_slice(&client, &router);
-        for tokens in [1usize, 5, 16] {
+        // 40 tokens: past MAX_TOKENS (the routing in a cube of its own, the router's GEMM).
+        for tokens in [1usize, 5, 16, 40] {
             let meta = DeviceArray::from_slice(&client, &[tokens as u32]);
             let x = rand_vec(&mut rng, tokens * h, 2.0);
             let xd = up(&x);
@@ -229,7 +233,7 @@ fn moe_route_gather_router_matches_reference() {
                         "{w}: {what}"
                     );
                 }
-                let d = shape.experts * ROUTE_CHUNKS * DESC_WORDS + 1;
+                let d = shape.experts * bufs.chunks() * DESC_WORDS + 1;
                 for (a, b) in
                     [(&want_bufs.desc_gate_up, &bufs.desc_gate_up), (&want_bufs.desc_down, &bufs.desc_down)]
                 {

@@ -16,7 +16,7 @@ use std::marker::PhantomData;
 
 use cubecl::prelude::*;
 use kernels_cubecl::{DenseGemm, GroupedMode, MmaMode, RouteBuffers, RowNorm, dense_gemm_normed, embed};
-use kernels_cubecl::{DeviceArray, GemmConfig, KernelError, MAX_TOKENS};
+use kernels_cubecl::{DeviceArray, GemmConfig, KernelError};
 use kernels_cubecl::{GemmaFfnOut, add_rms_norm, gemma_ffn_out, softcap};
 use pw_kv::{DevicePools, StepArrays};
 
@@ -53,7 +53,7 @@ pub(crate) struct Tuning {
     pub(crate) grouped: GroupedMode,
 }
 
-/// Per-step scratch buffers, sized for `MAX_TOKENS` tokens and the widest layer.
+/// Per-step scratch buffers, sized for the decoder's most tokens per step and the widest layer.
 pub(crate) struct Scratch {
     pub(crate) h: DeviceArray,
     pub(crate) proj: DeviceArray,
@@ -80,13 +80,15 @@ pub(crate) struct Scratch {
 }
 
 impl Scratch {
-    /// Buffers for a model of `cfg`'s shapes, its routing cut into items of `route_chunk` tokens.
+    /// Buffers for steps of up to `tokens` tokens of a model of `cfg`'s shapes, its routing cut
+    /// into items of `route_chunk` tokens.
     pub(crate) fn new<R: Runtime>(
         client: &ComputeClient<R>,
         cfg: &DecodeConfig,
         route_chunk: usize,
+        tokens: usize,
     ) -> Result<Self, DecodeError> {
-        let (t, h) = (MAX_TOKENS, cfg.hidden);
+        let (t, h) = (tokens, cfg.hidden);
         let widest = |f: &dyn Fn(usize) -> usize| (0..cfg.layers).map(f).max().unwrap_or(0).max(1);
         let scratch = |n: usize| DeviceArray::empty::<R, f32>(client, n);
         Ok(Self {
@@ -104,7 +106,7 @@ impl Scratch {
             mlp_act: scratch(t * widest(&|l| cfg.mlp_inter(l))),
             mlp_out: scratch(t * h),
             logits: scratch(t * cfg.vocab),
-            route: RouteBuffers::with_chunk(client, cfg.moe_shape(), route_chunk)?,
+            route: RouteBuffers::with_capacity(client, cfg.moe_shape(), route_chunk, tokens)?,
             norm_params: DeviceArray::from_slice(client, &[cfg.eps, 0.0]),
             eps: DeviceArray::from_slice(client, &[cfg.eps]),
             embed_scale: DeviceArray::from_slice(client, &[cfg.embed_scale]),
