@@ -111,7 +111,6 @@ pub fn grouped_cuda_source<R: Runtime>(
         arr(),
         g.rows,
         g.cols,
-        g.x_stride,
         g.y_stride,
         slot,
         g.epilogue.code(),

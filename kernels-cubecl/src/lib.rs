@@ -73,7 +73,8 @@ pub use expert_gemm::gemv::{
 };
 pub use expert_gemm::grouped::{
     ExpertBlock, GROUPED_MAX_TOKEN_GROUPS, GROUPED_MIN_MEAN_TOKENS, GroupedGemm, GroupedMode,
-    ap_gemm_grouped, ap_gemm_grouped_reference, grouped_mma_supported, mean_tokens,
+    ap_gemm_grouped, ap_gemm_grouped_reference, grouped_mma_supported, grouped_x_f16, grouped_x_reference,
+    mean_tokens,
 };
 pub use expert_gemm::routed::{GATED_MAX_TOKENS, ap_gemm_routed, ap_gemm_routed_gated};
 pub use expert_gemm::{GemmConfig, LUT_SLOTS, ap_gemm, ap_gemm_reference};

@@ -33,7 +33,7 @@ pub struct BenchDecodeArgs {
     /// per page, as the planner leaves them).
     #[arg(long, value_delimiter = ',', default_value = "8,4,3,mix")]
     pub bits: Vec<String>,
-    /// Batch sizes (sequences per step; above 16 they run in chunks of 16).
+    /// Batch sizes (sequences per step; above `--max-step-tokens` they run in chunks of it).
     #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
     pub batches: Vec<usize>,
     /// Context lengths each sequence has (synthetic prefill) when timing starts.
@@ -93,11 +93,14 @@ pub struct BenchDecodeArgs {
     /// weights once per item.
     #[arg(long, value_delimiter = ',')]
     pub route_chunk: Vec<usize>,
-    /// Where the routed experts run (comma-separated, each measured): `off` (the default: the
-    /// routed GEMVs), `auto` (the grouped GEMM on the matrix units from
-    /// `GROUPED_MIN_MEAN_TOKENS` tokens per expert) or `always` (the grouped GEMM at every batch).
-    #[arg(long, value_delimiter = ',', default_value = "off")]
+    /// Where the routed experts run (comma-separated, each measured): `auto` (the default: the
+    /// grouped GEMM on the matrix units from `GROUPED_MIN_MEAN_TOKENS` tokens per expert),
+    /// `off` (the routed GEMVs) or `always` (the grouped GEMM at every batch).
+    #[arg(long, value_delimiter = ',', default_value = "auto")]
     pub grouped: Vec<String>,
+    /// Most tokens of one decoder step (default `pw_decode::DEFAULT_MAX_STEP_TOKENS`).
+    #[arg(long, default_value_t = pw_decode::DEFAULT_MAX_STEP_TOKENS)]
+    pub max_step_tokens: usize,
 }
 
 fn inv_freq(theta: f64, head_dim: usize, rotating_pairs: usize) -> Vec<f32> {
@@ -357,6 +360,7 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
                 .dense_mma(mma)
                 .route_chunk(chunk)
                 .grouped(grouped)
+                .max_step_tokens(a.max_step_tokens)
                 .synthetic(cfg.clone(), first)
                 .context("--route-chunk")?;
             let fused_router = dec.fused_router();
@@ -418,7 +422,8 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
                             "fraction_of_bound": bound / secs, "mean_expert_bits": mean_bits,
                             "bytes_per_step": bytes.total(), "dense_bytes": bytes.dense,
                             "expert_bytes_touched": bytes.experts, "kv_bytes": bytes.kv,
-                            "stream_gbps": gbps, "chunks": b.div_ceil(kernels_cubecl::MAX_TOKENS),
+                            "stream_gbps": gbps, "chunks": b.div_ceil(dec.max_step_tokens()),
+                            "max_step_tokens": dec.max_step_tokens(),
                             "gemv_min_items": dec.gemm_config().gemv_min_items,
                             "gemv_words": dec.gemm_config().gemv_words_per_lane,
                             "warps": dec.gemm_config().warps,

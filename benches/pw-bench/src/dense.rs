@@ -1,6 +1,6 @@
 //! `bench-kernels` section of the dense f16 GEMMs of a decode step (projections, dense MLPs,
 //! LM heads): the matrix-unit kernel against the plain one at 1 to 16 tokens, checked
-//! against the CPU reference first.
+//! against the CPU reference first (up to 93 tokens: several token tiles).
 
 use anyhow::{Result, bail};
 use cubecl::prelude::*;
@@ -145,7 +145,9 @@ pub(crate) fn dense_records<R: Runtime>(
     let mma_ok = dense_mma_supported(client);
     eprintln!("dense GEMM on the matrix units: {}", if mma_ok { "supported" } else { "not supported" });
     if check {
-        for (n, k, t) in [(70usize, 96usize, 1usize), (33, 2048, 3), (100, 4096, 8), (257, 1024, 16)] {
+        for (n, k, t) in
+            [(70usize, 96usize, 1usize), (33, 2048, 3), (100, 4096, 8), (257, 1024, 16), (300, 2048, 93)]
+        {
             let [plain, mma] = check_dense(client, n, k, t)?;
             eprintln!("check {n}x{k} {t} tokens: relative error plain {plain:.1e}, mma {mma:.1e}");
             records.push(json!({"check": "dense_gemm", "n": n, "k": k, "tokens": t,

@@ -11,6 +11,9 @@
 //! (f32 accumulation). Any permutation of the reduction index gives the same sum when A and
 //! B use the same one: MMA `j` of a word reads its columns `j, j + 8, j + 16, j + 24`, which
 //! one shift-and-mask per plane (`(w >> j) & 0x01010101`) turns into four indices at once.
+//! `x` is first rounded to f16 in that order by a launch of its own ([`grouped_x_kernel`]), so
+//! each lane's B fragments are two 16-byte loads per half word: every row tile of an expert
+//! reads the same tokens, and converting them there cost more than the MMAs.
 //! Elsewhere a plain kernel computes the same results with f32 `x` ([`grouped_simt_kernel`]).
 //!
 //! With a gated epilogue the gate_up launch pairs gate row `r` with up row `I + r` in one tile
@@ -22,8 +25,8 @@ use cubecl::prelude::*;
 use half::f16;
 
 use crate::activation::{act_fn, gelu_tanh, silu};
+use crate::dense::mma::W8;
 use crate::device::{bad, need};
-use crate::expert_gemm::bitplane::X4;
 use crate::{Activation, DeviceArray, KernelError};
 
 /// Two halves: one 32-bit register of an f16 MMA fragment.
@@ -227,9 +230,12 @@ pub fn ap_gemm_grouped<R: Runtime>(
     if mma && grouped_mma_supported(client) {
         let tiles = if gate == 0 { g.rows.div_ceil(16) } else { g.rows / 16 };
         let token_groups = (2 * mean_tokens.max(1)).div_ceil(8).clamp(1, GROUPED_MAX_TOKEN_GROUPS);
+        let kp = 32 * g.cols.div_ceil(32);
+        let xp = grouped_x_f16(client, rows, g.cols, g.x_stride, x)?;
         // SAFETY: the groups and slot words come from the routing over slots validated by
         // `expert_slot_words` against the layer's shapes (planes, LUTs inside the pool); the
-        // groups' rows lie inside `rows`, checked against `x` and `y` above.
+        // groups' rows lie inside `rows`, checked against `x` and `y` above; `xp` holds `rows`
+        // rows of `kp / 8` vectors.
         unsafe {
             grouped_mma_kernel::launch_unchecked::<R>(
                 client,
@@ -239,11 +245,10 @@ pub fn ap_gemm_grouped<R: Runtime>(
                 luts.arg(),
                 slots.arg(),
                 groups.arg(),
-                ArrayArg::from_raw_parts(x.handle.clone(), x.len / 4),
+                ArrayArg::from_raw_parts(xp.handle.clone(), rows * kp / 8),
                 y.arg(),
                 g.rows,
                 g.cols,
-                g.x_stride,
                 g.y_stride,
                 slot,
                 gate,
@@ -358,11 +363,90 @@ fn expert_group(groups: &Array<u32>, slots: &Array<u32>, e: usize, #[comptime] s
     }
 }
 
+/// `xp[t, 32w + 4j + i] = f16(x[t, 32w + j + 8i])` (`j < 8`, `i < 4`; zeros past `k`): the
+/// columns of each 32-column word in the order [`grouped_mma_kernel`]'s B fragments read them
+/// (MMA `j` of the word: columns `j, j + 8` then `j + 16, j + 24`), rows of `kp = 32 · ⌈k / 32⌉`
+/// halves. One unit per output element, `rows · kp` of them.
+#[cube(launch_unchecked)]
+pub fn grouped_x_kernel(
+    x: &Array<f32>,
+    xp: &mut Array<f16>,
+    total: u32,
+    #[comptime] k: usize,
+    #[comptime] x_stride: usize,
+) {
+    let i = ABSOLUTE_POS;
+    if i >= total as usize {
+        terminate!();
+    }
+    let kp = comptime![k.div_ceil(32) * 32];
+    let t = i / kp;
+    let p = i % kp;
+    let q = p % 32usize;
+    let col = p - q + q / 4usize + 8usize * (q % 4usize);
+    let mut v = f16::new(0.0);
+    if col < k {
+        v = f16::cast_from(x[t * x_stride + col]);
+    }
+    xp[i] = v;
+}
+
+/// [`grouped_x_kernel`] of `rows` rows of `k` columns of `x` (row stride `x_stride`) into a new
+/// buffer: the B-fragment order the MMA kernel reads.
+///
+/// # Shapes
+/// - `x`: `[rows, x_stride]`; returns `[rows, 32 · ⌈k / 32⌉]` f16
+pub fn grouped_x_f16<R: Runtime>(
+    client: &ComputeClient<R>,
+    rows: usize,
+    k: usize,
+    x_stride: usize,
+    x: &DeviceArray,
+) -> Result<DeviceArray, KernelError> {
+    if x_stride < k {
+        return Err(bad(format!("grouped_x_f16: row stride {x_stride} below {k} columns")));
+    }
+    need("grouped_x_f16 x", x, rows * x_stride)?;
+    let total = rows * 32 * k.div_ceil(32);
+    let xp = DeviceArray::empty::<R, f16>(client, total);
+    if total == 0 {
+        return Ok(xp);
+    }
+    // SAFETY: `x` holds `rows` rows of `x_stride ≥ k` (checked above), `xp` `total` halves.
+    unsafe {
+        grouped_x_kernel::launch_unchecked::<R>(
+            client,
+            CubeCount::Static(total.div_ceil(256) as u32, 1, 1),
+            CubeDim::new_1d(256),
+            x.arg(),
+            xp.arg(),
+            total as u32,
+            k,
+            x_stride,
+        )
+    };
+    Ok(xp)
+}
+
+/// CPU reference of [`grouped_x_kernel`] over `rows` rows.
+pub fn grouped_x_reference(x: &[f32], rows: usize, k: usize, x_stride: usize) -> Vec<f16> {
+    let kp = k.div_ceil(32) * 32;
+    (0..rows * kp)
+        .map(|i| {
+            let (t, p) = (i / kp, i % kp);
+            let q = p % 32;
+            let col = p - q + q / 4 + 8 * (q % 4);
+            if col < k { f16::from_f32(x[t * x_stride + col]) } else { f16::ZERO }
+        })
+        .collect()
+}
+
 /// The MMA kernel (see the module docs). Grid: `(ceil(tiles / MMA_WARPS), experts)` cubes of
 /// `MMA_WARPS` warps; warp `w` of cube `(x, e)` takes tile `x · MMA_WARPS + w` of expert `e`:
 /// rows `16t .. 16t + 16` (`gate = 0`), or gate rows `8t .. 8t + 8` and the matching up rows
 /// (`gate` an [`Activation`] code), and runs the expert's tokens in passes of
-/// `8 · token_groups`. `slot`: the block's first slot word (0 gate_up, 3 down).
+/// `8 · token_groups`. `slot`: the block's first slot word (0 gate_up, 3 down). `x`: the rows
+/// in f16, each word's columns in fragment order ([`grouped_x_kernel`]), as vectors of 8.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub fn grouped_mma_kernel(
@@ -370,11 +454,10 @@ pub fn grouped_mma_kernel(
     luts: &Array<f16>,
     slots: &Array<u32>,
     groups: &Array<u32>,
-    x: &Array<X4>,
+    x: &Array<W8>,
     y: &mut Array<f32>,
     #[comptime] n: usize,
     #[comptime] k: usize,
-    #[comptime] x_stride: usize,
     #[comptime] y_stride: usize,
     #[comptime] slot: usize,
     #[comptime] gate: u32,
@@ -430,13 +513,13 @@ pub fn grouped_mma_kernel(
         for i in 0..comptime![4 * token_groups] {
             acc[i] = Acc::empty().fill(0.0f32);
         }
-        // This lane's token row of each group (`x` in X4 units; past the expert's count it
-        // reads its last row and stores nothing).
+        // This lane's token row of each group (`x` in W8 units, 4 per word; past the expert's
+        // count it reads its last row and stores nothing).
         let mut x_row = Array::<usize>::new(token_groups);
         #[unroll]
         for q in 0..token_groups {
             let tok = min(p0 + 8usize * q + g, count - 1usize);
-            x_row[q] = (first + tok) * comptime![x_stride / 4];
+            x_row[q] = (first + tok) * comptime![4 * k.div_ceil(32)];
         }
         // The step loop specialised for 3 and 4 bits (the planes unrolled exactly), else
         // unrolled over 8 planes with the unused ones skipped.
@@ -477,32 +560,6 @@ pub fn grouped_mma_kernel(
     }
 }
 
-/// Half `half` of word `wc` of the `x` row starting at `row` (X4 units): its X4 vectors
-/// `half + 2h` into `xh[h]`; columns past `k` (a last word of fewer than 32) are zeros.
-#[cube]
-// A comptime switch beside a runtime test stays two branches: CubeCL expands them differently.
-#[allow(clippy::if_same_then_else)]
-fn load_x_half(
-    x: &Array<X4>,
-    xh: &mut Array<X4>,
-    row: usize,
-    wc: usize,
-    #[comptime] half: usize,
-    #[comptime] k: usize,
-) {
-    #[unroll]
-    for h in 0..4usize {
-        let v = comptime![half + 2 * h];
-        if comptime![k.is_multiple_of(32)] {
-            xh[h] = x[row + 8usize * wc + v];
-        } else if 32usize * wc + 4usize * v < k {
-            xh[h] = x[row + 8usize * wc + v];
-        } else {
-            xh[h] = X4::empty().fill(0.0f32);
-        }
-    }
-}
-
 /// Where a warp's rows and LUTs are: plane 0 of rows lo and hi, their LUTs in shared memory,
 /// the lane's word within a step, the committed bits.
 #[derive(CubeType, Clone, Copy)]
@@ -534,7 +591,7 @@ fn plane_on(#[comptime] p: usize, bits: usize, #[comptime] exact: bool) -> bool 
 fn word_steps(
     planes: &Array<u32>,
     lut: &SharedMemory<f16>,
-    x: &Array<X4>,
+    x: &Array<W8>,
     x_row: &Array<usize>,
     acc: &mut Array<Acc>,
     wv: WordView,
@@ -612,11 +669,14 @@ fn word_steps(
             }
             #[unroll]
             for q in 0..token_groups {
-                // Columns half + 4h .. of the word: X4 vectors half, half + 2, half + 4,
-                // half + 6 hold columns j, j + 8, j + 16, j + 24 of MMA j = 4·half + jj
-                // as their component jj.
-                let mut xh = Array::<X4>::new(4usize);
-                load_x_half(x, &mut xh, x_row[q], wc, half, k);
+                // MMA j = 4·half + jj reads the word's columns j, j + 8, j + 16, j + 24:
+                // halves 4j .. 4j + 4 of the word in fragment order, i.e. of vector
+                // 2·half + jj / 2 from element 4·(jj mod 2).
+                let mut xh = Array::<W8>::new(2usize);
+                #[unroll]
+                for h in 0..2usize {
+                    xh[h] = x[x_row[q] + 4usize * wc + comptime![2 * half + h]];
+                }
                 #[unroll]
                 for jj in 0..4usize {
                     let mut a = Array::<H2>::new(4usize);
@@ -624,9 +684,11 @@ fn word_steps(
                     for i in 0..4usize {
                         a[i] = af[4usize * jj + i];
                     }
+                    let v = comptime![jj / 2];
+                    let e = comptime![4 * (jj % 2)];
                     let mut b = Array::<H2>::new(2usize);
-                    b[0] = pair(f16::cast_from(xh[0][jj]), f16::cast_from(xh[1][jj]));
-                    b[1] = pair(f16::cast_from(xh[2][jj]), f16::cast_from(xh[3][jj]));
+                    b[0] = pair(xh[v][e], xh[v][comptime![e + 1]]);
+                    b[1] = pair(xh[v][comptime![e + 2]], xh[v][comptime![e + 3]]);
                     let ai = comptime![4 * q + 2 * (jj % 2)];
                     let mut cq = Array::<Acc>::new(2usize);
                     cq[0] = acc[ai];

@@ -492,6 +492,23 @@ fn check_grouped_routing(
     );
 }
 
+/// The grouped MMA kernel's input: `x` rounded to f16 in B-fragment order, exactly as the
+/// reference orders and rounds it, rows of a wider stride, a last word of 16 columns (zeros
+/// after them) and whole words.
+#[test]
+fn grouped_x_matches_reference() {
+    let client = client();
+    let mut rng = StdRng::seed_from_u64(27);
+    for (rows, k, stride) in [(5usize, 48usize, 52usize), (3, 64, 64)] {
+        let x = rand_vec(&mut rng, rows * stride, 3.0);
+        let xp = grouped_x_f16(&client, rows, k, stride, &DeviceArray::from_slice(&client, &x)).unwrap();
+        let got = half::f16::from_bytes(&client.read_one(xp.handle.clone()).unwrap())[..xp.len].to_vec();
+        assert_eq!(got, grouped_x_reference(&x, rows, k, stride), "{rows} rows of {k} (stride {stride})");
+    }
+    let x = DeviceArray::from_slice(&client, &[0.0f32; 8]);
+    assert!(grouped_x_f16(&client, 2, 8, 4, &x).is_err(), "a stride below the columns");
+}
+
 /// The grouped GEMM against its reference: experts of bit-widths 3..8 in one launch, experts
 /// with no tokens, one token, odd counts and 300 tokens, the gated gate_up epilogue (SiLU and
 /// GELU), the plain gate_up and a down launch reading rows of a wider stride over 48 columns
