@@ -75,12 +75,12 @@ pub fn sass_gemv(a: &SassGemvArgs) -> Result<()> {
             }
         }
     }
-    // The grouped GEMM's launches (gate_up with its activation, down) at one and four token
-    // groups per pass.
+    // The grouped GEMM's launches (gate_up with its activation, down) at one, four and eight
+    // token groups per pass.
     for (model, experts, hidden, inter, gated) in MODELS {
         let (gate_up, down) = GroupedGemm::layer(experts, hidden, inter, gated);
         for (block, g) in [("gate_up", gate_up), ("down", down)] {
-            for groups in [1, 4] {
+            for groups in [1, 4, 8] {
                 let name = format!("grouped_{model}_{block}_g{groups}");
                 let path = a.out.join(format!("{name}.cu"));
                 std::fs::write(&path, grouped_cuda_source(&client, g, groups)?)

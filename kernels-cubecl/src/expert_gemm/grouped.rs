@@ -41,8 +41,15 @@ pub(crate) const MMA_WARPS: usize = 4;
 /// device words the host does not read).
 const LUT_ROW: usize = 256;
 
-/// Most token groups of 8 per pass of the MMA kernel (its accumulators: 8 registers each).
-pub const GROUPED_MAX_TOKEN_GROUPS: usize = 4;
+/// Most token groups of 8 per pass of the MMA kernel (its accumulators: 4 or 8 registers each):
+/// each pass decodes the expert's weights again.
+pub const GROUPED_MAX_TOKEN_GROUPS: usize = 8;
+
+/// Independent accumulator chains per token group of the MMA kernel: two while the groups are
+/// too few to keep the matrix unit's pipeline full, else one (registers).
+const fn chains(token_groups: usize) -> usize {
+    if token_groups < 4 { 2 } else { 1 }
+}
 
 /// Output rows per cube of the plain kernel.
 const SIMT_UNITS: usize = 64;
@@ -507,10 +514,12 @@ pub fn grouped_mma_kernel(
     let l_lo = lbase + g * entries;
     let l_hi = lbase + (g + 8usize) * entries;
     for p0 in range_stepped(0usize, count, comptime![8 * token_groups]) {
-        // Two accumulator pairs per group (even and odd MMAs of a word): two dependency chains.
-        let mut acc = Array::<Acc>::new(comptime![4 * token_groups]);
+        // `chains(token_groups)` accumulator pairs per group (MMA jj of a word into pair
+        // jj mod chains): with few groups, two dependency chains per group.
+        let per_group = comptime![2 * chains(token_groups)];
+        let mut acc = Array::<Acc>::new(comptime![per_group * token_groups]);
         #[unroll]
-        for i in 0..comptime![4 * token_groups] {
+        for i in 0..comptime![per_group * token_groups] {
             acc[i] = Acc::empty().fill(0.0f32);
         }
         // This lane's token row of each group (`x` in W8 units, 4 per word; past the expert's
@@ -531,8 +540,8 @@ pub fn grouped_mma_kernel(
         } else {
             word_steps(planes, &lut, x, &x_row, &mut acc, wv, n, k, token_groups, 8usize, false);
         }
-        // C fragment: acc[4q][i] + acc[4q + 2][i] is (row lo, token 8q + 2c + i),
-        // acc[4q + 1][i] + acc[4q + 3][i] (row hi, …).
+        // C fragment: Σ over chains h of acc[per_group·q + 2h][i] is (row lo, token
+        // 8q + 2c + i), of acc[per_group·q + 2h + 1][i] (row hi, …).
         #[unroll]
         for q in 0..token_groups {
             #[unroll]
@@ -540,8 +549,13 @@ pub fn grouped_mma_kernel(
                 let tok = p0 + 8usize * q + 2usize * c + i;
                 if tok < count {
                     let yb = (first + tok) * y_stride;
-                    let lo = acc[4usize * q][i] + acc[4usize * q + 2usize][i];
-                    let hi = acc[4usize * q + 1usize][i] + acc[4usize * q + 3usize][i];
+                    let mut lo = 0.0f32;
+                    let mut hi = 0.0f32;
+                    #[unroll]
+                    for h in 0..comptime![chains(token_groups)] {
+                        lo += acc[comptime![per_group * q + 2 * h]][i];
+                        hi += acc[comptime![per_group * q + 2 * h + 1]][i];
+                    }
                     if comptime![gate != 0] {
                         if base_lo + g < half_n {
                             y[yb + base_lo + g] = act_fn(lo, gate) * hi;
@@ -689,7 +703,7 @@ fn word_steps(
                     let mut b = Array::<H2>::new(2usize);
                     b[0] = pair(xh[v][e], xh[v][comptime![e + 1]]);
                     b[1] = pair(xh[v][comptime![e + 2]], xh[v][comptime![e + 3]]);
-                    let ai = comptime![4 * q + 2 * (jj % 2)];
+                    let ai = comptime![2 * chains(token_groups) * q + 2 * (jj % chains(token_groups))];
                     let mut cq = Array::<Acc>::new(2usize);
                     cq[0] = acc[ai];
                     cq[1] = acc[ai + 1usize];
