@@ -176,8 +176,9 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
         &self.dec
     }
 
-    /// Runs one step at every token bucket up to `max_batch` so each kernel variant is
-    /// compiled (NVRTC / SPIR-V) before the first requests, which would otherwise wait for it.
+    /// Runs one step at every token bucket up to `max_batch`, then a prompt of a whole step, so
+    /// each kernel variant is compiled (NVRTC / SPIR-V) before the first requests, which would
+    /// otherwise wait for it.
     fn warm_up(&mut self, max_batch: usize) -> Result<(), StepError> {
         let mut b = 1;
         while b <= max_batch.clamp(1, STEP_BATCH) {
@@ -192,6 +193,22 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
             }
             res?;
             b *= 2;
+        }
+        // A prompt of a whole step, where the admission budget holds one: the kernels of
+        // steps past the largest bucket (the routing in a cube of its own, the grouped expert
+        // GEMM) compile here rather than in the first long prompt's time to first token.
+        let room = (self.kv_capacity / self.block_bytes.max(1)) as usize * BLOCK;
+        let max = self.dec.kv_tables().max_tokens();
+        let tokens = self.dec.max_step_tokens().min(room).min(max);
+        if tokens > STEP_BATCH {
+            let seq = u64::MAX;
+            let prompt = vec![0u32; tokens];
+            self.dec.add_sequence(seq).map_err(|e| StepError::failed(e.to_string()))?;
+            let res = self.lease(std::iter::once((seq, tokens))).and_then(|()| {
+                self.dec.prefill(&[(seq, &prompt)]).map_err(|e| StepError::failed(e.to_string()))
+            });
+            let _ = self.dec.free_sequence(seq);
+            res?;
         }
         Ok(())
     }
