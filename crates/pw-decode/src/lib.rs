@@ -13,14 +13,15 @@
 //!   RoPE + K/V append into the paged cache → paged attention → O projection), routing with
 //!   the routed experts (router logits, on-device top-k that writes the grouped kernels'
 //!   descriptors and gathers the normed rows → grouped bit-plane GEMVs for gate_up, with the
-//!   activation in its epilogue, and down → weighted combine), the dense MLP, Gemma-4's
+//!   activation in its epilogue, and down, or the grouped expert GEMM on the matrix units once
+//!   the experts see several tokens each → weighted combine), the dense MLP, Gemma-4's
 //!   epilogues, the final norm and LM head. No RMSNorm is a launch of its own: each is folded
 //!   into the GEMMs or the gather that read its output.
 //!
 //! The host uploads the step's ids, positions and block tables once, and reads back the logits
-//! (or, sampling greedily on the device, only the new ids) once. A new sequence's prompt goes
-//! through the same kernels 16 tokens per step, each attending up to its own position
-//! ([`Decoder::prefill`]). The experts' pages move through `pw_pages::device_mover` (on CUDA
+//! (or, sampling greedily on the device, only the new ids) once. A step takes up to
+//! [`Decoder::max_step_tokens`] tokens (sequences, or a prompt's tokens, each attending up to
+//! its own position: [`Decoder::prefill`]). The experts' pages move through `pw_pages::device_mover` (on CUDA
 //! asynchronous pinned copies: a step never waits for a raising).
 //! The Burn-ops models in `pw-models` stay the reference the tests compare against.
 

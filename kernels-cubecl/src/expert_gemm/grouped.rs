@@ -71,9 +71,9 @@ pub enum GroupedMode {
 }
 
 /// Fewest tokens per active expert, on average, for which [`GroupedMode::Auto`] takes the
-/// grouped GEMM: below it the routed GEMVs, which stream an expert's weights once per few
-/// tokens, are faster than its LUT lookups (one per weight per pass of up to 32 tokens).
-pub const GROUPED_MIN_MEAN_TOKENS: usize = 8;
+/// grouped GEMM: below it the routed GEMVs, which read an expert's weights once per one or two
+/// tokens, beat its LUT lookups and matrix-unit passes (`benches/results/h200-decode-steps.md`).
+pub const GROUPED_MIN_MEAN_TOKENS: usize = 4;
 
 impl GroupedMode {
     /// Whether a step of `rows` gathered rows over `experts` experts takes the grouped GEMM on
