@@ -187,7 +187,7 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
         self.launches = 0;
         let mut out = Vec::with_capacity(batch.len());
         for chunk in batch.chunks(self.max_step) {
-            self.enqueue(chunk)?;
+            self.enqueue(chunk, None)?;
             let all = read_f32(&self.client, &self.s.logits)?;
             out.extend(all.chunks(self.cfg.vocab).take(chunk.len()).map(<[f32]>::to_vec));
         }
@@ -197,8 +197,8 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
     /// Prefills whole prompts: their tokens go through the decode kernels
     /// [`Self::max_step_tokens`] at a time (one step per chunk, each token attending causally to
     /// the positions up to its own), so a prompt of `n` tokens costs `⌈n / max_step_tokens⌉`
-    /// steps instead of `n`. Returns each prompt's next-token logits (after its last token), in
-    /// order.
+    /// steps instead of `n`; only each prompt's last position goes through the LM head. Returns
+    /// each prompt's next-token logits (after its last token), in order.
     pub fn prefill(&mut self, prompts: &[(SeqId, &[u32])]) -> Result<Vec<Vec<f32>>, DecodeError> {
         self.launches = 0;
         // (sequence, token, index of the prompt it ends)
@@ -212,13 +212,15 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
         let mut out = vec![Vec::new(); prompts.len()];
         for chunk in flat.chunks(self.max_step) {
             let batch: Vec<(SeqId, u32)> = chunk.iter().map(|f| (f.0, f.1)).collect();
-            self.enqueue(&batch)?;
-            // Only chunks that end a prompt are read back (and waited for).
-            if chunk.iter().any(|f| f.2.is_some()) {
+            let last: Vec<usize> = (0..chunk.len()).filter(|&row| chunk[row].2.is_some()).collect();
+            self.enqueue(&batch, Some(&last))?;
+            // Only chunks that end a prompt are read back (and waited for): row j of the logits
+            // is the prompt that ends at chunk row `last[j]`.
+            if !last.is_empty() {
                 let all = read_f32(&self.client, &self.s.logits)?;
-                for (row, f) in chunk.iter().enumerate() {
-                    if let Some(i) = f.2 {
-                        out[i] = all[row * self.cfg.vocab..][..self.cfg.vocab].to_vec();
+                for (j, &row) in last.iter().enumerate() {
+                    if let Some(i) = chunk[row].2 {
+                        out[i] = all[j * self.cfg.vocab..][..self.cfg.vocab].to_vec();
                     }
                 }
             }
@@ -240,7 +242,7 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
             if self.ids_out.len() <= i {
                 self.ids_out.push(DeviceArray::empty::<R, u32>(&self.client, self.max_step));
             }
-            self.enqueue(chunk)?;
+            self.enqueue(chunk, None)?;
             argmax(&self.client, chunk.len(), self.cfg.vocab, &self.s.logits, &self.ids_out[i])?;
             self.launches += 1;
         }
@@ -259,8 +261,8 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
     }
 
     /// Enqueues one chunk of at most [`Self::max_step_tokens`] tokens; the logits land in
-    /// `s.logits`.
-    fn enqueue(&mut self, batch: &[(SeqId, u32)]) -> Result<(), DecodeError> {
+    /// `s.logits`, of every token, or with `head_rows` of those rows only (in their order).
+    fn enqueue(&mut self, batch: &[(SeqId, u32)], head_rows: Option<&[usize]>) -> Result<(), DecodeError> {
         let t = batch.len();
         if t == 0 {
             return Ok(());
@@ -288,6 +290,13 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
             pos: DeviceArray::from_slice(c, &positions),
             meta: DeviceArray::from_slice(c, &[t as u32]),
             t,
+            head_rows: head_rows.map(|rows| {
+                // One stand-in index when no row is wanted (the head then runs no launch).
+                let idx: Vec<u32> =
+                    rows.iter().map(|&r| r as u32).chain([0]).take(rows.len().max(1)).collect();
+                let n = rows.len();
+                (DeviceArray::from_slice(c, &idx), DeviceArray::from_slice(c, &[n as u32]), n)
+            }),
             launches: 0,
             _kv: PhantomData,
         };

@@ -18,6 +18,7 @@ use cubecl::prelude::*;
 use kernels_cubecl::{DenseGemm, GroupedMode, MmaMode, RouteBuffers, RowNorm, dense_gemm_normed, embed};
 use kernels_cubecl::{DeviceArray, GemmConfig, KernelError};
 use kernels_cubecl::{GemmaFfnOut, add_rms_norm, gemma_ffn_out, softcap};
+use kernels_cubecl::{dense_gemm, gather_rows_normed};
 use pw_kv::{DevicePools, StepArrays};
 
 use crate::DecodeError;
@@ -134,6 +135,9 @@ pub(crate) struct Fwd<'a, R: Runtime, KV> {
     pub(crate) meta: DeviceArray,
     /// Tokens of the chunk.
     pub(crate) t: usize,
+    /// The rows the LM head computes, when not all: their indices and `[count]` on the device,
+    /// and the count (a prefill needs only each prompt's last position).
+    pub(crate) head_rows: Option<(DeviceArray, DeviceArray, usize)>,
     pub(crate) launches: usize,
     pub(crate) _kv: PhantomData<KV>,
 }
@@ -162,7 +166,9 @@ impl<R: Runtime, KV: Float + CubeElement> Fwd<'_, R, KV> {
         self.launched(embed(c, self.t, self.cfg.hidden, &self.ids, table, &s.embed_scale, &s.h))
     }
 
-    /// `logits = head · final_norm(h)`, soft-capped where the model caps them.
+    /// `logits = head · final_norm(h)`, soft-capped where the model caps them; with
+    /// `head_rows`, only those rows of `h`, gathered through the norm into `o` first, into the
+    /// first rows of `logits`.
     pub(crate) fn final_norm_head(
         &mut self,
         norm: &DeviceArray,
@@ -170,6 +176,18 @@ impl<R: Runtime, KV: Float + CubeElement> Fwd<'_, R, KV> {
     ) -> Result<(), DecodeError> {
         let (c, s, cfg) = (self.c, self.s, self.cfg);
         let g = self.gemm(cfg.vocab, cfg.hidden, false, false);
+        if let Some((idx, meta, n)) = self.head_rows.clone() {
+            if n == 0 {
+                return Ok(());
+            }
+            let h = cfg.hidden;
+            self.launched(gather_rows_normed(c, n, 1, h, &meta, &s.h, self.norm(norm), &idx, &s.o))?;
+            self.launched(dense_gemm(c, g, n, &meta, &s.o, head, &s.none, &s.logits))?;
+            if cfg.softcap > 0.0 {
+                self.launched(softcap(c, n, cfg.vocab, &meta, &s.logits, &s.softcap))?;
+            }
+            return Ok(());
+        }
         self.launched(dense_gemm_normed(
             c,
             g,
