@@ -237,12 +237,11 @@ pub fn ap_gemm_grouped<R: Runtime>(
     if mma && grouped_mma_supported(client) {
         let tiles = if gate == 0 { g.rows.div_ceil(16) } else { g.rows / 16 };
         let token_groups = (2 * mean_tokens.max(1)).div_ceil(8).clamp(1, GROUPED_MAX_TOKEN_GROUPS);
-        let kp = 32 * g.cols.div_ceil(32);
         let xp = grouped_x_f16(client, rows, g.cols, g.x_stride, x)?;
         // SAFETY: the groups and slot words come from the routing over slots validated by
         // `expert_slot_words` against the layer's shapes (planes, LUTs inside the pool); the
         // groups' rows lie inside `rows`, checked against `x` and `y` above; `xp` holds `rows`
-        // rows of `kp / 8` vectors.
+        // rows of `32 · ⌈cols / 32⌉` halves, whole vectors of 8.
         unsafe {
             grouped_mma_kernel::launch_unchecked::<R>(
                 client,
@@ -252,7 +251,7 @@ pub fn ap_gemm_grouped<R: Runtime>(
                 luts.arg(),
                 slots.arg(),
                 groups.arg(),
-                ArrayArg::from_raw_parts(xp.handle.clone(), rows * kp / 8),
+                ArrayArg::from_raw_parts(xp.handle.clone(), xp.len / 8),
                 y.arg(),
                 g.rows,
                 g.cols,

@@ -3,7 +3,7 @@
 
 use cubecl::prelude::*;
 
-use super::route::{launch_route, route_cube};
+use super::route::{check_route, route_cube, route_launch};
 use super::{LogitsLayout, MoeShape, RouteBuffers, RouteCounters};
 use crate::device::{bad, need, row_units};
 use crate::norms::{RowNorm, norm_args, rms_norm_reference};
@@ -278,23 +278,25 @@ pub fn moe_route_gather<R: Runtime>(
     norm: Option<RowNorm<'_>>,
     xg: &DeviceArray,
 ) -> Result<(), KernelError> {
-    if layout.stride < layout.offset + shape.experts {
-        return Err(bad(format!("moe_route_gather: {layout:?} for {} experts", shape.experts)));
-    }
-    need(
-        "moe_route logits",
-        logits,
-        tokens.saturating_sub(1) * layout.stride + layout.offset + shape.experts,
-    )?;
-    let (units, plane) = check_route_gather(client, shape, tokens, slots, out, stats, x, norm, xg)?;
+    let (units, plane) =
+        check_route_gather(client, shape, tokens, (logits, layout), slots, out, stats, x, norm, xg)?;
     if tokens == 0 {
         return Ok(());
     }
     if tokens > MAX_TOKENS {
-        // Every cube of the fused launch routes all the tokens again: past `MAX_TOKENS` the
-        // routing runs once, in a cube of its own, and the gather follows it.
-        launch_route(client, shape, tokens, meta, (logits, layout), slots, out, stats)?;
-        return gather_rows_normed(client, tokens, shape.k, shape.hidden, meta, x, norm, &out.gather, xg);
+        return route_then_gather(
+            client,
+            shape,
+            tokens,
+            meta,
+            (logits, layout),
+            slots,
+            out,
+            stats,
+            x,
+            norm,
+            xg,
+        );
     }
     let (counts, mass, base) = out.counters(stats);
     let (nw, np) = norm_args(norm, x, meta);
@@ -340,13 +342,35 @@ pub fn moe_route_gather<R: Runtime>(
     Ok(())
 }
 
-/// The checks [`moe_route_gather`] and [`moe_route_gather_router`] share; returns the cube's
-/// units and the plane size.
+/// A step of more than `MAX_TOKENS` tokens (arguments checked by [`check_route_gather`]): every
+/// cube of the fused launch would route all the tokens again, so the routing runs once, in a
+/// cube of its own, and the gather follows it.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn route_then_gather<R: Runtime>(
+    client: &ComputeClient<R>,
+    shape: MoeShape,
+    tokens: usize,
+    meta: &DeviceArray,
+    logits: (&DeviceArray, LogitsLayout),
+    slots: &DeviceArray,
+    out: &RouteBuffers,
+    stats: Option<RouteCounters<'_>>,
+    x: &DeviceArray,
+    norm: Option<RowNorm<'_>>,
+    xg: &DeviceArray,
+) -> Result<(), KernelError> {
+    route_launch(client, shape, tokens, meta, logits, slots, out, stats);
+    gather_rows_normed(client, tokens, shape.k, shape.hidden, meta, x, norm, &out.gather, xg)
+}
+
+/// The checks [`moe_route_gather`] and [`moe_route_gather_router`] share (the routing's,
+/// [`check_route`], and the gather's); returns the cube's units and the plane size.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn check_route_gather<R: Runtime>(
     client: &ComputeClient<R>,
     shape: MoeShape,
     tokens: usize,
+    logits: (&DeviceArray, LogitsLayout),
     slots: &DeviceArray,
     out: &RouteBuffers,
     stats: Option<RouteCounters<'_>>,
@@ -354,20 +378,10 @@ pub(crate) fn check_route_gather<R: Runtime>(
     norm: Option<RowNorm<'_>>,
     xg: &DeviceArray,
 ) -> Result<(usize, usize), KernelError> {
-    if shape.experts > 128 || shape.k == 0 || shape.k > shape.experts {
-        return Err(bad(format!("moe_route: unsupported {shape:?} (at most 128 experts, 1 ≤ k ≤ experts)")));
-    }
-    if tokens > out.capacity() {
-        return Err(bad(format!("moe_route: {tokens} tokens, the buffers hold {}", out.capacity())));
-    }
+    check_route(shape, tokens, logits, slots, out, stats)?;
     let width = shape.hidden;
-    need("moe_route slots", slots, shape.experts * 6)?;
     need("gather x", x, tokens * width)?;
     need("gather out", xg, tokens * shape.k * width)?;
-    if let Some(st) = stats {
-        need("moe_route counts", st.counts, st.base + shape.experts)?;
-        need("moe_route mass", st.mass, st.base + shape.experts)?;
-    }
     if let Some(nm) = norm {
         need("gather norm weight", nm.w, width)?;
         need("gather norm params", nm.params, 2)?;

@@ -464,15 +464,29 @@ pub fn moe_route_counted<R: Runtime>(
     launch_route(client, shape, tokens, meta, (logits, layout), slots, out, stats)
 }
 
-/// [`moe_route_counted`] of logits laid out as `layout` (the one-cube routing launch; also the
-/// first of [`super::gather::moe_route_gather`]'s two launches for steps of more than
-/// `MAX_TOKENS` tokens).
+/// [`moe_route_counted`] of logits laid out as `layout`: [`check_route`], then the one-cube
+/// routing launch ([`route_launch`]).
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn launch_route<R: Runtime>(
+fn launch_route<R: Runtime>(
     client: &ComputeClient<R>,
     shape: MoeShape,
     tokens: usize,
     meta: &DeviceArray,
+    logits: (&DeviceArray, LogitsLayout),
+    slots: &DeviceArray,
+    out: &RouteBuffers,
+    stats: Option<RouteCounters<'_>>,
+) -> Result<(), KernelError> {
+    check_route(shape, tokens, logits, slots, out, stats)?;
+    route_launch(client, shape, tokens, meta, logits, slots, out, stats);
+    Ok(())
+}
+
+/// The checks of every routing launch (fused with the gather or not): the shape, the buffers'
+/// capacity, the logits' layout and length, the slot words and the statistics' buffers.
+pub(crate) fn check_route(
+    shape: MoeShape,
+    tokens: usize,
     (logits, layout): (&DeviceArray, LogitsLayout),
     slots: &DeviceArray,
     out: &RouteBuffers,
@@ -497,8 +511,24 @@ pub(crate) fn launch_route<R: Runtime>(
         need("moe_route counts", st.counts, st.base + shape.experts)?;
         need("moe_route mass", st.mass, st.base + shape.experts)?;
     }
+    Ok(())
+}
+
+/// The one-cube routing launch of [`moe_route_kernel`] (arguments checked by [`check_route`]);
+/// nothing at 0 tokens.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn route_launch<R: Runtime>(
+    client: &ComputeClient<R>,
+    shape: MoeShape,
+    tokens: usize,
+    meta: &DeviceArray,
+    (logits, layout): (&DeviceArray, LogitsLayout),
+    slots: &DeviceArray,
+    out: &RouteBuffers,
+    stats: Option<RouteCounters<'_>>,
+) {
     if tokens == 0 {
-        return Ok(());
+        return;
     }
     // A unit per expert and per token, whole planes (the top-k runs a plane per token).
     let (units, plane) = row_units(client, shape.experts.max(MAX_TOKENS), 1);
@@ -536,5 +566,4 @@ pub(crate) fn launch_route<R: Runtime>(
             plane,
         )
     };
-    Ok(())
 }

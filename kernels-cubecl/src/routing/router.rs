@@ -3,7 +3,7 @@
 use cubecl::prelude::*;
 use half::f16;
 
-use super::gather::{check_route_gather, gather_row, moe_route_gather};
+use super::gather::{check_route_gather, gather_row, route_then_gather};
 use super::route::route_cube;
 use super::{LogitsLayout, MoeShape, RouteBuffers, RouteCounters};
 use crate::device::{bad, need, row_units};
@@ -294,7 +294,7 @@ fn router_logits<N: Size>(
 /// [`decode::route_gather_router_kernel`]): the logits `norm(x) · routerᵀ` are computed in each
 /// routing cube (the norm is the gather's), and written to `logits` by one of them. For
 /// routers that pass [`router_fusable`] only. Steps of more than `MAX_TOKENS` tokens run the
-/// router's GEMM, then [`moe_route_gather`].
+/// router's GEMM, then the routing and the gather as [`moe_route_gather`] does.
 ///
 /// # Shapes
 /// - `router`: f16 `[experts, hidden]`; `logits`: `[tokens, experts]`; `slots`: `[experts · 6]`;
@@ -322,8 +322,9 @@ pub fn moe_route_gather_router<R: Runtime>(
         )));
     }
     need("moe_route_gather_router router", router, shape.experts * shape.hidden)?;
-    need("moe_route_gather_router logits", logits, tokens * shape.experts)?;
-    let (units, plane) = check_route_gather(client, shape, tokens, slots, out, stats, x, norm, xg)?;
+    let layout = LogitsLayout { stride: shape.experts, offset: 0 };
+    let (units, plane) =
+        check_route_gather(client, shape, tokens, (logits, layout), slots, out, stats, x, norm, xg)?;
     if tokens == 0 {
         return Ok(());
     }
@@ -332,8 +333,7 @@ pub fn moe_route_gather_router<R: Runtime>(
         // computes them in a GEMM of their own first.
         let g = crate::DenseGemm::new(shape.experts, shape.hidden);
         crate::dense_gemm_normed(client, g, tokens, meta, x, norm, router, logits, logits)?;
-        let layout = LogitsLayout { stride: shape.experts, offset: 0 };
-        return moe_route_gather(
+        return route_then_gather(
             client,
             shape,
             tokens,
