@@ -293,7 +293,7 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
             head_rows: head_rows.map(|rows| {
                 // One stand-in index when no row is wanted (the head then runs no launch).
                 let idx: Vec<u32> =
-                    rows.iter().map(|&r| r as u32).chain([0]).take(rows.len().max(1)).collect();
+                    if rows.is_empty() { vec![0] } else { rows.iter().map(|&r| r as u32).collect() };
                 let n = rows.len();
                 (DeviceArray::from_slice(c, &idx), DeviceArray::from_slice(c, &[n as u32]), n)
             }),
