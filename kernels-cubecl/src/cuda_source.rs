@@ -88,34 +88,66 @@ fn cuda_compile(definition: cubecl::prelude::KernelDefinition, what: &str) -> Re
     Ok(kernel.to_string())
 }
 
-/// CUDA C++ source of [`grouped::grouped_mma_kernel`] for launch `g` with `token_groups`
-/// groups of 8 tokens per pass, as the CUDA runtime would compile it.
+/// CUDA C++ source of the grouped GEMM's matrix-unit kernel `kernel` ([`crate::GroupedKernel::Mma`]:
+/// [`grouped::grouped_mma_kernel`] with `groups` groups of 8 tokens per pass;
+/// [`crate::GroupedKernel::Staged`]: [`grouped::grouped_staged_kernel`] with `groups` per warp)
+/// for launch `g`, as the CUDA runtime would compile it.
 pub fn grouped_cuda_source<R: Runtime>(
     client: &ComputeClient<R>,
     g: crate::GroupedGemm,
-    token_groups: usize,
+    kernel: crate::GroupedKernel,
+    groups: usize,
 ) -> Result<String, KernelError> {
+    let staged = match kernel {
+        crate::GroupedKernel::Mma => false,
+        crate::GroupedKernel::Staged => true,
+        crate::GroupedKernel::Plain => {
+            return Err(crate::device::bad("grouped CUDA source: the plain kernel has no MMA".into()));
+        }
+    };
+    let warps = if staged { grouped::STAGED_WARPS } else { grouped::MMA_WARPS };
     let settings = KernelSettings::default()
-        .cube_dim(CubeDim::new_1d((grouped::MMA_WARPS * 32) as u32))
+        .cube_dim(CubeDim::new_1d((warps * 32) as u32))
         .address_type(AddressType::U32);
     let arr = || ArrayCompilationArg { inplace: None };
     let slot = if g.block == crate::ExpertBlock::GateUp { 0 } else { 3 };
-    let definition = grouped::grouped_mma_kernel::GroupedMmaKernel::<R>::new(
-        settings,
-        client.clone(),
-        arr(),
-        arr(),
-        arr(),
-        arr(),
-        arr(),
-        arr(),
-        g.rows,
-        g.cols,
-        g.y_stride,
-        slot,
-        g.epilogue.code(),
-        token_groups,
-    )
-    .define();
+    let (n, k, ys, gate) = (g.rows, g.cols, g.y_stride, g.epilogue.code());
+    let definition = if staged {
+        grouped::grouped_staged_kernel::GroupedStagedKernel::<R>::new(
+            settings,
+            client.clone(),
+            arr(),
+            arr(),
+            arr(),
+            arr(),
+            arr(),
+            arr(),
+            n,
+            k,
+            ys,
+            slot,
+            gate,
+            groups,
+        )
+        .define()
+    } else {
+        grouped::grouped_mma_kernel::GroupedMmaKernel::<R>::new(
+            settings,
+            client.clone(),
+            arr(),
+            arr(),
+            arr(),
+            arr(),
+            arr(),
+            arr(),
+            n,
+            k,
+            ys,
+            slot,
+            gate,
+            groups,
+        )
+        .define()
+    };
     cuda_compile(definition, "the grouped GEMM")
 }

@@ -72,8 +72,9 @@ pub use expert_gemm::gemv::{
     GEMV_HOST_MAX_TOKENS, GEMV_MAX_TOKENS, GEMV_MIN_ITEMS, GEMV_ROWS, GEMV_WARPS_PER_SM, GemvPlan, gemv_plan,
 };
 pub use expert_gemm::grouped::{
-    ExpertBlock, GROUPED_MAX_TOKEN_GROUPS, GROUPED_MIN_MEAN_TOKENS, GroupedGemm, GroupedMode,
-    ap_gemm_grouped, ap_gemm_grouped_reference, grouped_mma_supported, grouped_x_f16, grouped_x_reference,
+    ExpertBlock, GROUPED_MAX_TOKEN_GROUPS, GROUPED_MIN_MEAN_TOKENS, GROUPED_STAGED_MIN_MEAN_TOKENS,
+    GroupedGemm, GroupedKernel, GroupedMode, ap_gemm_grouped, ap_gemm_grouped_reference,
+    ap_gemm_grouped_with, grouped_mma_supported, grouped_x_f16, grouped_x_reference, grouped_x_row,
     mean_tokens,
 };
 pub use expert_gemm::routed::{GATED_MAX_TOKENS, ap_gemm_routed, ap_gemm_routed_gated};

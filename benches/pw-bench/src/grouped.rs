@@ -7,8 +7,8 @@ use anyhow::Result;
 use cubecl::prelude::*;
 use half::f16;
 use kernels_cubecl::{
-    Activation, DeviceArray, ExpertBlock, GROUPED_MAX_TOKEN_GROUPS, GroupedGemm, PoolImage, ap_gemm_grouped,
-    ap_gemm_grouped_reference, grouped_mma_supported, mean_tokens, read_f32,
+    Activation, DeviceArray, ExpertBlock, GROUPED_MAX_TOKEN_GROUPS, GroupedGemm, GroupedKernel, PoolImage,
+    ap_gemm_grouped_reference, ap_gemm_grouped_with, grouped_mma_supported, mean_tokens, read_f32,
 };
 use serde_json::{Value, json};
 
@@ -27,13 +27,14 @@ const LAYERS: [(&str, usize, usize, usize, usize, Activation); 3] = [
     ("gemma4", 128, 2816, 704, 8, Activation::GeluTanhMul),
 ];
 
-/// Token counts of the checked experts: none, one, odd counts, more than one pass of the MMA
-/// kernel (32 tokens).
-const CHECK_COUNTS: [u32; 8] = [0, 1, 2, 3, 8, 9, 17, 33];
+/// Token counts of the checked experts: none, one, odd counts, more than one pass of either
+/// MMA kernel at its smallest passes, warps of the staged kernel with no tokens.
+const CHECK_COUNTS: [u32; 9] = [0, 1, 2, 3, 8, 9, 17, 33, 70];
 
-/// Output rows of a checked block (the columns are the model's; the reference's cost is rows ×
+/// Output rows of a checked block, seven MMA tiles (the staged kernel's second cube lacks one; the
+/// columns are the model's; the reference's cost is rows ×
 /// columns × tokens).
-const CHECK_ROWS: usize = 128;
+const CHECK_ROWS: usize = 112;
 
 /// The launch of `block` over one layer of `experts` (`hidden`, `inter`, `act`).
 fn launch(block: ExpertBlock, experts: usize, rows: usize, cols: usize, act: Activation) -> GroupedGemm {
@@ -88,19 +89,28 @@ fn check<R: Runtime>(client: &ComputeClient<R>, records: &mut Vec<Value>) -> Res
             let (sd, gd, xd) = (up32(&slots), up32(&gr), DeviceArray::from_slice(client, &x));
             let mut want = vec![0f32; rows * g.y_stride];
             ap_gemm_grouped_reference(g, &pool.planes, &pool.luts, &slots, &gr, &x, &mut want);
-            // Passes of 8 tokens, of the counts' mean and of the most groups.
+            // Each kernel at its smallest passes, at the counts' mean and at its largest.
             let mut err = 0f32;
-            for mean in [1, mean_tokens(rows, experts), 4 * GROUPED_MAX_TOKEN_GROUPS] {
+            let runs: Vec<(GroupedKernel, usize)> = if mma {
+                let mean = mean_tokens(rows, experts);
+                let per_warp = [1, mean, 4 * GROUPED_MAX_TOKEN_GROUPS].map(|m| (GroupedKernel::Mma, m));
+                let staged = [1, mean, 128].map(|m| (GroupedKernel::Staged, m));
+                per_warp.into_iter().chain(staged).collect()
+            } else {
+                vec![(GroupedKernel::Plain, 1)]
+            };
+            for (kernel, mean) in runs {
                 let y = DeviceArray::from_slice(client, &vec![0f32; rows * g.y_stride]);
-                ap_gemm_grouped(client, g, true, &planes, &luts, &sd, &gd, rows, mean, &xd, &y)?;
-                err = err.max(relative_error(&read_f32(client, &y)?, &want));
+                ap_gemm_grouped_with(client, g, kernel, &planes, &luts, &sd, &gd, rows, mean, &xd, &y)?;
+                let e = relative_error(&read_f32(client, &y)?, &want);
+                anyhow::ensure!(
+                    e <= budget,
+                    "grouped GEMM {kernel:?} (passes for {mean} tokens) vs reference: {model} {block:?} {CHECK_ROWS}x{cols}: relative error {e:.2e} > {budget:.0e}"
+                );
+                err = err.max(e);
             }
             eprintln!(
                 "check grouped {model} {block:?} {CHECK_ROWS}x{cols} mma {mma}: relative error {err:.2e}"
-            );
-            anyhow::ensure!(
-                err <= budget,
-                "grouped GEMM vs reference: {model} {block:?} {CHECK_ROWS}x{cols}: relative error {err:.2e} > {budget:.0e}"
             );
             records.push(json!({"kernel": "check", "variant": "grouped", "model": model,
                 "block": format!("{block:?}"), "shape": [CHECK_ROWS, cols], "counts": CHECK_COUNTS,
@@ -182,27 +192,35 @@ pub(crate) fn grouped_records<R: Runtime>(
                 let y = DeviceArray::empty::<R, f32>(client, rows * hidden);
                 let (gu, dn) = GroupedGemm::layer(experts, hidden, inter, act);
                 let mean = mean_tokens(rows, experts);
-                let time = time_batches(client, launches / 4 + 1, |i| {
-                    let s = &slots[i % slots.len()];
-                    ap_gemm_grouped(client, gu, true, &planes, &luts, s, &gd, rows, mean, &x, &a)
-                        .expect("valid launch");
-                    ap_gemm_grouped(client, dn, true, &planes, &luts, s, &gd, rows, mean, &a, &y)
-                        .expect("valid launch");
-                })?;
-                let weights = 3 * hidden * inter;
-                let bytes = active * (weights * bits as usize / 8 + (2 * inter + hidden) * (2usize << bits));
-                let bound = bytes as f64 / (hbm * 1e9);
-                let tflops = 2.0 * (rows * weights) as f64 / time.device / 1e12;
-                eprintln!(
-                    "grouped layer {model} t{t} b{bits}: {:.1} us (bytes bound {:.1} us, {tflops:.1} TFLOP/s)",
-                    time.device * 1e6,
-                    bound * 1e6
-                );
-                records.push(json!({"kernel": "grouped_layer", "model": model, "experts": experts,
-                    "tokens": t, "top_k": top_k, "bits": bits, "active_experts": active, "launches": 2,
-                    "time_us": time.device * 1e6, "wall_us": time.wall * 1e6, "bound_us": bound * 1e6,
-                    "bytes": bytes, "tflops": tflops, "mma": grouped_mma_supported(client),
-                    "hbm_read_gbps": hbm}));
+                let kernels: &[GroupedKernel] = if grouped_mma_supported(client) {
+                    &[GroupedKernel::Mma, GroupedKernel::Staged]
+                } else {
+                    &[GroupedKernel::Plain]
+                };
+                for &kernel in kernels {
+                    let time = time_batches(client, launches / 4 + 1, |i| {
+                        let s = &slots[i % slots.len()];
+                        for (g, x, y) in [(gu, &x, &a), (dn, &a, &y)] {
+                            ap_gemm_grouped_with(client, g, kernel, &planes, &luts, s, &gd, rows, mean, x, y)
+                                .expect("valid launch");
+                        }
+                    })?;
+                    let weights = 3 * hidden * inter;
+                    let bytes =
+                        active * (weights * bits as usize / 8 + (2 * inter + hidden) * (2usize << bits));
+                    let bound = bytes as f64 / (hbm * 1e9);
+                    let tflops = 2.0 * (rows * weights) as f64 / time.device / 1e12;
+                    eprintln!(
+                        "grouped layer {model} {kernel:?} t{t} b{bits}: {:.1} us (bytes bound {:.1} us, {tflops:.1} TFLOP/s)",
+                        time.device * 1e6,
+                        bound * 1e6
+                    );
+                    records.push(json!({"kernel": "grouped_layer", "model": model, "experts": experts,
+                        "tokens": t, "top_k": top_k, "bits": bits, "active_experts": active, "launches": 2,
+                        "time_us": time.device * 1e6, "wall_us": time.wall * 1e6, "bound_us": bound * 1e6,
+                        "bytes": bytes, "tflops": tflops, "grouped_kernel": format!("{kernel:?}"),
+                        "hbm_read_gbps": hbm}));
+                }
             }
         }
     }

@@ -5,6 +5,7 @@
 
 use anyhow::{Context, Result};
 use cubecl::prelude::Runtime;
+use kernels_cubecl::GroupedKernel;
 use kernels_cubecl::cuda_source::{gemv_cuda_source, grouped_cuda_source, h200_gemm_config, h200_hardware};
 use kernels_cubecl::{Activation, GroupedGemm, LUT_SLOTS, MAX_TOKENS, gemv_plan};
 use serde_json::json;
@@ -75,18 +76,22 @@ pub fn sass_gemv(a: &SassGemvArgs) -> Result<()> {
             }
         }
     }
-    // The grouped GEMM's launches (gate_up with its activation, down) at one, four and eight
-    // token groups per pass.
+    // The grouped GEMM's launches (gate_up with its activation, down): the per-warp kernel at
+    // one, four and eight token groups per pass, the staged one at one, two and four per warp.
     for (model, experts, hidden, inter, gated) in MODELS {
         let (gate_up, down) = GroupedGemm::layer(experts, hidden, inter, gated);
         for (block, g) in [("gate_up", gate_up), ("down", down)] {
-            for groups in [1, 4, 8] {
-                let name = format!("grouped_{model}_{block}_g{groups}");
-                let path = a.out.join(format!("{name}.cu"));
-                std::fs::write(&path, grouped_cuda_source(&client, g, groups)?)
-                    .with_context(|| format!("writing {}", path.display()))?;
-                index.push(json!({"name": name, "model": model, "block": block, "token_groups": groups,
-                    "grouped": true}));
+            for (kernel, tag, groups) in
+                [(GroupedKernel::Mma, "g", [1, 4, 8]), (GroupedKernel::Staged, "staged_g", [1, 2, 4])]
+            {
+                for groups in groups {
+                    let name = format!("grouped_{model}_{block}_{tag}{groups}");
+                    let path = a.out.join(format!("{name}.cu"));
+                    std::fs::write(&path, grouped_cuda_source(&client, g, kernel, groups)?)
+                        .with_context(|| format!("writing {}", path.display()))?;
+                    index.push(json!({"name": name, "model": model, "block": block, "token_groups": groups,
+                        "grouped": true, "kernel": format!("{kernel:?}")}));
+                }
             }
         }
     }

@@ -12,8 +12,15 @@
 //! B use the same one: MMA `j` of a word reads its columns `j, j + 8, j + 16, j + 24`, which
 //! one shift-and-mask per plane (`(w >> j) & 0x01010101`) turns into four indices at once.
 //! `x` is first rounded to f16 in that order by a launch of its own ([`grouped_x_kernel`]), so
-//! each lane's B fragments are two 16-byte loads per half word: every row tile of an expert
-//! reads the same tokens, and converting them there cost more than the MMAs.
+//! each lane's B fragments are 16-byte loads that the four lanes of a token read as one
+//! contiguous run: every row tile of an expert reads the same tokens, and converting them there
+//! cost more than the MMAs.
+//!
+//! Two MMA kernels ([`GroupedKernel`]): with few tokens per expert each warp decodes its own
+//! tile for all of its tokens ([`grouped_mma_kernel`]); with many, the LUT lookups of every
+//! warp's decode would repeat per 64 tokens, so each cube's warps decode one tile each per step
+//! into shared memory and all of them multiply every tile with their own slice of the tokens
+//! ([`grouped_staged_kernel`]): a weight is decoded once per 128 tokens of a pass.
 //! Elsewhere a plain kernel computes the same results with f32 `x` ([`grouped_simt_kernel`]).
 //!
 //! With a gated epilogue the gate_up launch pairs gate row `r` with up row `I + r` in one tile
@@ -50,6 +57,17 @@ pub const GROUPED_MAX_TOKEN_GROUPS: usize = 8;
 const fn chains(token_groups: usize) -> usize {
     if token_groups < 4 { 2 } else { 1 }
 }
+
+/// Warps per cube of the staged kernel, and the row tiles of a cube: each warp decodes one
+/// tile per step into shared memory, then multiplies all of them with its slice of the tokens.
+pub(crate) const STAGED_WARPS: usize = 4;
+
+/// Most token groups of 8 per warp of the staged kernel (16 accumulator registers per group).
+const STAGED_MAX_WARP_GROUPS: usize = 4;
+
+/// Fewest tokens per active expert, on average, for which the staged kernel runs instead of
+/// the per-warp one (below it most of its warps would have no tokens).
+pub const GROUPED_STAGED_MIN_MEAN_TOKENS: usize = 32;
 
 /// Output rows per cube of the plain kernel.
 const SIMT_UNITS: usize = 64;
@@ -198,11 +216,37 @@ pub fn grouped_mma_supported<R: Runtime>(client: &ComputeClient<R>) -> bool {
         && props.hardware.plane_size_max == 32
 }
 
+/// The kernel of a grouped launch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GroupedKernel {
+    /// The plain kernel (any device, `x` in f32).
+    Plain,
+    /// Matrix units; each warp decodes its own 16-row tile for its passes of up to
+    /// `8 · GROUPED_MAX_TOKEN_GROUPS` tokens ([`grouped_mma_kernel`]).
+    Mma,
+    /// Matrix units; each tile decoded once per pass into shared memory and multiplied by all
+    /// the cube's warps, each with its slice of the tokens ([`grouped_staged_kernel`]).
+    Staged,
+}
+
+impl GroupedKernel {
+    /// The kernel for experts of `mean_tokens` tokens on average on `client`'s device.
+    pub fn choose<R: Runtime>(client: &ComputeClient<R>, mean_tokens: usize) -> Self {
+        if !grouped_mma_supported(client) {
+            Self::Plain
+        } else if mean_tokens >= GROUPED_STAGED_MIN_MEAN_TOKENS {
+            Self::Staged
+        } else {
+            Self::Mma
+        }
+    }
+}
+
 /// The grouped GEMM: for every expert `e` with `groups[2e + 1]` gathered rows from
 /// `groups[2e]`, `y[row] = epilogue(x[row] · W_eᵀ)` with `W_e` the expert's block at the
 /// bit-width in its slot words. `rows` bounds the gathered rows (`x`, `y`); `mean_tokens` (the
-/// expected tokens per active expert) sizes the MMA kernel's passes. On the matrix units
-/// where the device has them and `mma`, else the plain kernel. Does not synchronise.
+/// expected tokens per active expert) picks the kernel ([`GroupedKernel::choose`]) and sizes
+/// its passes; `mma: false` takes the plain kernel. Does not synchronise.
 ///
 /// # Shapes
 /// - `slots`: `[experts, 6]` ([`crate::expert_slot_words`]); `groups`: `[experts, 2]`
@@ -221,11 +265,37 @@ pub fn ap_gemm_grouped<R: Runtime>(
     x: &DeviceArray,
     y: &DeviceArray,
 ) -> Result<(), KernelError> {
+    let kernel = if mma { GroupedKernel::choose(client, mean_tokens) } else { GroupedKernel::Plain };
+    ap_gemm_grouped_with(client, g, kernel, planes, luts, slots, groups, rows, mean_tokens, x, y)
+}
+
+/// [`ap_gemm_grouped`] on the given kernel (an error where the device has no matrix units for
+/// it).
+///
+/// # Shapes
+/// As [`ap_gemm_grouped`].
+#[allow(clippy::too_many_arguments)]
+pub fn ap_gemm_grouped_with<R: Runtime>(
+    client: &ComputeClient<R>,
+    g: GroupedGemm,
+    kernel: GroupedKernel,
+    planes: &DeviceArray,
+    luts: &DeviceArray,
+    slots: &DeviceArray,
+    groups: &DeviceArray,
+    rows: usize,
+    mean_tokens: usize,
+    x: &DeviceArray,
+    y: &DeviceArray,
+) -> Result<(), KernelError> {
     g.check()?;
     need("grouped gemm slots", slots, 6 * g.experts)?;
     need("grouped gemm groups", groups, 2 * g.experts)?;
     need("grouped gemm x", x, rows * g.x_stride)?;
     need("grouped gemm y", y, rows * g.y_stride)?;
+    if kernel != GroupedKernel::Plain && !grouped_mma_supported(client) {
+        return Err(bad(format!("grouped gemm: {kernel:?} needs f16 mma on planes of 32")));
+    }
     if rows == 0 {
         return Ok(());
     }
@@ -234,54 +304,88 @@ pub fn ap_gemm_grouped<R: Runtime>(
         ExpertBlock::Down => 3,
     };
     let gate = g.epilogue.code();
-    if mma && grouped_mma_supported(client) {
-        let tiles = if gate == 0 { g.rows.div_ceil(16) } else { g.rows / 16 };
-        let token_groups = (2 * mean_tokens.max(1)).div_ceil(8).clamp(1, GROUPED_MAX_TOKEN_GROUPS);
-        let xp = grouped_x_f16(client, rows, g.cols, g.x_stride, x)?;
+    let tiles = if gate == 0 { g.rows.div_ceil(16) } else { g.rows / 16 };
+    let mean = mean_tokens.max(1);
+    let (cubes, warps, passes) = match kernel {
+        GroupedKernel::Plain => (g.out_cols().div_ceil(SIMT_UNITS), 0, 0),
+        GroupedKernel::Mma => {
+            (tiles.div_ceil(MMA_WARPS), MMA_WARPS, (2 * mean).div_ceil(8).clamp(1, GROUPED_MAX_TOKEN_GROUPS))
+        }
+        GroupedKernel::Staged => (
+            tiles.div_ceil(STAGED_WARPS),
+            STAGED_WARPS,
+            mean.div_ceil(8 * STAGED_WARPS).clamp(1, STAGED_MAX_WARP_GROUPS),
+        ),
+    };
+    let count = CubeCount::Static(cubes as u32, g.experts as u32, 1);
+    if kernel == GroupedKernel::Plain {
         // SAFETY: the groups and slot words come from the routing over slots validated by
         // `expert_slot_words` against the layer's shapes (planes, LUTs inside the pool); the
-        // groups' rows lie inside `rows`, checked against `x` and `y` above; `xp` holds `rows`
-        // rows of `32 · ⌈cols / 32⌉` halves, whole vectors of 8.
+        // groups' rows lie inside `rows`, checked against `x` and `y` above.
         unsafe {
-            grouped_mma_kernel::launch_unchecked::<R>(
+            grouped_simt_kernel::launch_unchecked::<R>(
                 client,
-                CubeCount::Static(tiles.div_ceil(MMA_WARPS) as u32, g.experts as u32, 1),
-                CubeDim::new_1d((MMA_WARPS * 32) as u32),
+                count,
+                CubeDim::new_1d(SIMT_UNITS as u32),
                 planes.arg(),
                 luts.arg(),
                 slots.arg(),
                 groups.arg(),
-                ArrayArg::from_raw_parts(xp.handle.clone(), xp.len / 8),
+                x.arg(),
+                y.arg(),
+                g.rows,
+                g.cols,
+                g.x_stride,
+                g.y_stride,
+                slot,
+                gate,
+            )
+        };
+        return Ok(());
+    }
+    let xp = grouped_x_f16(client, rows, g.cols, g.x_stride, x)?;
+    let dim = CubeDim::new_1d((warps * 32) as u32);
+    // SAFETY: as above; `xp` holds `rows` rows of `grouped_x_row(cols)` halves, whole vectors
+    // of 8.
+    unsafe {
+        let xa = ArrayArg::from_raw_parts(xp.handle.clone(), xp.len / 8);
+        if kernel == GroupedKernel::Mma {
+            grouped_mma_kernel::launch_unchecked::<R>(
+                client,
+                count,
+                dim,
+                planes.arg(),
+                luts.arg(),
+                slots.arg(),
+                groups.arg(),
+                xa,
                 y.arg(),
                 g.rows,
                 g.cols,
                 g.y_stride,
                 slot,
                 gate,
-                token_groups,
+                passes,
             )
-        };
-        return Ok(());
-    }
-    // SAFETY: as above.
-    unsafe {
-        grouped_simt_kernel::launch_unchecked::<R>(
-            client,
-            CubeCount::Static(g.out_cols().div_ceil(SIMT_UNITS) as u32, g.experts as u32, 1),
-            CubeDim::new_1d(SIMT_UNITS as u32),
-            planes.arg(),
-            luts.arg(),
-            slots.arg(),
-            groups.arg(),
-            x.arg(),
-            y.arg(),
-            g.rows,
-            g.cols,
-            g.x_stride,
-            g.y_stride,
-            slot,
-            gate,
-        )
+        } else {
+            grouped_staged_kernel::launch_unchecked::<R>(
+                client,
+                count,
+                dim,
+                planes.arg(),
+                luts.arg(),
+                slots.arg(),
+                groups.arg(),
+                xa,
+                y.arg(),
+                g.rows,
+                g.cols,
+                g.y_stride,
+                slot,
+                gate,
+                passes,
+            )
+        }
     };
     Ok(())
 }
@@ -369,10 +473,11 @@ fn expert_group(groups: &Array<u32>, slots: &Array<u32>, e: usize, #[comptime] s
     }
 }
 
-/// `xp[t, 32w + 4j + i] = f16(x[t, 32w + j + 8i])` (`j < 8`, `i < 4`; zeros past `k`): the
-/// columns of each 32-column word in the order [`grouped_mma_kernel`]'s B fragments read them
-/// (MMA `j` of the word: columns `j, j + 8` then `j + 16, j + 24`), rows of `kp = 32 · ⌈k / 32⌉`
-/// halves. One unit per output element, `rows · kp` of them.
+/// `xp[t, 128s + 32(j / 2) + 8c + 4(j mod 2) + i] = f16(x[t, 32(4s + c) + j + 8i])` (`j < 8`,
+/// `c < 4`, `i < 4`; zeros past `k`): the columns of step `s` (plane words `4s .. 4s + 4`) in
+/// the order the MMA kernels' B fragments read them (MMA `j` of word `4s + c`: columns
+/// `j, j + 8` then `j + 16, j + 24`), so that the lanes `c` of a token read one contiguous 64-byte
+/// run per pair of MMAs. Rows of [`grouped_x_row`] halves; one unit per output element.
 #[cube(launch_unchecked)]
 pub fn grouped_x_kernel(
     x: &Array<f32>,
@@ -385,11 +490,13 @@ pub fn grouped_x_kernel(
     if i >= total as usize {
         terminate!();
     }
-    let kp = comptime![k.div_ceil(32) * 32];
+    let kp = comptime![grouped_x_row(k)];
     let t = i / kp;
     let p = i % kp;
-    let q = p % 32usize;
-    let col = p - q + q / 4usize + 8usize * (q % 4usize);
+    let r = p % 128usize;
+    let c = (r % 32usize) / 8usize;
+    let j = 2usize * (r / 32usize) + (r % 8usize) / 4usize;
+    let col = 32usize * (4usize * (p / 128usize) + c) + j + 8usize * (r % 4usize);
     let mut v = f16::new(0.0);
     if col < k {
         v = f16::cast_from(x[t * x_stride + col]);
@@ -397,11 +504,17 @@ pub fn grouped_x_kernel(
     xp[i] = v;
 }
 
+/// Halves per row of [`grouped_x_kernel`]'s output for `k` columns: whole steps of four plane
+/// words.
+pub const fn grouped_x_row(k: usize) -> usize {
+    128 * k.div_ceil(128)
+}
+
 /// [`grouped_x_kernel`] of `rows` rows of `k` columns of `x` (row stride `x_stride`) into a new
 /// buffer: the B-fragment order the MMA kernel reads.
 ///
 /// # Shapes
-/// - `x`: `[rows, x_stride]`; returns `[rows, 32 · ⌈k / 32⌉]` f16
+/// - `x`: `[rows, x_stride]`; returns `[rows, grouped_x_row(k)]` f16
 pub fn grouped_x_f16<R: Runtime>(
     client: &ComputeClient<R>,
     rows: usize,
@@ -413,7 +526,7 @@ pub fn grouped_x_f16<R: Runtime>(
         return Err(bad(format!("grouped_x_f16: row stride {x_stride} below {k} columns")));
     }
     need("grouped_x_f16 x", x, rows * x_stride)?;
-    let total = rows * 32 * k.div_ceil(32);
+    let total = rows * grouped_x_row(k);
     let xp = DeviceArray::empty::<R, f16>(client, total);
     if total == 0 {
         return Ok(xp);
@@ -436,15 +549,108 @@ pub fn grouped_x_f16<R: Runtime>(
 
 /// CPU reference of [`grouped_x_kernel`] over `rows` rows.
 pub fn grouped_x_reference(x: &[f32], rows: usize, k: usize, x_stride: usize) -> Vec<f16> {
-    let kp = k.div_ceil(32) * 32;
+    let kp = grouped_x_row(k);
     (0..rows * kp)
         .map(|i| {
             let (t, p) = (i / kp, i % kp);
-            let q = p % 32;
-            let col = p - q + q / 4 + 8 * (q % 4);
+            let r = p % 128;
+            let (c, j) = ((r % 32) / 8, 2 * (r / 32) + (r % 8) / 4);
+            let col = 32 * (4 * (p / 128) + c) + j + 8 * (r % 4);
             if col < k { f16::from_f32(x[t * x_stride + col]) } else { f16::ZERO }
         })
         .collect()
+}
+
+/// A 16-row MMA tile's rows: `lo` (MMA rows 0..8) and `hi` (rows 8..16) start here. Tile `t`
+/// holds rows `16t .. 16t + 16`, or with a gated epilogue gate rows `8t .. 8t + 8` (lo) and the
+/// matching up rows `n / 2 + 8t ..` (hi).
+#[derive(CubeType, Clone, Copy)]
+struct TileRows {
+    lo: usize,
+    hi: usize,
+}
+
+#[cube]
+fn tile_rows(tile: usize, #[comptime] n: usize, #[comptime] gate: u32) -> TileRows {
+    let mut lo = tile * 16usize;
+    let mut hi = tile * 16usize + 8usize;
+    if comptime![gate != 0] {
+        lo = tile * 8usize;
+        hi = comptime![n / 2] + tile * 8usize;
+    }
+    TileRows { lo, hi }
+}
+
+/// Loads the 16 LUT rows of the tile at `rows` into warp `warp`'s slots of `lut` and returns
+/// where lane `lane` reads: its rows `lo + g`, `hi + g` (`g = lane / 4`; past the end the last
+/// row, whose results are not stored) and word column `lane % 4`. LUT rows sit `2^bits` slots
+/// apart, so the eight rows a lookup instruction reads start on different banks at ≤ 4 bits.
+/// The caller synchronises the cube before the lookups.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn tile_view(
+    luts: &Array<f16>,
+    lut: &mut SharedMemory<f16>,
+    eg: ExpertGroup,
+    rows: TileRows,
+    warp: usize,
+    lane: usize,
+    #[comptime] n: usize,
+    #[comptime] k: usize,
+) -> WordView {
+    let words = comptime![k.div_ceil(32)];
+    let entries = 1usize << eg.bits;
+    let lbase = warp * comptime![16 * LUT_ROW];
+    // Row i < 8: lo row i, else hi row i − 8.
+    for i in range_stepped(lane, 16usize * entries, 32usize) {
+        let ri = i >> eg.bits;
+        let j = i & (entries - 1usize);
+        let mut r = rows.lo + ri;
+        if ri >= 8usize {
+            r = rows.hi + ri - 8usize;
+        }
+        lut[lbase + i] = luts[eg.lut_off + min(r, n - 1usize) * entries + j];
+    }
+    let g = lane / 4usize;
+    let row_lo = min(rows.lo + g, n - 1usize);
+    let row_hi = min(rows.hi + g, n - 1usize);
+    WordView {
+        p_lo: eg.plane_off + row_lo * words,
+        p_hi: eg.plane_off + row_hi * words,
+        l_lo: lbase + g * entries,
+        l_hi: lbase + (g + 8usize) * entries,
+        c: lane % 4usize,
+        bits: eg.bits,
+    }
+}
+
+/// Stores one token's results of MMA rows `g` (`lo`) and `g + 8` (`hi`) of the tile at `rows`
+/// into the output row at `yb`: both rows, or `act(lo) · hi` with a gated epilogue; rows past
+/// the end are not stored.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn store_pair(
+    y: &mut Array<f32>,
+    yb: usize,
+    rows: TileRows,
+    g: usize,
+    lo: f32,
+    hi: f32,
+    #[comptime] n: usize,
+    #[comptime] gate: u32,
+) {
+    if comptime![gate != 0] {
+        if rows.lo + g < comptime![n / 2] {
+            y[yb + rows.lo + g] = act_fn(lo, gate) * hi;
+        }
+    } else {
+        if rows.lo + g < n {
+            y[yb + rows.lo + g] = lo;
+        }
+        if rows.hi + g < n {
+            y[yb + rows.hi + g] = hi;
+        }
+    }
 }
 
 /// The MMA kernel (see the module docs). Grid: `(ceil(tiles / MMA_WARPS), experts)` cubes of
@@ -473,45 +679,17 @@ pub fn grouped_mma_kernel(
     if eg.count == 0usize {
         terminate!();
     }
-    let (first, count, plane_off, lut_off, bits) = (eg.first, eg.count, eg.plane_off, eg.lut_off, eg.bits);
+    let (first, count, bits) = (eg.first, eg.count, eg.bits);
     let unit = UNIT_POS as usize;
     let lane = unit % 32usize;
     let warp = unit / 32usize;
     let g = lane / 4usize;
     let c = lane % 4usize;
     let tile = CUBE_POS_X as usize * comptime![MMA_WARPS] + warp;
-    let half_n = comptime![n / 2];
-    // The tile's rows: `lo` (MMA row g) and `hi` (MMA row g + 8); past the end they read the
-    // last row and store nothing.
-    let mut base_lo = tile * 16usize;
-    let mut base_hi = tile * 16usize + 8usize;
-    if comptime![gate != 0] {
-        base_lo = tile * 8usize;
-        base_hi = half_n + tile * 8usize;
-    }
-    let words = comptime![k.div_ceil(32)];
-    // The tile's 16 LUT rows (row i < 8: lo row i, else hi row i − 8) into this warp's slots,
-    // `2^bits` apart: the eight rows a lookup instruction reads then start on different banks
-    // at ≤ 4 bits (rows 256 slots apart all started on bank 0: four-way conflicts).
+    let rows = tile_rows(tile, n, gate);
     let mut lut = SharedMemory::<f16>::new(comptime![MMA_WARPS * 16 * LUT_ROW]);
-    let entries = 1usize << bits;
-    let lbase = warp * comptime![16 * LUT_ROW];
-    for i in range_stepped(lane, 16usize * entries, 32usize) {
-        let ri = i >> bits;
-        let j = i & (entries - 1usize);
-        let mut r = base_lo + ri;
-        if ri >= 8usize {
-            r = base_hi + ri - 8usize;
-        }
-        lut[lbase + i] = luts[lut_off + min(r, n - 1usize) * entries + j];
-    }
+    let wv = tile_view(luts, &mut lut, eg, rows, warp, lane, n, k);
     sync_cube();
-    let row_lo = min(base_lo + g, n - 1usize);
-    let row_hi = min(base_hi + g, n - 1usize);
-    let p_lo = plane_off + row_lo * words;
-    let p_hi = plane_off + row_hi * words;
-    let l_lo = lbase + g * entries;
-    let l_hi = lbase + (g + 8usize) * entries;
     for p0 in range_stepped(0usize, count, comptime![8 * token_groups]) {
         // `chains(token_groups)` accumulator pairs per group (MMA jj of a word into pair
         // jj mod chains): with few groups, two dependency chains per group.
@@ -527,11 +705,10 @@ pub fn grouped_mma_kernel(
         #[unroll]
         for q in 0..token_groups {
             let tok = min(p0 + 8usize * q + g, count - 1usize);
-            x_row[q] = (first + tok) * comptime![4 * k.div_ceil(32)];
+            x_row[q] = (first + tok) * comptime![grouped_x_row(k) / 8];
         }
         // The step loop specialised for 3 and 4 bits (the planes unrolled exactly), else
         // unrolled over 8 planes with the unused ones skipped.
-        let wv = WordView { p_lo, p_hi, l_lo, l_hi, c, bits };
         if bits == 3usize {
             word_steps(planes, &lut, x, &x_row, &mut acc, wv, n, k, token_groups, 3usize, true);
         } else if bits == 4usize {
@@ -555,18 +732,7 @@ pub fn grouped_mma_kernel(
                         lo += acc[comptime![per_group * q + 2 * h]][i];
                         hi += acc[comptime![per_group * q + 2 * h + 1]][i];
                     }
-                    if comptime![gate != 0] {
-                        if base_lo + g < half_n {
-                            y[yb + base_lo + g] = act_fn(lo, gate) * hi;
-                        }
-                    } else {
-                        if base_lo + g < n {
-                            y[yb + base_lo + g] = lo;
-                        }
-                        if base_hi + g < n {
-                            y[yb + base_hi + g] = hi;
-                        }
-                    }
+                    store_pair(y, yb, rows, g, lo, hi, n, gate);
                 }
             }
         }
@@ -627,68 +793,21 @@ fn word_steps(
         let mut na = Array::<u32>::new(planes_n);
         let mut nb = Array::<u32>::new(planes_n);
         load_words(planes, &mut na, &mut nb, wv, pstride, min(w + 4usize, words - 1usize), planes_n, exact);
-        let wc = min(w, words - 1usize);
         // The word in two halves (MMAs 0..4, then 4..8), so a half's indices, A fragments
         // and `x` are live at once rather than the whole word's (registers: occupancy).
         #[unroll]
         for half in 0..2usize {
-            // Indices of MMA 4·half + jj's columns (4·half + jj) + 8b in byte b of il[jj]
-            // (row lo), ih[jj] (row hi).
-            let mut il = Array::<u32>::new(4usize);
-            let mut ih = Array::<u32>::new(4usize);
-            #[unroll]
-            for jj in 0..4usize {
-                il[jj] = 0u32;
-                ih[jj] = 0u32;
-            }
-            #[unroll]
-            for p in 0..planes_n {
-                if plane_on(p, wv.bits, exact) {
-                    let a = pa[p];
-                    let b = pb[p];
-                    #[unroll]
-                    for jj in 0..4usize {
-                        let sh = comptime![(4 * half + jj) as u32];
-                        il[jj] = (il[jj] << 1u32) | ((a >> sh) & 0x0101_0101u32);
-                        ih[jj] = (ih[jj] << 1u32) | ((b >> sh) & 0x0101_0101u32);
-                    }
-                }
-            }
-            // A fragments: [4jj] row lo, columns j, j + 8; [4jj + 1] row hi, the same;
-            // [4jj + 2], [4jj + 3] columns j + 16, j + 24. A word past the end gives zeros.
             let mut af = Array::<H2>::new(16usize);
-            let zero = f16::new(0.0);
-            #[unroll]
-            for jj in 0..4usize {
-                let lo = il[jj];
-                let hi = ih[jj];
-                let mut v = Array::<f16>::new(8usize);
-                #[unroll]
-                for b in 0..4usize {
-                    let sh = comptime![(8 * b) as u32];
-                    v[b] = lut[wv.l_lo + ((lo >> sh) & 0xFFu32) as usize];
-                    v[4usize + b] = lut[wv.l_hi + ((hi >> sh) & 0xFFu32) as usize];
-                }
-                if w >= words {
-                    #[unroll]
-                    for b in 0..8usize {
-                        v[b] = zero;
-                    }
-                }
-                af[4usize * jj] = pair(v[0], v[1]);
-                af[4usize * jj + 1usize] = pair(v[4], v[5]);
-                af[4usize * jj + 2usize] = pair(v[2], v[3]);
-                af[4usize * jj + 3usize] = pair(v[6], v[7]);
-            }
+            decode_half(lut, &pa, &pb, wv, w, words, &mut af, half, planes_n, exact);
             #[unroll]
             for q in 0..token_groups {
                 // MMA j = 4·half + jj reads the word's columns j, j + 8, j + 16, j + 24:
-                // halves 4j .. 4j + 4 of the word in fragment order, i.e. of vector
-                // 2·half + jj / 2 from element 4·(jj mod 2).
+                // vector (s, 2·half + jj / 2, c) of the row from element 4·(jj mod 2)
+                // ([`grouped_x_kernel`]).
                 let mut xh = Array::<W8>::new(2usize);
                 #[unroll]
                 for h in 0..2usize {
-                    xh[h] = x[x_row[q] + 4usize * wc + comptime![2 * half + h]];
+                    xh[h] = x[x_row[q] + 16usize * s + comptime![4 * (2 * half + h)] + wv.c];
                 }
                 #[unroll]
                 for jj in 0..4usize {
@@ -709,6 +828,302 @@ fn word_steps(
                     def.execute_inplace(&a, &b, &mut cq);
                     acc[ai] = cq[0];
                     acc[ai + 1usize] = cq[1];
+                }
+            }
+        }
+        #[unroll]
+        for p in 0..planes_n {
+            pa[p] = na[p];
+            pb[p] = nb[p];
+        }
+    }
+}
+
+/// The A fragments of MMAs `4·half .. 4·half + 4` of word `w` into `af`, from the lane's plane
+/// words `pa` (row lo) and `pb` (row hi) and the tile's LUTs: `af[4jj]` row lo, columns
+/// `j, j + 8` of MMA `j = 4·half + jj`; `af[4jj + 1]` row hi, the same; `af[4jj + 2]`,
+/// `af[4jj + 3]` columns `j + 16, j + 24`. A word past the end (`w ≥ words`) gives zeros.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn decode_half(
+    lut: &SharedMemory<f16>,
+    pa: &Array<u32>,
+    pb: &Array<u32>,
+    wv: WordView,
+    w: usize,
+    #[comptime] words: usize,
+    af: &mut Array<H2>,
+    #[comptime] half: usize,
+    #[comptime] planes_n: usize,
+    #[comptime] exact: bool,
+) {
+    // Indices of MMA 4·half + jj's columns (4·half + jj) + 8b in byte b of il[jj]
+    // (row lo), ih[jj] (row hi).
+    let mut il = Array::<u32>::new(4usize);
+    let mut ih = Array::<u32>::new(4usize);
+    #[unroll]
+    for jj in 0..4usize {
+        il[jj] = 0u32;
+        ih[jj] = 0u32;
+    }
+    #[unroll]
+    for p in 0..planes_n {
+        if plane_on(p, wv.bits, exact) {
+            let a = pa[p];
+            let b = pb[p];
+            #[unroll]
+            for jj in 0..4usize {
+                let sh = comptime![(4 * half + jj) as u32];
+                il[jj] = (il[jj] << 1u32) | ((a >> sh) & 0x0101_0101u32);
+                ih[jj] = (ih[jj] << 1u32) | ((b >> sh) & 0x0101_0101u32);
+            }
+        }
+    }
+    // A fragments: [4jj] row lo, columns j, j + 8; [4jj + 1] row hi, the same;
+    // [4jj + 2], [4jj + 3] columns j + 16, j + 24. A word past the end gives zeros.
+    let zero = f16::new(0.0);
+    #[unroll]
+    for jj in 0..4usize {
+        let lo = il[jj];
+        let hi = ih[jj];
+        let mut v = Array::<f16>::new(8usize);
+        #[unroll]
+        for b in 0..4usize {
+            let sh = comptime![(8 * b) as u32];
+            v[b] = lut[wv.l_lo + ((lo >> sh) & 0xFFu32) as usize];
+            v[4usize + b] = lut[wv.l_hi + ((hi >> sh) & 0xFFu32) as usize];
+        }
+        if w >= words {
+            #[unroll]
+            for b in 0..8usize {
+                v[b] = zero;
+            }
+        }
+        af[4usize * jj] = pair(v[0], v[1]);
+        af[4usize * jj + 1usize] = pair(v[4], v[5]);
+        af[4usize * jj + 2usize] = pair(v[2], v[3]);
+        af[4usize * jj + 3usize] = pair(v[6], v[7]);
+    }
+}
+
+/// The staged MMA kernel, for experts of many tokens. Grid: `(ceil(tiles / STAGED_WARPS),
+/// experts)` cubes of [`STAGED_WARPS`] warps; cube `(x, e)` holds tiles `STAGED_WARPS · x ..` of
+/// expert `e` (rows as in [`grouped_mma_kernel`]). Per step of four plane words, warp `w`
+/// decodes tile `w`'s A fragments once into shared memory; then every warp multiplies all the
+/// cube's tiles with its own `8 · warp_groups` tokens of the pass (`8 · warp_groups ·
+/// STAGED_WARPS` tokens), so a weight is decoded once per pass rather than once per warp's
+/// tokens. Arguments as in [`grouped_mma_kernel`].
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn grouped_staged_kernel(
+    planes: &Array<u32>,
+    luts: &Array<f16>,
+    slots: &Array<u32>,
+    groups: &Array<u32>,
+    x: &Array<W8>,
+    y: &mut Array<f32>,
+    #[comptime] n: usize,
+    #[comptime] k: usize,
+    #[comptime] y_stride: usize,
+    #[comptime] slot: usize,
+    #[comptime] gate: u32,
+    #[comptime] warp_groups: usize,
+) {
+    let eg = expert_group(groups, slots, CUBE_POS_Y as usize, slot);
+    if eg.count == 0usize {
+        terminate!();
+    }
+    let (first, count, bits) = (eg.first, eg.count, eg.bits);
+    let unit = UNIT_POS as usize;
+    let lane = unit % 32usize;
+    let warp = unit / 32usize;
+    let g = lane / 4usize;
+    let c = lane % 4usize;
+    let tile0 = CUBE_POS_X as usize * comptime![STAGED_WARPS];
+    let mut lut = SharedMemory::<f16>::new(comptime![STAGED_WARPS * 16 * LUT_ROW]);
+    let wv = tile_view(luts, &mut lut, eg, tile_rows(tile0 + warp, n, gate), warp, lane, n, k);
+    sync_cube();
+    // Two steps' A fragments of every tile: [buffer][tile][MMA j][lane], a lane's four
+    // registers as one vector.
+    let mut stage = SharedMemory::<W8>::new(comptime![2 * STAGED_WARPS * 8 * 32]);
+    for p0 in range_stepped(0usize, count, comptime![8 * warp_groups * STAGED_WARPS]) {
+        let t0 = p0 + warp * comptime![8 * warp_groups];
+        // acc[2(rt · warp_groups + q)] (MMA rows lo) and the next (rows hi): tile rt, group q.
+        let mut acc = Array::<Acc>::new(comptime![2 * STAGED_WARPS * warp_groups]);
+        #[unroll]
+        for i in 0..comptime![2 * STAGED_WARPS * warp_groups] {
+            acc[i] = Acc::empty().fill(0.0f32);
+        }
+        let mut x_row = Array::<usize>::new(warp_groups);
+        #[unroll]
+        for q in 0..warp_groups {
+            let tok = min(t0 + 8usize * q + g, count - 1usize);
+            x_row[q] = (first + tok) * comptime![grouped_x_row(k) / 8];
+        }
+        let sv = StageView { warp, lane, active: t0 < count };
+        if bits == 3usize {
+            staged_steps(
+                planes,
+                &lut,
+                &mut stage,
+                x,
+                &x_row,
+                &mut acc,
+                wv,
+                sv,
+                n,
+                k,
+                warp_groups,
+                3usize,
+                true,
+            );
+        } else if bits == 4usize {
+            staged_steps(
+                planes,
+                &lut,
+                &mut stage,
+                x,
+                &x_row,
+                &mut acc,
+                wv,
+                sv,
+                n,
+                k,
+                warp_groups,
+                4usize,
+                true,
+            );
+        } else {
+            staged_steps(
+                planes,
+                &lut,
+                &mut stage,
+                x,
+                &x_row,
+                &mut acc,
+                wv,
+                sv,
+                n,
+                k,
+                warp_groups,
+                8usize,
+                false,
+            );
+        }
+        // The next pass's first step rewrites the buffer the last step read.
+        sync_cube();
+        #[unroll]
+        for rt in 0..comptime![STAGED_WARPS] {
+            let rows = tile_rows(tile0 + rt, n, gate);
+            #[unroll]
+            for q in 0..warp_groups {
+                #[unroll]
+                for i in 0..2usize {
+                    let tok = t0 + 8usize * q + 2usize * c + i;
+                    if tok < count {
+                        let a = comptime![2 * (rt * warp_groups + q)];
+                        let (lo, hi) = (acc[a][i], acc[comptime![a + 1]][i]);
+                        store_pair(y, (first + tok) * y_stride, rows, g, lo, hi, n, gate);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A warp of [`grouped_staged_kernel`]: its index, the lane, and whether the pass has tokens for it.
+#[derive(CubeType, Clone, Copy)]
+struct StageView {
+    warp: usize,
+    lane: usize,
+    active: bool,
+}
+
+/// One pass's steps of [`grouped_staged_kernel`]: per step, this warp's tile decoded into
+/// `stage` (buffer `s mod 2`: one synchronisation per step keeps a buffer from being rewritten
+/// while another warp reads it), then, if the warp has tokens, the MMAs of every tile with its
+/// token groups into `acc`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn staged_steps(
+    planes: &Array<u32>,
+    lut: &SharedMemory<f16>,
+    stage: &mut SharedMemory<W8>,
+    x: &Array<W8>,
+    x_row: &Array<usize>,
+    acc: &mut Array<Acc>,
+    wv: WordView,
+    sv: StageView,
+    #[comptime] n: usize,
+    #[comptime] k: usize,
+    #[comptime] warp_groups: usize,
+    #[comptime] planes_n: usize,
+    #[comptime] exact: bool,
+) {
+    let words = comptime![k.div_ceil(32)];
+    let pstride = comptime![n * k.div_ceil(32)];
+    let steps = comptime![k.div_ceil(32).div_ceil(4)];
+    let def = MmaDefinition::<f16, f16, f32>::new(16usize, 8usize, 16usize);
+    let mut pa = Array::<u32>::new(planes_n);
+    let mut pb = Array::<u32>::new(planes_n);
+    load_words(planes, &mut pa, &mut pb, wv, pstride, min(wv.c, words - 1usize), planes_n, exact);
+    for s in 0..steps {
+        let w = 4usize * s + wv.c;
+        let mut na = Array::<u32>::new(planes_n);
+        let mut nb = Array::<u32>::new(planes_n);
+        load_words(planes, &mut na, &mut nb, wv, pstride, min(w + 4usize, words - 1usize), planes_n, exact);
+        let buf = (s % 2usize) * comptime![STAGED_WARPS * 8 * 32];
+        #[unroll]
+        for half in 0..2usize {
+            let mut af = Array::<H2>::new(16usize);
+            decode_half(lut, &pa, &pb, wv, w, words, &mut af, half, planes_n, exact);
+            #[unroll]
+            for jj in 0..4usize {
+                let mut v = W8::empty();
+                #[unroll]
+                for i in 0..4usize {
+                    v[comptime![2 * i]] = af[4usize * jj + i][0];
+                    v[comptime![2 * i + 1]] = af[4usize * jj + i][1];
+                }
+                stage[buf + (sv.warp * 8usize + comptime![4 * half + jj]) * 32usize + sv.lane] = v;
+            }
+        }
+        sync_cube();
+        if sv.active {
+            #[unroll]
+            for jp in 0..4usize {
+                // MMAs 2jp and 2jp + 1 of the lane's word read vector (s, jp, c) of each token
+                // row ([`grouped_x_kernel`]), from element 0 and 4.
+                let mut xb = Array::<W8>::new(warp_groups);
+                #[unroll]
+                for q in 0..warp_groups {
+                    xb[q] = x[x_row[q] + 16usize * s + comptime![4 * jp] + wv.c];
+                }
+                #[unroll]
+                for jm in 0..2usize {
+                    let e = comptime![4 * jm];
+                    #[unroll]
+                    for rt in 0..comptime![STAGED_WARPS] {
+                        let v = stage[buf + comptime![(rt * 8 + 2 * jp + jm) * 32] + sv.lane];
+                        let mut a = Array::<H2>::new(4usize);
+                        #[unroll]
+                        for i in 0..4usize {
+                            a[i] = pair(v[comptime![2 * i]], v[comptime![2 * i + 1]]);
+                        }
+                        #[unroll]
+                        for q in 0..warp_groups {
+                            let mut b = Array::<H2>::new(2usize);
+                            b[0] = pair(xb[q][e], xb[q][comptime![e + 1]]);
+                            b[1] = pair(xb[q][comptime![e + 2]], xb[q][comptime![e + 3]]);
+                            let ai = comptime![2 * (rt * warp_groups + q)];
+                            let mut cq = Array::<Acc>::new(2usize);
+                            cq[0] = acc[ai];
+                            cq[1] = acc[ai + 1usize];
+                            def.execute_inplace(&a, &b, &mut cq);
+                            acc[ai] = cq[0];
+                            acc[ai + 1usize] = cq[1];
+                        }
+                    }
                 }
             }
         }

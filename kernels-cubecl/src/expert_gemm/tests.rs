@@ -494,12 +494,12 @@ fn check_grouped_routing(
 
 /// The grouped MMA kernel's input: `x` rounded to f16 in B-fragment order, exactly as the
 /// reference orders and rounds it, rows of a wider stride, a last word of 16 columns (zeros
-/// after them) and whole words.
+/// after them), whole words and two steps of four words, the second partial.
 #[test]
 fn grouped_x_matches_reference() {
     let client = client();
     let mut rng = StdRng::seed_from_u64(27);
-    for (rows, k, stride) in [(5usize, 48usize, 52usize), (3, 64, 64)] {
+    for (rows, k, stride) in [(5usize, 48usize, 52usize), (3, 64, 64), (2, 200, 200)] {
         let x = rand_vec(&mut rng, rows * stride, 3.0);
         let xp = grouped_x_f16(&client, rows, k, stride, &DeviceArray::from_slice(&client, &x)).unwrap();
         let got = half::f16::from_bytes(&client.read_one(xp.handle.clone()).unwrap())[..xp.len].to_vec();
