@@ -101,6 +101,10 @@ pub struct BenchDecodeArgs {
     /// Most tokens of one decoder step (default `pw_decode::DEFAULT_MAX_STEP_TOKENS`).
     #[arg(long, default_value_t = pw_decode::DEFAULT_MAX_STEP_TOKENS)]
     pub max_step_tokens: usize,
+    /// Also time the prefill of one prompt of each of these lengths (comma-separated; steps of
+    /// `--max-step-tokens`, the logits of the last position read back), after the batches.
+    #[arg(long, value_delimiter = ',')]
+    pub prompts: Vec<usize>,
 }
 
 fn inv_freq(theta: f64, head_dim: usize, rotating_pairs: usize) -> Vec<f32> {
@@ -256,7 +260,9 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
     let max_batch = a.batches.iter().copied().max().unwrap_or(1);
     let max_ctx = a.ctx.iter().copied().max().unwrap_or(0);
     let block = 16;
-    let max_seq = max_ctx + a.steps + a.warmup + 1;
+    let max_prompt = a.prompts.iter().copied().max().unwrap_or(0);
+    let decode_seq = max_ctx + a.steps + a.warmup + 1;
+    let max_seq = decode_seq.max(max_prompt + 1);
     let bits_list: Vec<(String, BitsFn)> =
         a.bits.iter().map(|b| Ok((b.clone(), bits_fn(b)?))).collect::<Result<_>>()?;
     let acts: Vec<(String, ExpertAct)> = a
@@ -277,7 +283,7 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
         // KV blocks come from the same accountant as the weights: lease the weights first,
         // then as many blocks as the largest batch needs.
         let geometry = cfg.kv_geometry(block, 2, max_seq);
-        let kv_blocks = max_batch * max_seq.div_ceil(block);
+        let kv_blocks = (max_batch * decode_seq.div_ceil(block)).max((max_prompt + 1).div_ceil(block));
         let first = &bits_list.first().context("--bits is empty")?.1;
         let mut base = GemmConfig::for_client(&client);
         base.gemv_min_items = a.gemv_min_items.unwrap_or(base.gemv_min_items);
@@ -442,10 +448,48 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
                         records.push(rec);
                     }
                 }
+                for &n in &a.prompts {
+                    records.push(time_prefill(&mut dec, model, bits_name, n, &mut next_id)?);
+                }
             }
         }
     }
     Ok(records)
+}
+
+/// Times the prefill of one `n`-token prompt (after one untimed run that compiles the kernels of
+/// its step sizes): the mean of two runs, or one from 4096 tokens.
+fn time_prefill<R: Runtime>(
+    dec: &mut Decoder<R, half::f16>,
+    model: &str,
+    bits: &str,
+    n: usize,
+    next_id: &mut u64,
+) -> Result<Value> {
+    let prompt: Vec<u32> = (0..n as u32).map(|i| 1 + i.wrapping_mul(2_654_435_761) % 1000).collect();
+    let runs = if n >= 4096 { 1 } else { 2 };
+    let mut secs = 0.0;
+    for r in 0..=runs {
+        let id = *next_id;
+        *next_id += 1;
+        dec.add_sequence(id)?;
+        let t = Instant::now();
+        let logits = dec.prefill(&[(id, &prompt)])?;
+        if r > 0 {
+            secs += t.elapsed().as_secs_f64();
+        }
+        dec.free_sequence(id)?;
+        anyhow::ensure!(
+            logits[0].iter().all(|v| v.is_finite()),
+            "{model}: prefill of {n} tokens: non-finite logits"
+        );
+    }
+    let ms = secs / runs as f64 * 1e3;
+    let rec = json!({"kind": "prefill", "model": model, "prompt_tokens": n, "bits": bits, "time_ms": ms,
+        "tok_s": n as f64 / ms * 1e3, "max_step_tokens": dec.max_step_tokens(),
+        "steps": n.div_ceil(dec.max_step_tokens())});
+    eprintln!("{rec}");
+    Ok(rec)
 }
 
 struct StepBytes {
