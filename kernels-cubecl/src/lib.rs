@@ -59,6 +59,7 @@ pub use attention::append::{
 pub use attention::decode::{
     AttnSplit, paged_decode_attention, paged_decode_attention_reference, paged_decode_attention_strided,
 };
+pub use attention::prefill::{PREFILL_RUN_ROWS, paged_prefill_attention, prefill_runs};
 pub use attention::{PagedAttnShape, RowLayout};
 pub use bandwidth::{stream_read, stream_read_reference};
 pub use dense::mma::{MMA_MIN_TOKENS, MmaMode, MmaTuning, dense_mma_supported};

@@ -89,7 +89,10 @@ pub(crate) fn check_dense<R: Runtime>(
     let meta = DeviceArray::from_slice(client, &[tokens as u32]);
     let mut worst = [0.0f32; 2];
     let always = MmaMode::Always(MmaTuning::default());
-    for (slot, mma) in [(0usize, MmaMode::Off), (1, always)] {
+    let wide = |wide_groups| MmaMode::Always(MmaTuning { wide_groups, ..MmaTuning::default() });
+    // The matrix units' slot: the worst of the default tiles and of tiles of 3 and 8 fragments
+    // (the same as the default up to 16 tokens).
+    for (slot, mma) in [(0usize, MmaMode::Off), (1, always), (1, wide(3)), (1, wide(8))] {
         for normed in [false, true] {
             let g = DenseGemm { n, k, bias: true, accumulate: true, mma, plain_rows: None };
             let y = up(&y0);
@@ -128,8 +131,9 @@ const TUNINGS: [(&str, usize, bool, bool, usize); 5] = [
     ("u2p", 2, true, true, 16),
 ];
 
-/// Times the dense GEMMs of [`DENSE_SHAPES`] at 1, 2, 4, 8 and 16 tokens on the plain kernel
-/// and on the matrix units (default launch shape; the others of [`TUNINGS`] at 8 tokens),
+/// Times the dense GEMMs of [`DENSE_SHAPES`] at 1 to 1024 tokens (16 with `quick`) on the
+/// plain kernel and on the matrix units (default launch shape; the others of [`TUNINGS`] at 8
+/// tokens, tiles of 4 and 8 fragments past 16 tokens),
 /// weights rotated through `rotate_bytes` of copies, after checking both kernels when
 /// `check`. Records: `kernel` `dense_f16` / `dense_f16_mma`, `effective_gbps` = weight
 /// bytes / time, against `hbm` (GB/s).
@@ -145,9 +149,14 @@ pub(crate) fn dense_records<R: Runtime>(
     let mma_ok = dense_mma_supported(client);
     eprintln!("dense GEMM on the matrix units: {}", if mma_ok { "supported" } else { "not supported" });
     if check {
-        for (n, k, t) in
-            [(70usize, 96usize, 1usize), (33, 2048, 3), (100, 4096, 8), (257, 1024, 16), (300, 2048, 93)]
-        {
+        for (n, k, t) in [
+            (70usize, 96usize, 1usize),
+            (33, 2048, 3),
+            (100, 4096, 8),
+            (257, 1024, 16),
+            (300, 2048, 93),
+            (200, 1024, 301),
+        ] {
             let [plain, mma] = check_dense(client, n, k, t)?;
             eprintln!("check {n}x{k} {t} tokens: relative error plain {plain:.1e}, mma {mma:.1e}");
             records.push(json!({"check": "dense_gemm", "n": n, "k": k, "tokens": t,
@@ -160,7 +169,8 @@ pub(crate) fn dense_records<R: Runtime>(
         let copies = (rotate_bytes / bytes).clamp(2, 64);
         let w: Vec<f16> = (0..n * k).map(|i| f16::from_f32(((i % 13) as f32 - 6.0) * 0.01)).collect();
         let ws: Vec<DeviceArray> = (0..copies).map(|_| DeviceArray::from_slice(client, &w)).collect();
-        for tokens in [1usize, 2, 4, 8, 16] {
+        let token_list: &[usize] = if quick { &[1, 2, 4, 8, 16] } else { &[1, 2, 4, 8, 16, 64, 256, 1024] };
+        for &tokens in token_list {
             let x = DeviceArray::from_slice(client, &vec![0.01f32; tokens * k]);
             let y = DeviceArray::empty::<R, f32>(client, tokens * n);
             let meta = DeviceArray::from_slice(client, &[tokens as u32]);
@@ -175,6 +185,11 @@ pub(crate) fn dense_records<R: Runtime>(
                 if name == TUNINGS[0].0 || tokens == 8 {
                     let t = MmaTuning { unroll, pipeline, x_ahead, warps_per_sm, ..MmaTuning::default() };
                     runs.push((name, MmaMode::Always(t)));
+                }
+            }
+            if tokens > 16 {
+                for (name, wide_groups) in [("wide4", 4), ("wide8", 8)] {
+                    runs.push((name, MmaMode::Always(MmaTuning { wide_groups, ..MmaTuning::default() })));
                 }
             }
             let mut plain = 0.0;

@@ -297,6 +297,7 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
                 let n = rows.len();
                 (DeviceArray::from_slice(c, &idx), DeviceArray::from_slice(c, &[n as u32]), n)
             }),
+            runs: prefill_runs(&seqs, c),
             launches: 0,
             _kv: PhantomData,
         };
@@ -339,4 +340,16 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
         }
         Ok((slots, positions))
     }
+}
+
+/// Fewest rows of one sequence in a step for which its attention runs as a prefill (each
+/// run's cache read once for its queries) rather than one query per row.
+const PREFILL_MIN_RUN: usize = 4;
+
+/// The step's rows in runs of one sequence on the device and their count, when some run has
+/// at least [`PREFILL_MIN_RUN`] rows.
+fn prefill_runs<R: Runtime>(seqs: &[SeqId], c: &ComputeClient<R>) -> Option<(DeviceArray, usize)> {
+    let runs = kernels_cubecl::prefill_runs(seqs);
+    let longest = runs.chunks(2).map(|r| r[1] as usize).max().unwrap_or(0);
+    (longest >= PREFILL_MIN_RUN).then(|| (DeviceArray::from_slice(c, &runs), runs.len() / 2))
 }

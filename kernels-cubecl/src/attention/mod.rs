@@ -1,5 +1,6 @@
-//! Paged KV cache kernels for decoding: append one token's K/V per sequence into its cache
-//! block, and attend one query token per sequence over its blocks.
+//! Paged KV cache kernels: append one token's K/V per row into its cache block, attend one
+//! query token per sequence over its blocks (decoding), or a prompt chunk's query tokens
+//! together over their sequence's blocks ([`prefill`]).
 //!
 //! Pool layout (one K and one V pool per layer): `[slots, kv_heads · head_dim]` with
 //! `slot = block · block_size + offset`, in the cache element type `KV` (f16 on the GPU). A
@@ -18,6 +19,7 @@
 
 pub mod append;
 pub mod decode;
+pub mod prefill;
 #[cfg(test)]
 mod tests;
 

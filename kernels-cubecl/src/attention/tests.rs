@@ -271,3 +271,99 @@ fn rope_append_matches_reference() {
     let err = rope_append::<_, f32>(&client, shape, 1, bad, 16, &a, &a, &a, &a, &a, &a).unwrap_err();
     assert!(err.to_string().contains("rope_append"), "{err}");
 }
+
+/// Prefill attention against the per-row reference: a step of a 37-row prompt chunk at
+/// positions 10..47 (runs cut at 16 rows), a decode row of another sequence and a 20-row
+/// chunk from position 0; GQA groups of 4 and 1, f16 and f32 pools, with and without a window
+/// shorter than a run (rows whose first keys are masked).
+#[test]
+fn paged_prefill_attention_matches_reference() {
+    let client = client();
+    let mut rng = StdRng::seed_from_u64(29);
+    // (sequence, first position, rows)
+    let chunks = [(0usize, 10usize, 37usize), (1, 4, 1), (2, 0, 20)];
+    for (shape, what) in [
+        (PagedAttnShape { block_size: 4, max_blocks: 16, ..shape(8, 2, 16, 0) }, "group 4"),
+        (PagedAttnShape { block_size: 4, max_blocks: 16, ..shape(4, 4, 32, 7) }, "group 1, window 7"),
+    ] {
+        let w = shape.slot_width();
+        let seqs = chunks.len();
+        let pool_blocks = seqs * shape.max_blocks;
+        let mut free: Vec<u32> = (0..pool_blocks as u32).collect();
+        for i in (1..free.len()).rev() {
+            free.swap(i, rng.random_range(0..=i));
+        }
+        let seq_tables: Vec<Vec<u32>> =
+            (0..seqs).map(|_| (0..shape.max_blocks).map(|_| free.pop().unwrap()).collect()).collect();
+        let slots = pool_blocks * shape.block_size;
+        let f16r = |x: f32| half::f16::from_f32(x).to_f32();
+        let kp: Vec<f32> = (0..slots * w).map(|_| f16r(rng.random_range(-1.0f32..1.0))).collect();
+        let vp: Vec<f32> = (0..slots * w).map(|_| f16r(rng.random_range(-1.0f32..1.0))).collect();
+        // The step's rows: each row's table row and length (position + 1).
+        let (mut table, mut lens, mut row_seq) = (Vec::new(), Vec::new(), Vec::new());
+        for &(s, p0, n) in &chunks {
+            for p in p0..p0 + n {
+                table.extend_from_slice(&seq_tables[s]);
+                lens.push(p as u32 + 1);
+                row_seq.push(s);
+            }
+        }
+        let rows = lens.len();
+        let width = shape.n_heads * shape.head_dim;
+        let q_stride = width + 8;
+        let q: Vec<f32> = (0..rows * q_stride).map(|_| rng.random_range(-2.0f32..2.0)).collect();
+        let dense_q: Vec<f32> = (0..rows).flat_map(|r| q[r * q_stride..][..width].to_vec()).collect();
+        let scale = 1.0 / (shape.head_dim as f32).sqrt();
+        let want = paged_decode_attention_reference(shape, scale, &dense_q, &kp, &vp, &table, &lens);
+        let runs = prefill_runs(&row_seq);
+        assert_eq!(runs, vec![0, 16, 16, 16, 32, 5, 37, 1, 38, 16, 54, 4], "runs cut at 16 rows");
+        let up = |v: &[f32]| DeviceArray::from_slice(&client, v);
+        let up32 = |v: &[u32]| DeviceArray::from_slice(&client, v);
+        let out = up(&vec![f32::NAN; rows * width]);
+        let (td, ld, rd) = (up32(&table), up32(&lens), up32(&runs));
+        let args = [up(&q), up(&[scale])];
+        let run = |kd: &DeviceArray, vd: &DeviceArray, f16: bool| {
+            let r = if f16 {
+                paged_prefill_attention::<_, half::f16>(
+                    &client,
+                    shape,
+                    rows,
+                    &rd,
+                    runs.len() / 2,
+                    &args[0],
+                    q_stride,
+                    kd,
+                    vd,
+                    &td,
+                    &ld,
+                    &args[1],
+                    &out,
+                )
+            } else {
+                paged_prefill_attention::<_, f32>(
+                    &client,
+                    shape,
+                    rows,
+                    &rd,
+                    runs.len() / 2,
+                    &args[0],
+                    q_stride,
+                    kd,
+                    vd,
+                    &td,
+                    &ld,
+                    &args[1],
+                    &out,
+                )
+            };
+            r.unwrap();
+            let got = read_f32(&client, &out).unwrap();
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert!((g - w).abs() <= ATTN_TOL, "{what} (f16 {f16}): out[{i}] = {g}, reference {w}");
+            }
+        };
+        let h = |v: &[f32]| v.iter().map(|&x| half::f16::from_f32(x)).collect::<Vec<_>>();
+        run(&DeviceArray::from_slice(&client, &h(&kp)), &DeviceArray::from_slice(&client, &h(&vp)), true);
+        run(&up(&kp), &up(&vp), false);
+    }
+}

@@ -37,7 +37,8 @@ type Acc = Vector<f32, Const<2>>;
 /// Columns per step (4 lanes × 8).
 pub const MMA_STEP_COLS: usize = 32;
 
-/// Tokens of one cube's token tile (two 8-token fragments); more tokens take more tiles.
+/// Tokens of one cube's token tile (two 8-token fragments) in a step of at most this many
+/// tokens; larger steps take tiles of [`MmaTuning::wide_groups`] fragments.
 pub const MMA_TILE_TOKENS: usize = 16;
 
 /// Where a dense GEMM runs. The matrix units need a device with TF32 `mma`
@@ -78,6 +79,10 @@ pub struct MmaTuning {
     pub accumulators: usize,
     /// Load a round's `x` with its weights (else each step's just before its MMAs).
     pub x_ahead: bool,
+    /// Token fragments of 8 per tile in steps of more than [`MMA_TILE_TOKENS`] tokens (1..8):
+    /// each tile reads the weights again (from L2 after the first), so wider tiles read them
+    /// fewer times; from 3 fragments a step's `x` is loaded just before its MMAs (registers).
+    pub wide_groups: usize,
 }
 
 impl Default for MmaTuning {
@@ -90,8 +95,14 @@ impl Default for MmaTuning {
 
 impl MmaTuning {
     /// See [`Default`].
-    pub const DEFAULT: MmaTuning =
-        MmaTuning { unroll: 4, pipeline: false, warps_per_sm: 16, accumulators: 1, x_ahead: true };
+    pub const DEFAULT: MmaTuning = MmaTuning {
+        unroll: 4,
+        pipeline: false,
+        warps_per_sm: 16,
+        accumulators: 1,
+        x_ahead: true,
+        wide_groups: 2,
+    };
 }
 
 /// Whether `client`'s device runs [`dense_mma_kernel`]: TF32 `mma` of 16 × 8 × 8
@@ -145,7 +156,11 @@ pub(crate) fn launch<R: Runtime>(
     }
     let tiles = (MMA_WARPS / splits).max(1);
     let warps = tiles * splits;
-    let groups = tokens.min(MMA_TILE_TOKENS).div_ceil(8);
+    let groups = if tokens > MMA_TILE_TOKENS {
+        t.wide_groups.clamp(1, 8)
+    } else {
+        tokens.min(MMA_TILE_TOKENS).div_ceil(8)
+    };
     let ttiles = tokens.div_ceil(8 * groups);
     let (nw, np) = norm_args(norm, x, meta);
     // SAFETY: the caller checked `x` ≥ tokens · k, `w` = n · k, `y` ≥ tokens · n, the bias and
@@ -172,7 +187,7 @@ pub(crate) fn launch<R: Runtime>(
             t.unroll.max(1),
             t.pipeline,
             t.accumulators.clamp(1, 2),
-            t.x_ahead,
+            t.x_ahead && groups <= 2,
             g.bias,
             g.accumulate,
             norm.is_some(),

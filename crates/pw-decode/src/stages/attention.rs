@@ -1,10 +1,10 @@
 //! The attention block: the fused Q|K|V projection of `input_layernorm(h)` (plus Qwen's
 //! biases) → RoPE and the K/V append into the paged cache (with Gemma-4's per-head norms) →
-//! paged decode attention → the O projection.
+//! paged attention (decode, or prefill over runs of a prompt chunk's rows) → the O projection.
 
 use cubecl::prelude::*;
 use kernels_cubecl::{HeadNorm, head_norm_rope_append};
-use kernels_cubecl::{RowLayout, paged_decode_attention_strided, rope_append};
+use kernels_cubecl::{RowLayout, paged_decode_attention_strided, paged_prefill_attention, rope_append};
 use kernels_cubecl::{dense_gemm, dense_gemm_normed};
 
 use super::Fwd;
@@ -30,20 +30,38 @@ impl<R: Runtime, KV: Float + CubeElement> Fwd<'_, R, KV> {
         let attn_shape = self.kv.geometry().attn_shape(l);
         let qkv_w = cfg.qkv_width(l);
         let step = &self.step;
-        self.launched(paged_decode_attention_strided::<R, KV>(
-            c,
-            attn_shape,
-            self.t,
-            step.max_len,
-            &s.qkv,
-            qkv_w,
-            kp,
-            vp,
-            &step.table,
-            &step.lens,
-            &layer.scale,
-            &s.attn,
-        ))?;
+        let r = match &self.runs {
+            Some((runs, n)) => paged_prefill_attention::<R, KV>(
+                c,
+                attn_shape,
+                self.t,
+                runs,
+                *n,
+                &s.qkv,
+                qkv_w,
+                kp,
+                vp,
+                &step.table,
+                &step.lens,
+                &layer.scale,
+                &s.attn,
+            ),
+            None => paged_decode_attention_strided::<R, KV>(
+                c,
+                attn_shape,
+                self.t,
+                step.max_len,
+                &s.qkv,
+                qkv_w,
+                kp,
+                vp,
+                &step.table,
+                &step.lens,
+                &layer.scale,
+                &s.attn,
+            ),
+        };
+        self.launched(r)?;
         let o = self.gemm(h, nh * hd, false, out == AttnOut::Residual);
         let o_out = if out == AttnOut::Residual { &s.h } else { &s.o };
         self.launched(dense_gemm(c, o, self.t, &self.meta, &s.attn, &layer.wo, &s.none, o_out))

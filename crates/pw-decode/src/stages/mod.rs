@@ -138,6 +138,10 @@ pub(crate) struct Fwd<'a, R: Runtime, KV> {
     /// The rows the LM head computes, when not all: their indices and `[count]` on the device,
     /// and the count (a prefill needs only each prompt's last position).
     pub(crate) head_rows: Option<(DeviceArray, DeviceArray, usize)>,
+    /// In a step with prompt chunks, its rows in runs of one sequence
+    /// ([`kernels_cubecl::prefill_runs`]) and their count: attention then reads each run's
+    /// cache once for all of its queries.
+    pub(crate) runs: Option<(DeviceArray, usize)>,
     pub(crate) launches: usize,
     pub(crate) _kv: PhantomData<KV>,
 }
