@@ -219,11 +219,16 @@ fn fast_model(args: &ServeArgs, dir: &Path, max_context: usize) -> Result<(Box<d
         Some(gb) if !(gb.is_finite() && gb > 0.0) => {
             bail!("--gpu-memory-gb must be a positive number, got {gb}")
         }
-        // The dense weights are not paged: the experts and the KV cache share the rest.
+        // The dense weights and the decoder's step buffers are not paged: the experts and the
+        // KV cache share the rest.
         Some(gb) => {
-            let dense = pw_decode::DecodeConfig::from_model(&config)?.dense_bytes();
-            Some(((gb * 1e9) as u64).checked_sub(dense).with_context(|| {
-                format!("--gpu-memory-gb {gb} is less than the dense weights ({dense} bytes)")
+            let dc = pw_decode::DecodeConfig::from_model(&config)?;
+            let (dense, scratch) = (dc.dense_bytes(), dc.default_scratch_bytes());
+            Some(((gb * 1e9) as u64).checked_sub(dense + scratch).with_context(|| {
+                format!(
+                    "--gpu-memory-gb {gb} is less than the dense weights ({dense} bytes) and the decoder's step \
+                     buffers ({scratch} bytes)"
+                )
             })?)
         }
         None => None,

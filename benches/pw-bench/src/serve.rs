@@ -229,12 +229,16 @@ where
         None => {
             let quarter = (a.max_batch as u64).div_ceil(4) * max_context as u64 * kv_per_token;
             dense
+                + cfg.default_scratch_bytes()
                 + expert_bytes(&cfg, 8)
                 + quarter
                 + (a.kv_threshold_blocks + 1 + a.max_batch as u64) * 16 * kv_per_token
         }
     };
-    let budget = gpu_bytes.checked_sub(dense).context("--gpu-memory-gb is below the dense weights")?;
+    let scratch = cfg.default_scratch_bytes();
+    let budget = gpu_bytes
+        .checked_sub(dense + scratch)
+        .context("--gpu-memory-gb is below the dense weights and the decoder's step buffers")?;
     let memory = MemoryOptions {
         budget_bytes: Some(budget),
         policy: policy.weights,

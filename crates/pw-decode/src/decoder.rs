@@ -146,6 +146,11 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
         self.tuning.dense_mma
     }
 
+    /// Device bytes of the per-step scratch ([`DecodeConfig::scratch_bytes`] of its step size).
+    pub fn scratch_bytes(&self) -> u64 {
+        self.s.bytes()
+    }
+
     /// Most tokens per routed work item (see [`DecoderBuilder::route_chunk`]).
     pub fn route_chunk(&self) -> usize {
         self.s.route.chunk()

@@ -339,6 +339,8 @@ fn check_prompts(
         b.route_chunk(route_chunk).grouped(grouped).max_step_tokens(max_step)
     });
     assert_eq!((dec.route_chunk(), dec.max_step_tokens()), (route_chunk, max_step));
+    // What a memory budget sets aside for the scratch is what the decoder holds.
+    assert_eq!(dec.scratch_bytes(), dec.config().scratch_bytes(max_step, route_chunk), "{}", dir.display());
     for (id, _) in prompts {
         dec.add_sequence(*id).unwrap();
     }

@@ -144,16 +144,13 @@ impl RouteBuffers {
         tokens: usize,
     ) -> Result<Self, KernelError> {
         check_route_chunk(chunk)?;
-        let capacity = tokens.max(1).next_multiple_of(MAX_TOKENS);
-        if capacity * shape.k > ROUTE_MAX_CHOICES {
+        let (capacity, n, table) = Self::sizes(shape, chunk, tokens);
+        if n > ROUTE_MAX_CHOICES {
             return Err(bad(format!(
                 "routing of {tokens} tokens × {} experts each: at most {ROUTE_MAX_CHOICES} choices per launch",
                 shape.k
             )));
         }
-        let n = capacity * shape.k;
-        // Both tables: `experts · chunks` items and the header slot.
-        let table = (shape.experts * (capacity / chunk) + 1) * DESC_WORDS;
         Ok(Self {
             weights: DeviceArray::empty::<R, f32>(client, n),
             gather: DeviceArray::empty::<R, u32>(client, n),
@@ -166,6 +163,36 @@ impl RouteBuffers {
             no_counts: DeviceArray::empty::<R, u32>(client, 1),
             no_mass: DeviceArray::empty::<R, f32>(client, 1),
         })
+    }
+
+    /// Capacity in tokens, choices and words of each descriptor table of buffers for steps of
+    /// `tokens` tokens with items of `chunk` tokens.
+    fn sizes(shape: MoeShape, chunk: usize, tokens: usize) -> (usize, usize, usize) {
+        let capacity = tokens.max(1).next_multiple_of(MAX_TOKENS);
+        let n = capacity * shape.k;
+        // Both tables: `experts · chunks` items and the header slot.
+        (capacity, n, (shape.experts * (capacity / chunk.max(1)) + 1) * DESC_WORDS)
+    }
+
+    /// Device bytes of these buffers.
+    pub fn bytes(&self) -> u64 {
+        let all = [
+            &self.weights,
+            &self.gather,
+            &self.pos,
+            &self.desc_gate_up,
+            &self.desc_down,
+            &self.groups,
+            &self.no_counts,
+            &self.no_mass,
+        ];
+        4 * all.iter().map(|a| a.len as u64).sum::<u64>()
+    }
+
+    /// Device bytes of [`Self::with_capacity`]'s buffers, for memory budgets.
+    pub fn bytes_for(shape: MoeShape, chunk: usize, tokens: usize) -> u64 {
+        let (_, n, table) = Self::sizes(shape, chunk, tokens);
+        4 * (3 * n + 2 * table + 2 * shape.experts + 2) as u64
     }
 
     /// Most tokens per work item: what [`ap_gemm_routed`] and [`ap_gemm_routed_gated`] take

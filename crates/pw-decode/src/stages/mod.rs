@@ -89,24 +89,38 @@ impl Scratch {
         route_chunk: usize,
         tokens: usize,
     ) -> Result<Self, DecodeError> {
-        let (t, h) = (tokens, cfg.hidden);
-        let widest = |f: &dyn Fn(usize) -> usize| (0..cfg.layers).map(f).max().unwrap_or(0).max(1);
         let scratch = |n: usize| DeviceArray::empty::<R, f32>(client, n);
+        let [
+            h,
+            proj,
+            qkv,
+            attn,
+            o,
+            router_logits,
+            xg,
+            gate_up,
+            expert_act,
+            down,
+            mlp_gu,
+            mlp_act,
+            mlp_out,
+            logits,
+        ] = scratch_sizes(cfg, tokens).map(scratch);
         Ok(Self {
-            h: scratch(t * h),
-            proj: scratch(t * widest(&|l| cfg.proj_rows(l))),
-            qkv: scratch(t * widest(&|l| cfg.qkv_width(l))),
-            attn: scratch(t * cfg.heads * widest(&|l| cfg.attn[l].head_dim)),
-            o: scratch(t * h),
-            router_logits: scratch(t * cfg.experts.max(1)),
-            xg: scratch(t * cfg.top_k * h),
-            gate_up: scratch(t * cfg.top_k * 2 * cfg.inter),
-            expert_act: scratch(t * cfg.top_k * 2 * cfg.inter),
-            down: scratch(t * cfg.top_k * h),
-            mlp_gu: scratch(t * widest(&|l| gu_width(cfg, l))),
-            mlp_act: scratch(t * widest(&|l| cfg.mlp_inter(l))),
-            mlp_out: scratch(t * h),
-            logits: scratch(t * cfg.vocab),
+            h,
+            proj,
+            qkv,
+            attn,
+            o,
+            router_logits,
+            xg,
+            gate_up,
+            expert_act,
+            down,
+            mlp_gu,
+            mlp_act,
+            mlp_out,
+            logits,
             route: RouteBuffers::with_capacity(client, cfg.moe_shape(), route_chunk, tokens)?,
             norm_params: DeviceArray::from_slice(client, &[cfg.eps, 0.0]),
             eps: DeviceArray::from_slice(client, &[cfg.eps]),
@@ -115,6 +129,53 @@ impl Scratch {
             none: DeviceArray::from_slice(client, &[0.0f32]),
         })
     }
+}
+
+impl Scratch {
+    /// Device bytes of the step buffers (activations, logits, routing tables), as
+    /// [`DecodeConfig::scratch_bytes`] counts them.
+    pub(crate) fn bytes(&self) -> u64 {
+        let f32s = [
+            &self.h,
+            &self.proj,
+            &self.qkv,
+            &self.attn,
+            &self.o,
+            &self.router_logits,
+            &self.xg,
+            &self.gate_up,
+            &self.expert_act,
+            &self.down,
+            &self.mlp_gu,
+            &self.mlp_act,
+            &self.mlp_out,
+            &self.logits,
+        ];
+        4 * f32s.iter().map(|a| a.len as u64).sum::<u64>() + self.route.bytes()
+    }
+}
+
+/// Elements of the f32 scratch buffers for steps of `t` tokens of a model of `cfg`'s shapes,
+/// in [`Scratch`]'s field order (`h` to `logits`).
+pub(crate) fn scratch_sizes(cfg: &DecodeConfig, t: usize) -> [usize; 14] {
+    let h = cfg.hidden;
+    let widest = |f: &dyn Fn(usize) -> usize| (0..cfg.layers).map(f).max().unwrap_or(0).max(1);
+    [
+        t * h,
+        t * widest(&|l| cfg.proj_rows(l)),
+        t * widest(&|l| cfg.qkv_width(l)),
+        t * cfg.heads * widest(&|l| cfg.attn[l].head_dim),
+        t * h,
+        t * cfg.experts.max(1),
+        t * cfg.top_k * h,
+        t * cfg.top_k * 2 * cfg.inter,
+        t * cfg.top_k * 2 * cfg.inter,
+        t * cfg.top_k * h,
+        t * widest(&|l| gu_width(cfg, l)),
+        t * widest(&|l| cfg.mlp_inter(l)),
+        t * h,
+        t * cfg.vocab,
+    ]
 }
 
 /// One chunk of a step in flight: what every stage reads (the device, the shapes, the
