@@ -88,7 +88,7 @@ fn serve_on_port_zero_prints_its_url_and_answers() {
 fn once_fast_under_a_memory_budget_prints_the_bit_mix() {
     let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/tiny-mixtral");
     let o = Command::new(bin())
-        .args(["serve", "--fast", "--model", model.to_str().unwrap(), "--gpu-memory-gb", "0.035"])
+        .args(["serve", "--fast", "--model", model.to_str().unwrap(), "--gpu-memory-gb", "0.045"])
         .args(["--once", "ROMEO.", "--max-tokens", "6"])
         .output()
         .unwrap();
