@@ -5,23 +5,26 @@ use cubecl::prelude::*;
 use super::{LogitsLayout, MoeShape, RouteBuffers, RouteCounters};
 use crate::device::{bad, need, row_units};
 use crate::plane::{warp_arg_max, warp_max, warp_sum};
-use crate::pool::MAX_TOKENS;
 use crate::{DeviceArray, KernelError};
+
+/// Units of the routing cube of a step of its own (clamped to what the device allows): the
+/// top-k, grouping and work items of a step of hundreds of tokens spread over many planes.
+const ROUTE_UNITS: usize = 1024;
 
 /// Routing and grouping in one cube of `units` units (whole planes of `plane_size`, at least
 /// `experts`):
 /// 1. a plane per token `t < meta[0]`: softmax over `logits[t · lstride + loff ..][..experts]`,
 ///    top-`k` (ties: lower expert
 ///    first), optional renormalisation → `weights[t, j]`;
-/// 2. unit `e`: its tokens in token order get consecutive gathered rows after every lower
-///    expert's; writes `gather[row] = t`, `pos[t, j] = row` and the work items of expert `e`
+/// 2. expert `e` (a plane per expert, in turn): its tokens in token order get consecutive
+///    gathered rows after every lower expert's; writes `gather[row] = t`, `pos[t, j] = row` and the work items of expert `e`
 ///    (gate_up: `[2I, H]`, down: `[H, I]`, from `slots[e] = (gate_up plane_off, lut_off, bits,
 ///    down plane_off, lut_off, bits)`), items of up to `chunk` tokens each, so the grouped
 ///    GEMM runs with no host round trip: the live items packed at the front of each table (in
 ///    expert order), zeros after them, and their count in the header slot that follows the
 ///    table's `experts · chunks` items (see [`super::RouteBuffers`]);
-/// 3. with `stats`, unit `e` also adds its token count to `counts[base + e]` and the sum of
-///    its choices' weights (in choice order) to `mass[base + e]`: the planner's routing
+/// 3. with `stats`, expert `e`'s plane also adds its token count to `counts[base + e]` and the
+///    sum of its choices' weights to `mass[base + e]`: the planner's routing
 ///    statistics at no launch of their own.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
@@ -217,45 +220,63 @@ pub(crate) fn route_cube(
         plane_size,
     );
     sync_cube();
+    // Each expert's choices are counted, then given their rows, by one plane walking the
+    // step's choices a plane's width at a time (planes take experts in turn).
+    let n = tokens * k;
+    let planes = comptime![units / plane_size];
+    let w = u / plane_size;
+    for e in range_stepped(w, experts, planes) {
+        let mut count = 0u32;
+        for i0 in range_stepped(0, n, plane_size) {
+            count += plane_broadcast(
+                plane_inclusive_sum(choice_hit(&sel, i0 + lane, n, e)),
+                comptime![plane_size as u32 - 1],
+            );
+        }
+        if lane == 0 {
+            csh[e] = count;
+        }
+    }
+    sync_cube();
     if u < experts {
         let mut before = 0u32;
-        let mut count = 0u32;
-        for i in 0..tokens * k {
-            let s = sel[i] as usize;
-            if s < u {
-                before += 1u32;
-            }
-            if s == u {
-                count += 1u32;
-            }
+        for e in 0..u {
+            before += csh[e];
         }
-        let mut row = before;
+        esh[u] = before;
+        if write {
+            groups[2usize * u] = before;
+            groups[2usize * u + 1usize] = csh[u];
+        }
+    }
+    sync_cube();
+    for e in range_stepped(w, experts, planes) {
+        let mut row = esh[e];
         let mut m = 0.0f32;
-        for i in 0..tokens * k {
-            if sel[i] as usize == u {
-                if row as usize == wanted {
+        for i0 in range_stepped(0, n, plane_size) {
+            let i = i0 + lane;
+            let hit = choice_hit(&sel, i, n, e);
+            let incl = plane_inclusive_sum(hit);
+            if hit == 1u32 {
+                let r = row + incl - 1u32;
+                if r as usize == wanted {
                     src[0] = (i / k) as u32;
                 }
                 if write {
-                    gather[row as usize] = (i / k) as u32;
-                    pos[i] = row;
+                    gather[r as usize] = (i / k) as u32;
+                    pos[i] = r;
                 }
-                row += 1u32;
                 m += wsh[i];
             }
+            row += plane_broadcast(incl, comptime![plane_size as u32 - 1]);
         }
+        m = warp_sum(m, plane_size);
         if comptime![stats] {
-            if write {
-                counts[base as usize + u] += count;
-                mass[base as usize + u] += m;
+            if write && lane == 0 {
+                counts[base as usize + e] += csh[e];
+                mass[base as usize + e] += m;
             }
         }
-        if write {
-            groups[2usize * u] = before;
-            groups[2usize * u + 1usize] = count;
-        }
-        esh[u] = before;
-        csh[u] = count;
     }
     sync_cube();
     // Items of at most `chunk` tokens each, so the grouped GEMM's token bucket (and its
@@ -351,6 +372,16 @@ fn select_experts(
             }
         }
     }
+}
+
+/// 1 when choice `i < n` picked expert `e`, else 0.
+#[cube]
+fn choice_hit(sel: &SharedMemory<u32>, i: usize, n: usize, e: usize) -> u32 {
+    let mut hit = 0u32;
+    if i < n {
+        hit = select(sel[i] as usize == e, 1u32, 0u32);
+    }
+    hit
 }
 
 /// The work items (see [`moe_route_kernel`]) of every expert `e` (its rows from `esh[e]`,
@@ -530,8 +561,9 @@ pub(crate) fn route_launch<R: Runtime>(
     if tokens == 0 {
         return;
     }
-    // A unit per expert and per token, whole planes (the top-k runs a plane per token).
-    let (units, plane) = row_units(client, shape.experts.max(MAX_TOKENS), 1);
+    // As many planes as the device allows: the top-k runs a plane per token, the grouping a
+    // plane per expert, the work items a unit per word.
+    let (units, plane) = row_units(client, ROUTE_UNITS.max(shape.experts), 1);
     let (counts, mass, base) = out.counters(stats);
     // SAFETY: sizes checked above; outputs were sized for `capacity` tokens by RouteBuffers.
     unsafe {
