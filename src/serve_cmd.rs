@@ -49,11 +49,12 @@ pub struct ServeArgs {
     /// (default: every batch slot at the full context).
     #[arg(long)]
     pub kv_budget_bytes: Option<u64>,
-    /// Most sequences decoded together.
-    #[arg(long, default_value_t = 16)]
-    pub max_batch: usize,
+    /// Most sequences decoded together (default: 256 on the fast path under a memory budget,
+    /// which bounds the KV cache; 16 elsewhere, where the cache is sized as max batch × context).
+    #[arg(long)]
+    pub max_batch: Option<usize>,
     /// Tokens through the model per step, decodes and prompt chunks together (default: 2048,
-    /// at least --max-batch): longer prompts are prefilled in chunks across steps.
+    /// at least the max batch): longer prompts are prefilled in chunks across steps.
     #[arg(long)]
     pub max_step_tokens: Option<usize>,
     /// KV admission: `preempt` reserves what each sequence holds and preempts (then resumes by
@@ -76,18 +77,25 @@ pub struct ServeArgs {
     /// With --once: most tokens to generate.
     #[arg(long, default_value_t = 64)]
     pub max_tokens: usize,
-    /// Serve through the fast decode path (fused CubeCL kernels over the paged KV cache and
-    /// any-precision experts; Mixtral architecture): CUDA with `--device cuda` (or `auto` in a
-    /// CUDA build with a GPU), wgpu otherwise.
-    #[arg(long)]
+    /// Serve through the fast decode path (fused CubeCL kernels over the paged KV cache and the
+    /// paged any-precision experts) even where it is not the default: CUDA with `--device cuda`
+    /// (or `auto` in a CUDA build with a GPU), wgpu otherwise. The default wherever CUDA or a
+    /// hardware wgpu adapter answers.
+    #[arg(long, conflicts_with = "reference")]
     pub fast: bool,
+    /// Serve through the Burn reference model (one forward per sequence) instead of the fast
+    /// path; the default where no GPU answers.
+    #[arg(long)]
+    pub reference: bool,
     /// With --fast: the bit-width (3..8) every expert starts at (the highest that fits
     /// --gpu-memory-gb if lower).
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u8).range(3..=8))]
     pub bits: u8,
     /// With --fast: device memory in GB (1e9 bytes) for the weights and the KV cache together.
     /// The experts and the KV blocks lease from one budget (this less the dense weights); the
-    /// planner lowers expert pages as the cache grows and raises them when it shrinks.
+    /// planner lowers expert pages as the cache grows and raises them when it shrinks. Default
+    /// on CUDA: 90 % of the GPU's memory, at most what is free when the server starts; on wgpu,
+    /// none (the cache is sized as max batch × context).
     #[arg(long)]
     pub gpu_memory_gb: Option<f64>,
     /// Planner options (with --fast --gpu-memory-gb).
@@ -177,23 +185,115 @@ impl PlannerArgs {
 /// Context length when neither --max-context nor config.json gives one.
 const FALLBACK_CONTEXT: usize = 4096;
 
+/// Share of a CUDA device's memory the fast path takes when --gpu-memory-gb is not given (what
+/// vLLM's `gpu_memory_utilization` defaults to): the rest is left to the CUDA context and other
+/// processes.
+const DEVICE_MEMORY_SHARE: f64 = 0.9;
+
+/// Max batch where a memory budget bounds the KV cache (vLLM's `max_num_seqs` default): the
+/// scheduler admits while the budget has room, up to this many sequences.
+const BUDGETED_MAX_BATCH: usize = 256;
+
+/// Max batch where the KV cache is sized as max batch × context (no budget).
+const UNBUDGETED_MAX_BATCH: usize = 16;
+
+/// The memory budget in bytes for weights + KV: `--gpu-memory-gb` when given, else (with the
+/// device's free and total bytes) `DEVICE_MEMORY_SHARE` of the total, at most what is free.
+fn memory_budget_bytes(gpu_memory_gb: Option<f64>, device: Option<(u64, u64)>) -> Result<Option<u64>> {
+    match (gpu_memory_gb, device) {
+        (Some(gb), _) if !(gb.is_finite() && gb > 0.0) => {
+            bail!("--gpu-memory-gb must be a positive number, got {gb}")
+        }
+        (Some(gb), _) => Ok(Some((gb * 1e9) as u64)),
+        (None, Some((free, total))) => Ok(Some(((total as f64 * DEVICE_MEMORY_SHARE) as u64).min(free))),
+        (None, None) => Ok(None),
+    }
+}
+
+/// `--max-batch`, or its default for a run with (or without) a memory budget.
+fn resolve_max_batch(arg: Option<usize>, budgeted: bool) -> usize {
+    arg.unwrap_or(if budgeted { BUDGETED_MAX_BATCH } else { UNBUDGETED_MAX_BATCH })
+}
+
 /// Runs the command.
 pub fn serve_command(args: &ServeArgs) -> Result<()> {
-    if args.fast {
+    let supported = pw_hf::ModelConfig::from_dir(&args.model)
+        .map_err(|e| e.to_string())
+        .and_then(|c| pw_decode::DecodeConfig::from_model(&c).map(|_| ()).map_err(|e| e.to_string()));
+    let fast = match choose_path(args, supported, cuda_answers, hardware_wgpu) {
+        Ok(fast) => fast,
+        Err(why) => {
+            eprintln!("serving through the Burn reference model: {why}");
+            false
+        }
+    };
+    if fast {
         // The fast path runs its own CubeCL kernels; the Burn backend type is unused.
-        return run::<burn_ndarray::NdArray<f32>>(args, &Default::default(), "cpu");
+        return run::<burn_ndarray::NdArray<f32>>(args, &Default::default(), "cpu", true);
     }
     match resolve(args.device) {
         ServeDevice::Auto | ServeDevice::Cpu => {
-            run::<burn_ndarray::NdArray<f32>>(args, &Default::default(), "cpu")
+            run::<burn_ndarray::NdArray<f32>>(args, &Default::default(), "cpu", false)
         }
         #[cfg(feature = "wgpu")]
-        ServeDevice::Wgpu => run::<burn_wgpu::Wgpu>(args, &burn_wgpu::WgpuDevice::default(), "wgpu"),
+        ServeDevice::Wgpu => run::<burn_wgpu::Wgpu>(args, &burn_wgpu::WgpuDevice::default(), "wgpu", false),
         #[cfg(feature = "cuda")]
-        ServeDevice::Cuda => run::<burn_cuda::Cuda>(args, &burn_cuda::CudaDevice::default(), "cuda"),
+        ServeDevice::Cuda => run::<burn_cuda::Cuda>(args, &burn_cuda::CudaDevice::default(), "cuda", false),
         #[allow(unreachable_patterns)]
         other => bail!("this binary was built without the `{other:?}` backend (enable the cargo feature)"),
     }
+}
+
+/// Whether the fast path serves (`Ok(true)`), the reference model by request (`Ok(false)`), or
+/// the reference model because the fast path cannot (`Err` with the reason): `--fast` and
+/// `--reference` decide; `--device cpu` is the reference model; otherwise the fast path wherever
+/// the decoder supports the model (`supported`) and, for `--device auto`, CUDA or a hardware
+/// wgpu adapter answers.
+fn choose_path(
+    args: &ServeArgs,
+    supported: Result<(), String>,
+    cuda: impl Fn() -> bool,
+    wgpu_gpu: impl Fn() -> bool,
+) -> Result<bool, String> {
+    if args.fast {
+        return Ok(true);
+    }
+    if args.reference || args.device == ServeDevice::Cpu {
+        return Ok(false);
+    }
+    supported.map_err(|e| format!("the fast path does not serve this model ({e})"))?;
+    match args.device {
+        ServeDevice::Auto if !(cuda() || wgpu_gpu()) => Err(
+            "no CUDA device or hardware wgpu adapter answers (`--fast --device wgpu` runs the fast path on \
+             software Vulkan)"
+                .into(),
+        ),
+        _ => Ok(true),
+    }
+}
+
+/// Whether a CUDA device answers.
+#[cfg(feature = "cuda")]
+fn cuda_answers() -> bool {
+    cuda_works()
+}
+
+/// A build without CUDA has no CUDA device.
+#[cfg(not(feature = "cuda"))]
+fn cuda_answers() -> bool {
+    false
+}
+
+/// Whether wgpu finds a hardware GPU adapter (Vulkan, Metal, DX12); a software one such as Mesa's
+/// lavapipe does not count.
+fn hardware_wgpu() -> bool {
+    let instance = wgpu::Instance::new(wgpu::InstanceDescriptor {
+        backends: wgpu::Backends::all(),
+        ..wgpu::InstanceDescriptor::new_without_display_handle()
+    });
+    cubecl::future::block_on(instance.enumerate_adapters(wgpu::Backends::all())).iter().any(|a| {
+        matches!(a.get_info().device_type, wgpu::DeviceType::DiscreteGpu | wgpu::DeviceType::IntegratedGpu)
+    })
 }
 
 /// The device `auto` stands for.
@@ -208,26 +308,42 @@ fn resolve(kind: ServeDevice) -> ServeDevice {
     if cfg!(feature = "wgpu") { ServeDevice::Wgpu } else { ServeDevice::Cpu }
 }
 
-/// The fast-path model on CUDA or wgpu and the KV bytes the engine may reserve.
-fn fast_model(args: &ServeArgs, dir: &Path, max_context: usize) -> Result<(Box<dyn StepModel>, String, u64)> {
+/// The fast-path model on CUDA or wgpu, the KV bytes the engine may reserve and the max batch.
+fn fast_model(
+    args: &ServeArgs,
+    dir: &Path,
+    max_context: usize,
+) -> Result<(Box<dyn StepModel>, String, u64, usize)> {
     let config = pw_hf::ModelConfig::from_dir(dir)?;
     let kv = pw_serve::KvLayout::from_config(&config, 2);
-    let kv_budget_bytes = args
-        .kv_budget_bytes
-        .unwrap_or(kv.bytes_for(max_context).saturating_mul(args.max_batch.max(1) as u64));
-    let budget = match args.gpu_memory_gb {
-        Some(gb) if !(gb.is_finite() && gb > 0.0) => {
-            bail!("--gpu-memory-gb must be a positive number, got {gb}")
-        }
-        // The dense weights and the decoder's step buffers are not paged: the experts and the
-        // KV cache share the rest.
-        Some(gb) => {
+    #[cfg(feature = "cuda")]
+    let on_cuda = args.device == ServeDevice::Cuda || (args.device == ServeDevice::Auto && cuda_works());
+    #[cfg(not(feature = "cuda"))]
+    let on_cuda = false;
+    if !on_cuda && args.device == ServeDevice::Cpu {
+        bail!("--fast runs CubeCL kernels: use --device cuda, wgpu or auto");
+    }
+    let device_memory = if on_cuda { Some(cuda_memory()?) } else { None };
+    let total = memory_budget_bytes(args.gpu_memory_gb, device_memory)?;
+    let max_batch = resolve_max_batch(args.max_batch, total.is_some());
+    let kv_budget_bytes =
+        args.kv_budget_bytes.unwrap_or(kv.bytes_for(max_context).saturating_mul(max_batch.max(1) as u64));
+    // The dense weights and the decoder's step buffers are not paged: the experts and the KV
+    // cache share the rest.
+    let budget = match total {
+        Some(total) => {
             let dc = pw_decode::DecodeConfig::from_model(&config)?;
             let (dense, scratch) = (dc.dense_bytes(), dc.default_scratch_bytes());
-            Some(((gb * 1e9) as u64).checked_sub(dense + scratch).with_context(|| {
+            let source = match args.gpu_memory_gb {
+                Some(gb) => format!("--gpu-memory-gb {gb}"),
+                None => {
+                    format!("{:.0} % of the GPU's memory, at most what is free", DEVICE_MEMORY_SHARE * 100.0)
+                }
+            };
+            Some(total.checked_sub(dense + scratch).with_context(|| {
                 format!(
-                    "--gpu-memory-gb {gb} is less than the dense weights ({dense} bytes) and the decoder's step \
-                     buffers ({scratch} bytes)"
+                    "the memory budget of {total} bytes ({source}) is less than the dense weights ({dense} bytes) \
+                     and the decoder's step buffers ({scratch} bytes)"
                 )
             })?)
         }
@@ -236,7 +352,7 @@ fn fast_model(args: &ServeArgs, dir: &Path, max_context: usize) -> Result<(Box<d
     let options = pw_serve::FastOptions {
         bits: args.bits,
         kv_budget_bytes,
-        max_batch: args.max_batch,
+        max_batch,
         max_context,
         memory: args.planner.memory(budget),
     };
@@ -246,19 +362,28 @@ fn fast_model(args: &ServeArgs, dir: &Path, max_context: usize) -> Result<(Box<d
         (Some(b), Policy::Planner) => format!("planner on, {b} bytes for experts + KV"),
     };
     #[cfg(feature = "cuda")]
-    if args.device == ServeDevice::Cuda || (args.device == ServeDevice::Auto && cuda_works()) {
+    if on_cuda {
         use cubecl::Runtime;
         let client = cubecl::cuda::CudaRuntime::client(&cubecl::cuda::CudaDevice::new(0));
         let (m, cap) = pw_serve::load_fast(&client, dir, &options)?;
-        return Ok((m, format!("cuda (fast path, {what})"), cap));
-    }
-    if args.device == ServeDevice::Cpu {
-        bail!("--fast runs CubeCL kernels: use --device cuda, wgpu or auto");
+        return Ok((m, format!("cuda (fast path, {what})"), cap, max_batch));
     }
     use cubecl::Runtime;
     let client = cubecl::wgpu::WgpuRuntime::client(&cubecl::wgpu::WgpuDevice::DefaultDevice);
     let (m, cap) = pw_serve::load_fast(&client, dir, &options)?;
-    Ok((m, format!("wgpu (fast path, {what})"), cap))
+    Ok((m, format!("wgpu (fast path, {what})"), cap, max_batch))
+}
+
+/// Free and total bytes of CUDA device 0.
+#[cfg(feature = "cuda")]
+fn cuda_memory() -> Result<(u64, u64)> {
+    pw_pages::device_memory(0).map_err(|e| anyhow::anyhow!("reading the GPU's memory: {}", e.0))
+}
+
+/// Without CUDA there is no device memory to read.
+#[cfg(not(feature = "cuda"))]
+fn cuda_memory() -> Result<(u64, u64)> {
+    bail!("this binary was built without CUDA")
 }
 
 /// Whether a CUDA device answers (the CUDA runtime panics when there is none).
@@ -276,7 +401,7 @@ fn cuda_works() -> bool {
     ok
 }
 
-fn run<B: Backend>(args: &ServeArgs, device: &B::Device, device_name: &str) -> Result<()>
+fn run<B: Backend>(args: &ServeArgs, device: &B::Device, device_name: &str, fast: bool) -> Result<()>
 where
     B::Device: Send,
 {
@@ -295,15 +420,17 @@ where
     }
     let t0 = Instant::now();
     let max_context = args.max_context.or_else(|| pw_serve::max_context(dir)).unwrap_or(FALLBACK_CONTEXT);
-    if args.gpu_memory_gb.is_some() && !args.fast {
-        bail!("--gpu-memory-gb pages the experts of the fast decode path: add --fast");
+    if args.gpu_memory_gb.is_some() && !fast {
+        bail!(
+            "--gpu-memory-gb pages the experts of the fast decode path, which does not serve here (see above)"
+        );
     }
-    let (model, device_name, fast_kv): (Box<dyn StepModel>, String, Option<u64>) = if args.fast {
-        let (m, name, cap) = fast_model(args, dir, max_context)?;
-        (m, name, Some(cap))
+    let (model, device_name, fast_kv, max_batch): (Box<dyn StepModel>, String, Option<u64>, usize) = if fast {
+        let (m, name, cap, max_batch) = fast_model(args, dir, max_context)?;
+        (m, name, Some(cap), max_batch)
     } else {
         let m = BurnStepModel::<B, AnyModel<B>>::load(dir, device).context("loading the model")?;
-        (Box::new(m), device_name.to_string(), None)
+        (Box::new(m), device_name.to_string(), None, resolve_max_batch(args.max_batch, false))
     };
     let tokenizer = Arc::new(pw_serve::load_tokenizer(dir)?);
     let chat = ChatTemplate::from_dir(dir)?;
@@ -312,16 +439,16 @@ where
     let weight_bytes = model.weight_bytes();
     let kv_budget_bytes = fast_kv
         .or(args.kv_budget_bytes)
-        .unwrap_or(kv.bytes_for(max_context).saturating_mul(args.max_batch.max(1) as u64));
+        .unwrap_or(kv.bytes_for(max_context).saturating_mul(max_batch.max(1) as u64));
     if fast_kv.is_none() {
-        check_host_kv(kv_budget_bytes, max_context, args)?;
+        check_host_kv(kv_budget_bytes, max_context, max_batch, args)?;
     }
     let config = EngineConfig {
         admission: args.admission,
         kv_budget_bytes,
-        max_batch: args.max_batch,
+        max_batch,
         max_context,
-        max_step_tokens: args.max_step_tokens.unwrap_or(2048.max(args.max_batch)),
+        max_step_tokens: args.max_step_tokens.unwrap_or(2048.max(max_batch)),
         max_waiting: args.max_waiting,
         eos_token_ids,
     };
@@ -337,7 +464,7 @@ where
         "loaded {name} on {device_name} in {:.1} s: weights {weight_bytes} bytes, KV {} bytes/token, budget {kv_budget_bytes} bytes, context {max_context}, max batch {}",
         t0.elapsed().as_secs_f64(),
         kv.bytes_per_token(),
-        args.max_batch
+        max_batch
     );
 
     if let Some(prompt) = &args.once {
@@ -391,7 +518,7 @@ fn server_options(args: &ServeArgs) -> Result<ServerOptions> {
 
 /// The CPU path's KV cache lives in host memory: refuse a budget the machine does not have
 /// (Linux's `MemAvailable`; elsewhere nothing is checked).
-fn check_host_kv(kv_budget_bytes: u64, max_context: usize, args: &ServeArgs) -> Result<()> {
+fn check_host_kv(kv_budget_bytes: u64, max_context: usize, max_batch: usize, args: &ServeArgs) -> Result<()> {
     let Ok(meminfo) = std::fs::read_to_string("/proc/meminfo") else { return Ok(()) };
     let available = meminfo
         .lines()
@@ -406,7 +533,7 @@ fn check_host_kv(kv_budget_bytes: u64, max_context: usize, args: &ServeArgs) -> 
              available: lower --max-context (now {max_context}, from max_position_embeddings of config.json \
              unless given), --max-batch ({}) or --kv-budget-bytes",
             if args.kv_budget_bytes.is_some() { "--kv-budget-bytes" } else { "context × max batch" },
-            args.max_batch
+            max_batch
         );
     }
     Ok(())
@@ -499,4 +626,75 @@ pub fn memory_summary(m: &pw_serve::MemoryState) -> String {
         m.planner_lower_total,
         m.planner_raise_total
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// --gpu-memory-gb wins; without it a CUDA device's budget is the share of its total, capped
+    /// by what is free; without either there is none; a non-positive or non-finite value is refused.
+    #[test]
+    fn memory_budget_defaults_to_the_device() {
+        let gb = 1_000_000_000u64;
+        assert_eq!(memory_budget_bytes(Some(2.5), Some((100 * gb, 141 * gb))).unwrap(), Some(5 * gb / 2));
+        assert_eq!(
+            memory_budget_bytes(None, Some((140 * gb, 141 * gb))).unwrap(),
+            Some((141.0 * 1e9 * DEVICE_MEMORY_SHARE) as u64)
+        );
+        assert_eq!(memory_budget_bytes(None, Some((50 * gb, 141 * gb))).unwrap(), Some(50 * gb));
+        assert_eq!(memory_budget_bytes(None, None).unwrap(), None);
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            let e = memory_budget_bytes(Some(bad), None).unwrap_err().to_string();
+            assert!(e.contains("--gpu-memory-gb"), "{e}");
+        }
+    }
+
+    /// `serve` with these arguments, as clap parses them.
+    fn try_parse(args: &[&str]) -> Result<ServeArgs, clap::Error> {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            serve: ServeArgs,
+        }
+        <Cli as clap::Parser>::try_parse_from(std::iter::once("serve").chain(args.iter().copied()))
+            .map(|c| c.serve)
+    }
+
+    fn parse(args: &[&str]) -> ServeArgs {
+        try_parse(args).unwrap()
+    }
+
+    /// The fast path is the default wherever a GPU answers and the decoder supports the model;
+    /// the flags and `--device cpu` override it; the reasons for the reference model say why.
+    #[test]
+    fn fast_path_is_the_default_where_a_gpu_answers() {
+        let yes = || true;
+        let no = || false;
+        let ok = || Ok(());
+        let unsupported = || Err("no decoder for `llama`".to_string());
+        let auto = parse(&[]);
+        assert_eq!(choose_path(&auto, ok(), yes, no), Ok(true));
+        assert_eq!(choose_path(&auto, ok(), no, yes), Ok(true));
+        let why = choose_path(&auto, ok(), no, no).unwrap_err();
+        assert!(why.contains("no CUDA device or hardware wgpu adapter"), "{why}");
+        let why = choose_path(&auto, unsupported(), yes, yes).unwrap_err();
+        assert!(why.contains("llama"), "{why}");
+        // Asked for by name: the fast path on that device, whatever answers.
+        assert_eq!(choose_path(&parse(&["--device", "wgpu"]), ok(), no, no), Ok(true));
+        assert_eq!(choose_path(&parse(&["--fast"]), unsupported(), no, no), Ok(true));
+        // The reference model by request.
+        assert_eq!(choose_path(&parse(&["--reference"]), ok(), yes, yes), Ok(false));
+        assert_eq!(choose_path(&parse(&["--device", "cpu"]), ok(), yes, yes), Ok(false));
+        assert!(try_parse(&["--fast", "--reference"]).is_err(), "--fast and --reference conflict");
+    }
+
+    /// The max batch follows the memory budget unless given.
+    #[test]
+    fn max_batch_follows_the_budget() {
+        assert_eq!(resolve_max_batch(None, true), BUDGETED_MAX_BATCH);
+        assert_eq!(resolve_max_batch(None, false), UNBUDGETED_MAX_BATCH);
+        assert_eq!(resolve_max_batch(Some(3), true), 3);
+        assert_eq!(resolve_max_batch(Some(40), false), 40);
+    }
 }

@@ -25,6 +25,25 @@ use kernels_cubecl::PoolSlot;
 use std::any::Any;
 use std::collections::BTreeMap;
 
+/// Free and total bytes of CUDA device `device` (`cuMemGetInfo` in its primary context, the one
+/// CubeCL uses): what a server sizes its default memory budget from.
+pub fn device_memory(device: usize) -> Result<(u64, u64), MoveError> {
+    cu::init().map_err(|e| err("init", e))?;
+    let ordinal =
+        i32::try_from(device).map_err(|_| MoveError(format!("CUDA device {device}: no such ordinal")))?;
+    let dev = cu::device::get(ordinal).map_err(|e| err("device", e))?;
+    // SAFETY: `dev` is a valid device; the retain is released below.
+    let ctx = unsafe { cu::primary_ctx::retain(dev) }.map_err(|e| err("primary context", e))?;
+    // SAFETY: `ctx` was just retained.
+    let info = unsafe { cu::ctx::set_current(ctx) }
+        .and_then(|()| cu::mem_get_info())
+        .map_err(|e| err("memory info", e));
+    // SAFETY: releases the retain above; CubeCL holds its own.
+    unsafe { cu::primary_ctx::release(dev) }.map_err(|e| err("release context", e))?;
+    let (free, total) = info?;
+    Ok((free as u64, total as u64))
+}
+
 fn err(what: &str, e: cu::DriverError) -> MoveError {
     MoveError(format!("CUDA {what}: {e:?}"))
 }

@@ -47,7 +47,7 @@ mod table;
 pub use accountant::{Accountant, BudgetError, Lease, MemoryUsage, Use};
 pub use cube::{CubePool, DeviceMover, device_mover};
 #[cfg(feature = "cuda")]
-pub use cuda::CudaMover;
+pub use cuda::{CudaMover, device_memory};
 pub use extent::{Extent, ExtentAllocator};
 pub use mover::{HostPool, ManualMover, MoveError, Mover, POISON_WORD, Ticket, Write};
 pub use table::{
