@@ -33,7 +33,8 @@ pub enum ServeDevice {
 #[derive(clap::Args, Debug, Clone)]
 pub struct ServeArgs {
     /// Hugging Face model directory (config.json, safetensors, tokenizer.json; the chat template
-    /// from tokenizer_config.json).
+    /// from tokenizer_config.json), or a PagedWeight checkpoint `quantize` wrote (its calibrated
+    /// expert blocks and sensitivities served as they are).
     #[arg(long, default_value = crate::DEFAULT_MODEL)]
     pub model: PathBuf,
     /// Address to listen on.
@@ -316,12 +317,17 @@ fn fast_model(
 ) -> Result<(Box<dyn StepModel>, String, u64, usize)> {
     let config = pw_hf::ModelConfig::from_dir(dir)?;
     let kv = pw_serve::KvLayout::from_config(&config, 2);
-    #[cfg(feature = "cuda")]
-    let on_cuda = args.device == ServeDevice::Cuda || (args.device == ServeDevice::Auto && cuda_works());
-    #[cfg(not(feature = "cuda"))]
-    let on_cuda = false;
+    let on_cuda = args.device == ServeDevice::Cuda || (args.device == ServeDevice::Auto && cuda_answers());
     if !on_cuda && args.device == ServeDevice::Cpu {
         bail!("--fast runs CubeCL kernels: use --device cuda, wgpu or auto");
+    }
+    if !pw_models::is_quantized_dir(dir) {
+        eprintln!(
+            "{}: a Hugging Face checkpoint: its experts are quantized at load with uniform importance, so the \
+             planner's sensitivities are proxies (`pagedweight quantize --model DIR --out PW_DIR` writes \
+             calibrated ones, and `serve --model PW_DIR` serves them)",
+            dir.display()
+        );
     }
     let device_memory = if on_cuda { Some(cuda_memory()?) } else { None };
     let total = memory_budget_bytes(args.gpu_memory_gb, device_memory)?;

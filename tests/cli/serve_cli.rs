@@ -111,6 +111,39 @@ fn once_fast_under_a_memory_budget_prints_the_bit_mix() {
     );
 }
 
+/// The fast path serves a PagedWeight checkpoint from its calibrated blocks; a Hugging Face
+/// directory is quantized at load, and the log says its sensitivities are proxies.
+#[test]
+fn fast_path_serves_a_pagedweight_checkpoint() {
+    let dir = fixture_with_tokenizer();
+    let tmp = tempfile::tempdir().unwrap();
+    let (calib, q) = (tmp.path().join("calib.txt"), tmp.path().join("q"));
+    let words: Vec<String> = (0..64).map(|i| format!("w{}", (i * 7 + 3) % 90)).collect();
+    std::fs::write(&calib, words.join(" ")).unwrap();
+    let o = Command::new(bin())
+        .args(["quantize", "--model", dir.path().to_str().unwrap(), "--out", q.to_str().unwrap()])
+        .args(["--calib", calib.to_str().unwrap(), "--ctx", "16", "--calib-tokens", "32"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let serve = |model: &Path| {
+        let o = Command::new(bin())
+            .args(["serve", "--fast", "--model", model.to_str().unwrap(), "--once", "w7 w8 w9"])
+            .args(["--max-tokens", "4"])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert!(o.status.success(), "{err}");
+        let out = String::from_utf8(o.stdout).unwrap();
+        assert!(out.lines().any(|l| l.starts_with("-- 3 prompt + 4 generated tokens")), "{out}");
+        err
+    };
+    let err = serve(&q);
+    assert!(!err.contains("uniform importance"), "{err}");
+    let err = serve(dir.path());
+    assert!(err.contains("uniform importance") && err.contains("pagedweight quantize"), "{err}");
+}
+
 /// Issue 32, 2: a context of 10^12 tokens, from config.json or `--max-context`, is refused at
 /// start with the field and the bytes named, not a panic or an allocation failure.
 #[test]

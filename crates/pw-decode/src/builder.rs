@@ -8,7 +8,7 @@ use std::path::Path;
 use cubecl::prelude::*;
 use kernels_cubecl::GemmConfig;
 use kernels_cubecl::{GroupedMode, MmaMode, ROUTE_CHUNK, router_fusable};
-use pw_hf::{Checkpoint, ModelConfig};
+use pw_hf::ModelConfig;
 use pw_kv::{BlockTables, DevicePools};
 use pw_pages::Accountant;
 
@@ -139,12 +139,13 @@ impl<'a, R: Runtime, KV: Float + CubeElement> DecoderBuilder<'a, R, KV> {
         self
     }
 
-    /// Loads the dense weights of the HF checkpoint in `dir` (any supported family) in f16
-    /// and its experts from `experts` (quantized from the same checkpoint, at their bits).
+    /// Loads the dense weights of the checkpoint in `dir` (Hugging Face or PagedWeight, any
+    /// supported family) in f16 and its experts from `experts` (quantized from the same
+    /// checkpoint, at their bits).
     pub fn load(self, dir: impl AsRef<Path>, experts: ExpertBlocks) -> Result<Decoder<R, KV>, DecodeError> {
         let dir = dir.as_ref();
         let cfg = DecodeConfig::from_model(&ModelConfig::from_dir(dir)?)?;
-        let ckpt = Checkpoint::open(dir)?;
+        let ckpt = crate::experts::dense_checkpoint(dir)?;
         if experts.blocks.len() != cfg.layers {
             return Err(DecodeError::Unsupported(format!(
                 "{} expert layers for {} model layers",

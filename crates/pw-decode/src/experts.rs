@@ -1,7 +1,9 @@
 //! The any-precision experts of the decode path as read from a checkpoint (host side); their
 //! device storage under the weight page table is [`crate::PagedExperts`].
 
-use pw_format::ApBlock;
+use std::path::Path;
+
+use pw_format::{ApBlock, BlockKind, MANIFEST_FILE};
 use pw_hf::Checkpoint;
 
 use crate::config::{DecodeConfig, Family};
@@ -49,6 +51,72 @@ impl ExpertBlocks {
         }
         Ok(Self { blocks, bits: all_bits })
     }
+}
+
+impl ExpertBlocks {
+    /// The blocks `pagedweight quantize` wrote to the PagedWeight checkpoint `ckpt` (their
+    /// Fisher-weighted sensitivities with them), each committed at `bits` clamped to the bit
+    /// range it stores. Every expert of every sparse layer of `cfg` must have both blocks, of
+    /// the model's shapes.
+    pub fn from_checkpoint(
+        ckpt: &pw_format::Checkpoint,
+        cfg: &DecodeConfig,
+        bits: u8,
+    ) -> Result<Self, DecodeError> {
+        let (h, i) = (cfg.hidden, cfg.inter);
+        let path = ckpt.dir().join(MANIFEST_FILE);
+        let entries = &ckpt.manifest().blocks;
+        let mut blocks = Vec::with_capacity(cfg.layers);
+        let mut all_bits = Vec::with_capacity(cfg.layers);
+        for l in 0..cfg.layers {
+            let mut layer = Vec::new();
+            let mut layer_bits = Vec::new();
+            if cfg.sparse[l] {
+                for e in 0..cfg.experts {
+                    let mut pair = Vec::with_capacity(2);
+                    for (kind, rows, cols) in [(BlockKind::GateUp, 2 * i, h), (BlockKind::Down, h, i)] {
+                        let entry = entries
+                            .iter()
+                            .find(|b| b.layer == l && b.expert == e && b.kind == kind)
+                            .ok_or_else(|| {
+                                DecodeError::Unsupported(format!(
+                                    "{}: no {kind:?} block for layer {l}, expert {e}",
+                                    path.display()
+                                ))
+                            })?;
+                        if (entry.rows, entry.cols) != (rows, cols) {
+                            return Err(DecodeError::Shape {
+                                name: entry.name.clone(),
+                                expected: vec![rows, cols],
+                                got: vec![entry.rows, entry.cols],
+                            });
+                        }
+                        pair.push((ckpt.block(&entry.name)?, bits.clamp(entry.min_bits, entry.max_bits)));
+                    }
+                    let (dn, db) = pair.pop().expect("two blocks");
+                    let (gu, gb) = pair.pop().expect("two blocks");
+                    layer.push((gu, dn));
+                    layer_bits.push((gb, db));
+                }
+            }
+            blocks.push(layer);
+            all_bits.push(layer_bits);
+        }
+        Ok(Self { blocks, bits: all_bits })
+    }
+}
+
+/// The dense tensors of the model in `dir`: a Hugging Face checkpoint, or the shards of a
+/// PagedWeight checkpoint (which keeps every tensor but the experts under its original name).
+pub(crate) fn dense_checkpoint(dir: &Path) -> Result<Checkpoint, DecodeError> {
+    if !dir.join(MANIFEST_FILE).is_file() {
+        return Ok(Checkpoint::open(dir)?);
+    }
+    let pw = pw_format::Checkpoint::open(dir)?;
+    let mut files: Vec<_> = pw.manifest().dense.values().map(|f| dir.join(f)).collect();
+    files.sort();
+    files.dedup();
+    Ok(Checkpoint::from_files(dir.to_path_buf(), &files)?)
 }
 
 /// Where a family keeps layer `l`'s experts: `(prefix, [gate, up, down])` of the per-expert

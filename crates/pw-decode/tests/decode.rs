@@ -316,6 +316,67 @@ fn three_prompts() -> Vec<(u64, Vec<u32>)> {
     ]
 }
 
+/// A PagedWeight checkpoint of the shipped model (its experts as blocks, every other tensor
+/// unchanged, the layout `pagedweight quantize` writes) loads through
+/// [`ExpertBlocks::from_checkpoint`] and the checkpoint's own shards: the same blocks with their
+/// sensitivities, committed at the requested bits clamped to each block's range, and with the
+/// same committed bits the same logits as the Hugging Face directory serving those blocks.
+#[test]
+fn pagedweight_checkpoint_serves_its_blocks() {
+    use pw_format::{BlockKind, BlockMeta, CheckpointWriter};
+    let dir = asset("tiny-mixtral");
+    let (_, experts, client) = setup(&dir);
+    let hf = Checkpoint::open(&dir).unwrap();
+    let cfg = DecodeConfig::from_model(&ModelConfig::from_dir(&dir).unwrap()).unwrap();
+    let out = tempfile::tempdir().unwrap();
+    // Small shards, so the dense tensors span several files.
+    let mut w = CheckpointWriter::create(out.path()).unwrap().with_shard_bytes(1 << 20);
+    for (l, layer) in experts.blocks.iter().enumerate() {
+        for (e, (gu, dn)) in layer.iter().enumerate() {
+            for (kind, block, name) in [(BlockKind::GateUp, gu, "gate_up"), (BlockKind::Down, dn, "down")] {
+                let name = format!("layers.{l}.experts.{e}.{name}");
+                w.add_block(BlockMeta { name, layer: l, expert: e, kind, sources: vec![] }, block).unwrap();
+            }
+        }
+    }
+    for name in hf.names().filter(|n| !n.contains(".experts.")) {
+        let (dtype, shape, bytes) = hf.raw(name).unwrap();
+        w.add_dense(name, dtype, shape.to_vec(), bytes.to_vec()).unwrap();
+    }
+    w.copy_file(&dir.join("config.json")).unwrap();
+    w.finish().unwrap();
+    let pw = pw_format::Checkpoint::open(out.path()).unwrap();
+    let mut loaded = ExpertBlocks::from_checkpoint(&pw, &cfg, 5).unwrap();
+    assert_eq!(loaded.blocks, experts.blocks, "blocks as written");
+    assert!(loaded.bits.iter().flatten().all(|&b| b == (5, 5)), "committed at the requested bits");
+    let high = ExpertBlocks::from_checkpoint(&pw, &cfg, 8).unwrap();
+    assert!(high.bits.iter().flatten().all(|&(g, d)| g == 8 && d == 8));
+    loaded.bits = experts.bits.clone();
+    let prompts = three_prompts();
+    let refs: Vec<(u64, &[u32])> = prompts.iter().map(|(id, p)| (*id, p.as_slice())).collect();
+    let blocks = prompts.iter().map(|p| (p.1.len() + 3).div_ceil(4)).sum::<usize>();
+    let run = |d: &Path, x: &ExpertBlocks| {
+        let mut dec = load::<f32>(&client, d, x, blocks, 48, |b| b);
+        for (id, _) in &prompts {
+            dec.add_sequence(*id).unwrap();
+        }
+        let first = dec.prefill(&refs).unwrap();
+        let batch: Vec<(u64, u32)> =
+            prompts.iter().zip(&first).map(|((id, _), l)| (*id, argmax(l))).collect();
+        (first, dec.step(&batch).unwrap())
+    };
+    assert_eq!(run(&dir, &experts), run(out.path(), &loaded), "logits of the two directories");
+    // A checkpoint that lacks an expert's block names it.
+    let mut short = pw.manifest().clone();
+    short.blocks.retain(|b| !(b.layer == 1 && b.expert == 2 && b.kind == BlockKind::Down));
+    std::fs::write(out.path().join(pw_format::MANIFEST_FILE), serde_json::to_string(&short).unwrap())
+        .unwrap();
+    let e = ExpertBlocks::from_checkpoint(&pw_format::Checkpoint::open(out.path()).unwrap(), &cfg, 8)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("Down block for layer 1, expert 2"), "{e}");
+}
+
 /// Whole prompts prefilled through the decode kernels in steps of `max_step` tokens (at 16:
 /// several tokens of one sequence per step, prompts crossing step boundaries and, on Gemma,
 /// its sliding window of 8; at the default all 44 in one step), then two decode steps: every

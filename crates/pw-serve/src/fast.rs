@@ -48,6 +48,16 @@ pub struct FastStepModel<R: Runtime, KV: Float + CubeElement> {
     kv_capacity: u64,
 }
 
+/// The experts of the model in `dir`: read from a PagedWeight checkpoint, or quantized from a
+/// Hugging Face one with uniform importance (its sensitivities then proxies for those
+/// `pagedweight quantize` computes).
+fn load_experts(dir: &Path, cfg: &DecodeConfig, bits: u8) -> Result<ExpertBlocks, pw_decode::DecodeError> {
+    if dir.join(pw_format::MANIFEST_FILE).is_file() {
+        return ExpertBlocks::from_checkpoint(&pw_format::Checkpoint::open(dir)?, cfg, bits);
+    }
+    ExpertBlocks::quantize_hf(&Checkpoint::open(dir)?, cfg, bits)
+}
+
 /// Expert bytes of `experts` if every page were at `bits` (clamped to its range).
 fn expert_bytes_at(experts: &ExpertBlocks, bits: u8) -> u64 {
     experts
@@ -78,15 +88,16 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
         Self::load_with(client, dir, &FastOptions { bits, kv_budget_bytes, max_batch, max_context, memory })
     }
 
-    /// Loads the HF model in `dir` with its experts quantized (uniform importance) under a page
-    /// table: with a budget, experts and KV cache share it and (policy `Planner`) the planner
-    /// trades expert bits for KV blocks between steps.
+    /// Loads the model in `dir` with its experts under a page table: a PagedWeight checkpoint's
+    /// blocks as `pagedweight quantize` wrote them (Fisher-weighted, with their sensitivities),
+    /// or a Hugging Face model's experts quantized at load with uniform importance. With a
+    /// budget, experts and KV cache share it and (policy `Planner`) the planner trades expert
+    /// bits for KV blocks between steps.
     pub fn load_with(client: &ComputeClient<R>, dir: &Path, o: &FastOptions) -> Result<Self, ServeError> {
         let model = |e: String| ServeError::Model(format!("{}: {e}", dir.display()));
         let config = ModelConfig::from_dir(dir).map_err(|e| model(e.to_string()))?;
         let cfg = DecodeConfig::from_model(&config).map_err(|e| model(e.to_string()))?;
-        let ckpt = Checkpoint::open(dir).map_err(|e| model(e.to_string()))?;
-        let mut experts = ExpertBlocks::quantize_hf(&ckpt, &cfg, o.bits).map_err(|e| model(e.to_string()))?;
+        let mut experts = load_experts(dir, &cfg, o.bits).map_err(|e| model(e.to_string()))?;
         let block_bytes = cfg.kv_geometry(BLOCK, size_of::<KV>(), o.max_context).block_bytes() as u64;
         let plan = MemoryPlan::new(
             &o.memory,
@@ -99,7 +110,9 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
         .map_err(model)?;
         check_context(client, &cfg, size_of::<KV>(), o.max_context, &plan).map_err(model)?;
         let b = plan.initial_bits;
-        experts.bits = experts.blocks.iter().map(|l| vec![(b, b); l.len()]).collect();
+        let at = |blk: &pw_format::ApBlock| b.clamp(blk.min_bits, blk.max_bits);
+        experts.bits =
+            experts.blocks.iter().map(|l| l.iter().map(|(g, d)| (at(g), at(d))).collect()).collect();
         let accountant = Accountant::new(plan.budget);
         let dec = Decoder::builder(client)
             .kv_blocks(plan.kv_blocks)

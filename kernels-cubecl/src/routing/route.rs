@@ -14,10 +14,10 @@ const ROUTE_UNITS: usize = 1024;
 /// Routing and grouping in one cube of `units` units (whole planes of `plane_size`, at least
 /// `experts`):
 /// 1. a plane per token `t < meta[0]`: softmax over `logits[t · lstride + loff ..][..experts]`,
-///    top-`k` (ties: lower expert
-///    first), optional renormalisation → `weights[t, j]`;
+///    top-`k` (ties: lower expert first), optional renormalisation → `weights[t, j]`;
 /// 2. expert `e` (a plane per expert, in turn): its tokens in token order get consecutive
-///    gathered rows after every lower expert's; writes `gather[row] = t`, `pos[t, j] = row` and the work items of expert `e`
+///    gathered rows after every lower expert's; writes `gather[row] = t`, `pos[t, j] = row` and
+///    the work items of expert `e`
 ///    (gate_up: `[2I, H]`, down: `[H, I]`, from `slots[e] = (gate_up plane_off, lut_off, bits,
 ///    down plane_off, lut_off, bits)`), items of up to `chunk` tokens each, so the grouped
 ///    GEMM runs with no host round trip: the live items packed at the front of each table (in
