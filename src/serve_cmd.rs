@@ -221,7 +221,10 @@ pub fn serve_command(args: &ServeArgs) -> Result<()> {
     let supported = pw_hf::ModelConfig::from_dir(&args.model)
         .map_err(|e| e.to_string())
         .and_then(|c| pw_decode::DecodeConfig::from_model(&c).map(|_| ()).map_err(|e| e.to_string()));
-    let fast = match choose_path(args, supported, cuda_answers, hardware_wgpu) {
+    // Asked once: probing CUDA starts a context, and the fast path's loader needs the answer too.
+    let cuda_ok = std::cell::OnceCell::new();
+    let cuda = || *cuda_ok.get_or_init(cuda_answers);
+    let fast = match choose_path(args, supported, cuda, hardware_wgpu) {
         Ok(fast) => fast,
         Err(why) => {
             eprintln!("serving through the Burn reference model: {why}");
@@ -230,16 +233,17 @@ pub fn serve_command(args: &ServeArgs) -> Result<()> {
     };
     if fast {
         // The fast path runs its own CubeCL kernels; the Burn backend type is unused.
-        return run::<burn_ndarray::NdArray<f32>>(args, &Default::default(), "cpu", true);
+        let on_cuda = args.device == ServeDevice::Cuda || (args.device == ServeDevice::Auto && cuda());
+        return run::<burn_ndarray::NdArray<f32>>(args, &Default::default(), "cpu", Some(on_cuda));
     }
     match resolve(args.device) {
         ServeDevice::Auto | ServeDevice::Cpu => {
-            run::<burn_ndarray::NdArray<f32>>(args, &Default::default(), "cpu", false)
+            run::<burn_ndarray::NdArray<f32>>(args, &Default::default(), "cpu", None)
         }
         #[cfg(feature = "wgpu")]
-        ServeDevice::Wgpu => run::<burn_wgpu::Wgpu>(args, &burn_wgpu::WgpuDevice::default(), "wgpu", false),
+        ServeDevice::Wgpu => run::<burn_wgpu::Wgpu>(args, &burn_wgpu::WgpuDevice::default(), "wgpu", None),
         #[cfg(feature = "cuda")]
-        ServeDevice::Cuda => run::<burn_cuda::Cuda>(args, &burn_cuda::CudaDevice::default(), "cuda", false),
+        ServeDevice::Cuda => run::<burn_cuda::Cuda>(args, &burn_cuda::CudaDevice::default(), "cuda", None),
         #[allow(unreachable_patterns)]
         other => bail!("this binary was built without the `{other:?}` backend (enable the cargo feature)"),
     }
@@ -314,10 +318,10 @@ fn fast_model(
     args: &ServeArgs,
     dir: &Path,
     max_context: usize,
+    on_cuda: bool,
 ) -> Result<(Box<dyn StepModel>, String, u64, usize)> {
     let config = pw_hf::ModelConfig::from_dir(dir)?;
     let kv = pw_serve::KvLayout::from_config(&config, 2);
-    let on_cuda = args.device == ServeDevice::Cuda || (args.device == ServeDevice::Auto && cuda_answers());
     if !on_cuda && args.device == ServeDevice::Cpu {
         bail!("--fast runs CubeCL kernels: use --device cuda, wgpu or auto");
     }
@@ -407,7 +411,14 @@ fn cuda_works() -> bool {
     ok
 }
 
-fn run<B: Backend>(args: &ServeArgs, device: &B::Device, device_name: &str, fast: bool) -> Result<()>
+/// Serves through the Burn model on `device`, or (`fast_on_cuda: Some(on_cuda)`) the fast path,
+/// on CUDA when `on_cuda`, else wgpu.
+fn run<B: Backend>(
+    args: &ServeArgs,
+    device: &B::Device,
+    device_name: &str,
+    fast_on_cuda: Option<bool>,
+) -> Result<()>
 where
     B::Device: Send,
 {
@@ -426,18 +437,19 @@ where
     }
     let t0 = Instant::now();
     let max_context = args.max_context.or_else(|| pw_serve::max_context(dir)).unwrap_or(FALLBACK_CONTEXT);
-    if args.gpu_memory_gb.is_some() && !fast {
+    if args.gpu_memory_gb.is_some() && fast_on_cuda.is_none() {
         bail!(
             "--gpu-memory-gb pages the experts of the fast decode path, which does not serve here (see above)"
         );
     }
-    let (model, device_name, fast_kv, max_batch): (Box<dyn StepModel>, String, Option<u64>, usize) = if fast {
-        let (m, name, cap, max_batch) = fast_model(args, dir, max_context)?;
-        (m, name, Some(cap), max_batch)
-    } else {
-        let m = BurnStepModel::<B, AnyModel<B>>::load(dir, device).context("loading the model")?;
-        (Box::new(m), device_name.to_string(), None, resolve_max_batch(args.max_batch, false))
-    };
+    let (model, device_name, fast_kv, max_batch): (Box<dyn StepModel>, String, Option<u64>, usize) =
+        if let Some(on_cuda) = fast_on_cuda {
+            let (m, name, cap, max_batch) = fast_model(args, dir, max_context, on_cuda)?;
+            (m, name, Some(cap), max_batch)
+        } else {
+            let m = BurnStepModel::<B, AnyModel<B>>::load(dir, device).context("loading the model")?;
+            (Box::new(m), device_name.to_string(), None, resolve_max_batch(args.max_batch, false))
+        };
     let tokenizer = Arc::new(pw_serve::load_tokenizer(dir)?);
     let chat = ChatTemplate::from_dir(dir)?;
     let eos_token_ids = pw_serve::eos_token_ids(dir)?;

@@ -52,7 +52,7 @@ pub struct FastStepModel<R: Runtime, KV: Float + CubeElement> {
 /// Hugging Face one with uniform importance (its sensitivities then proxies for those
 /// `pagedweight quantize` computes).
 fn load_experts(dir: &Path, cfg: &DecodeConfig, bits: u8) -> Result<ExpertBlocks, pw_decode::DecodeError> {
-    if dir.join(pw_format::MANIFEST_FILE).is_file() {
+    if pw_models::is_quantized_dir(dir) {
         return ExpertBlocks::from_checkpoint(&pw_format::Checkpoint::open(dir)?, cfg, bits);
     }
     ExpertBlocks::quantize_hf(&Checkpoint::open(dir)?, cfg, bits)
