@@ -12,7 +12,6 @@ use std::path::PathBuf;
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 use plotters::prelude::*;
-use plotters::style::{FontStyle, register_font};
 use serde_json::Value;
 
 #[derive(Parser, Debug)]
@@ -112,13 +111,7 @@ fn main() -> Result<()> {
 }
 
 fn plot(args: &Args, rows: &[Value], fp16_ppl: f64, fp16_bytes: f64) -> Result<()> {
-    let font = std::fs::read(&args.font)
-        .with_context(|| format!("reading the label font {} (give --font FILE.ttf)", args.font.display()))?;
-    // ab_glyph wants a 'static font; the process ends right after plotting.
-    let font: &'static [u8] = Box::leak(font.into_boxed_slice());
-    if register_font("sans-serif", FontStyle::Normal, font).is_err() {
-        bail!("{}: not a TrueType/OpenType font", args.font.display());
-    }
+    pagedweight::plot_cmd::register_label_font(&args.font)?;
     let series: Vec<(&str, Vec<(f64, f64)>)> = POLICIES
         .iter()
         .map(|p| {

@@ -1,7 +1,8 @@
-//! What the `pagedweight` binary shares with the examples: the default model location and the
+//! What the `pagedweight` binary shares with the examples: the default model location, the
 //! `serve` command (`pagedweight serve` and `cargo run --example mixtral_serve` take the same
-//! options).
+//! options) and the plots.
 
+pub mod plot_cmd;
 pub mod serve_cmd;
 
 /// Directory of the shipped model; commands taking `--model` default to it (relative to the

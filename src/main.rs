@@ -55,6 +55,9 @@ enum Command {
     /// Serve the model over an OpenAI-compatible HTTP API (continuous batching), or complete
     /// one prompt with --once.
     Serve(pagedweight::serve_cmd::ServeArgs),
+    /// Plot a `bench-serve` record: the experts' bit mix, the memory split (experts, KV, the
+    /// budget) and the requests queued and running over time, one PNG per run.
+    Plot(pagedweight::plot_cmd::PlotArgs),
 }
 
 #[derive(clap::Args)]
@@ -89,6 +92,12 @@ fn main() -> Result<()> {
         Command::Quantize(args) => quantize_cmd::quantize(&args),
         Command::EvalPpl(args) => eval_cmd::eval_ppl(&args),
         Command::Serve(args) => pagedweight::serve_cmd::serve_command(&args),
+        Command::Plot(args) => {
+            for png in pagedweight::plot_cmd::plot(&args)? {
+                println!("{}", png.display());
+            }
+            Ok(())
+        }
     }
 }
 

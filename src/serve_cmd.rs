@@ -115,6 +115,10 @@ pub struct ServeArgs {
     /// separately, its body.
     #[arg(long, default_value_t = 30.0)]
     pub http_timeout_s: f64,
+    /// `/metrics` also has one series per expert page (committed and desired bits, bytes),
+    /// for Prometheus users; `/v1/page-table` and `/dashboard` have them regardless.
+    #[arg(long)]
+    pub metrics_per_page: bool,
 }
 
 /// Planner options of the fast path (with --gpu-memory-gb).
@@ -531,7 +535,13 @@ fn server_options(args: &ServeArgs) -> Result<ServerOptions> {
         bail!("the API key is empty (--api-key / --api-key-file)");
     }
     let timeout = std::time::Duration::from_secs_f64(t);
-    Ok(ServerOptions { api_key, header_timeout: timeout, body_timeout: timeout, ..Default::default() })
+    Ok(ServerOptions {
+        api_key,
+        header_timeout: timeout,
+        body_timeout: timeout,
+        metrics_per_page: args.metrics_per_page,
+        ..Default::default()
+    })
 }
 
 /// The CPU path's KV cache lives in host memory: refuse a budget the machine does not have

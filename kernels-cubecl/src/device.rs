@@ -61,6 +61,24 @@ pub fn read_f32<R: Runtime>(client: &ComputeClient<R>, a: &DeviceArray) -> Resul
     Ok(f32::from_bytes(&bytes)[..a.len].to_vec())
 }
 
+/// Reads back the first `n` elements of an f32 buffer (synchronising first): a step's logits
+/// rows without the rest of a buffer sized for the largest step.
+pub fn read_f32_prefix<R: Runtime>(
+    client: &ComputeClient<R>,
+    a: &DeviceArray,
+    n: usize,
+) -> Result<Vec<f32>, KernelError> {
+    need("read_f32_prefix", a, n)?;
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    sync(client)?;
+    let used = a.handle.size_in_used();
+    let handle = a.handle.clone().offset_end(used - (n * size_of::<f32>()) as u64);
+    let bytes = client.read_one(handle).map_err(|e| KernelError::Runtime(format!("{e:?}")))?;
+    Ok(f32::from_bytes(&bytes)[..n].to_vec())
+}
+
 /// Reads back a u32 buffer (synchronising first).
 pub fn read_u32<R: Runtime>(client: &ComputeClient<R>, a: &DeviceArray) -> Result<Vec<u32>, KernelError> {
     sync(client)?;
@@ -104,3 +122,21 @@ pub(crate) fn column_grid(tokens: usize, width: usize) -> (CubeCount, CubeDim) {
 
 /// Units per cube of [`column_grid`].
 const COLUMN_UNITS: usize = 256;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_prefix_read_is_the_head_of_the_whole_read() {
+        let client = crate::testing::client();
+        let x: Vec<f32> = (0..1000).map(|i| i as f32 * 0.5 - 7.0).collect();
+        let a = DeviceArray::from_slice(&client, &x);
+        assert_eq!(read_f32(&client, &a).unwrap(), x);
+        for n in [1, 37, 999, 1000] {
+            assert_eq!(read_f32_prefix(&client, &a, n).unwrap(), x[..n], "{n}");
+        }
+        assert!(read_f32_prefix(&client, &a, 0).unwrap().is_empty());
+        assert!(read_f32_prefix(&client, &a, 1001).is_err());
+    }
+}

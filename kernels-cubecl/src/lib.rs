@@ -67,7 +67,7 @@ pub use dense::{
     DenseGemm, dense_gemm, dense_gemm_normed, dense_gemm_normed_reference, dense_gemm_reference,
 };
 pub use dequantize::{ap_dequantize, ap_dequantize_reference};
-pub use device::{DeviceArray, KernelError, read_f32, read_u32, sync};
+pub use device::{DeviceArray, KernelError, read_f32, read_f32_prefix, read_u32, sync};
 pub use embed::{embed, embed_reference};
 pub use expert_gemm::gemv::{
     GEMV_HOST_MAX_TOKENS, GEMV_MAX_TOKENS, GEMV_MIN_ITEMS, GEMV_ROWS, GEMV_WARPS_PER_SM, GemvPlan, gemv_plan,

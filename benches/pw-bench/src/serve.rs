@@ -4,16 +4,16 @@
 //! with the planner free to lower them. Records throughput, time to first token, time per
 //! output token, the concurrency reached, the memory split and the bit mix over time.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use cubecl::prelude::*;
 use pw_decode::DecodeConfig;
 use pw_serve::{
-    Engine, EngineConfig, Event, FastOptions, FastStepModel, GenerateRequest, MemoryOptions, SamplingParams,
-    StepModel, UsageRecorder, WeightPolicy,
+    BoundaryHook, BoundaryState, Engine, EngineConfig, Event, FastOptions, FastStepModel, GenerateRequest,
+    MemoryOptions, SamplingParams, StepModel, UsageRecorder, WeightPolicy,
 };
 use serde_json::{Value, json};
 
@@ -80,11 +80,36 @@ pub struct BenchServeArgs {
     /// Seed of the lengths and prompt tokens.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// Read the page table (what `GET /v1/page-table` serves) every this many milliseconds
+    /// while the load runs, as a dashboard would (0 = never); the record has the reads' latency
+    /// and the step times, to compare with a run without it.
+    #[arg(long, default_value_t = 0)]
+    pub poll_page_table_ms: u64,
     /// Internal: run only this policy in this process and write its record here (each policy
     /// of a multi-policy run gets a fresh process, so device memory the first one kept in its
     /// allocator's pools does not count against the second).
     #[arg(long, hide = true, num_args = 2, value_names = ["POLICY", "FILE"])]
     pub child: Option<Vec<String>>,
+}
+
+/// The usage record plus the time of every step that ran with sequences in it (the gap
+/// between its boundary and the one before, which includes page-table reads answered there).
+#[derive(Clone, Default)]
+struct StepTimer {
+    usage: UsageRecorder,
+    steps: Arc<Mutex<(Option<Instant>, Vec<f64>)>>,
+}
+
+impl BoundaryHook for StepTimer {
+    fn on_boundary(&mut self, s: &BoundaryState) {
+        self.usage.on_boundary(s);
+        let now = Instant::now();
+        let mut g = self.steps.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(prev) = g.0 {
+            g.1.push(now.duration_since(prev).as_secs_f64());
+        }
+        g.0 = (s.active > 0).then_some(now);
+    }
 }
 
 /// Runs the benchmark on the chosen runtime.
@@ -272,7 +297,7 @@ where
         max_waiting: 4096,
         eos_token_ids: vec![],
     };
-    let rec = UsageRecorder::default();
+    let rec = StepTimer::default();
     let tok = Arc::new(tokenizer(cfg.vocab)?);
     let engine = Engine::start(Box::new(model), tok, config, Box::new(rec.clone()))?;
     let handle = engine.handle();
@@ -312,6 +337,30 @@ where
             out
         })
     };
+    // A dashboard's poller: the engine answers between two steps.
+    let poller = (a.poll_page_table_ms > 0).then(|| {
+        let h = handle.clone();
+        let stop = stop.clone();
+        let every = Duration::from_millis(a.poll_page_table_ms);
+        std::thread::spawn(move || {
+            let (mut latency, mut pages) = (Vec::new(), 0usize);
+            while !stop.load(Ordering::Relaxed) {
+                let t = Instant::now();
+                match h.blocking_page_table() {
+                    Ok(view) => {
+                        latency.push(t.elapsed().as_secs_f64());
+                        pages = view.map_or(0, |v| v.pages.len());
+                    }
+                    Err(e) => {
+                        eprintln!("page table: {e}");
+                        break;
+                    }
+                }
+                std::thread::sleep(every.saturating_sub(t.elapsed()));
+            }
+            (latency, pages)
+        })
+    });
     let mut clients = Vec::with_capacity(reqs.len());
     for (i, (prompt, out_len)) in reqs.into_iter().enumerate() {
         let arrival = t0 + Duration::from_secs_f64(i as f64 / a.rate);
@@ -351,13 +400,20 @@ where
         }));
     }
     let submitted = clients.len();
-    let results: Vec<_> = clients.into_iter().filter_map(|c| c.join().ok().flatten()).collect();
+    // Requests still queued at the deadline get no event to wake their client: wait for the
+    // clients or the deadline, then stop the engine, which ends every stream left.
+    while Instant::now() < deadline && !clients.iter().all(|c| c.is_finished()) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let wall = t0.elapsed().as_secs_f64();
     stop.store(true, Ordering::Relaxed);
-    let bit_mix = sampler.join().unwrap_or_default();
     let m = handle.metrics().snapshot();
-    let r = rec.record();
+    let r = rec.usage.record();
+    let mut step_s = rec.steps.lock().unwrap_or_else(|p| p.into_inner()).1.clone();
+    let (mut poll_s, polled_pages) = poller.map(|p| p.join().unwrap_or_default()).unwrap_or_default();
     engine.shutdown();
+    let results: Vec<_> = clients.into_iter().filter_map(|c| c.join().ok().flatten()).collect();
+    let bit_mix = sampler.join().unwrap_or_default();
 
     let mut ttft: Vec<f64> = results.iter().map(|r| r.0).collect();
     let mut tpot: Vec<f64> = results.iter().flat_map(|r| r.1.iter().copied()).collect();
@@ -371,7 +427,7 @@ where
         .fold(f64::INFINITY, f64::min);
     let mem = m.memory.clone().unwrap_or_default();
     let min_experts = if min_experts.is_finite() { min_experts } else { mem.weight_bytes() as f64 / 1e9 };
-    Ok(json!({
+    let mut record = json!({
         "model": a.model,
         "policy": policy.name,
         "req_s": results.len() as f64 / wall,
@@ -383,6 +439,8 @@ where
         "weight_gb": (dense as f64 / 1e9) + min_experts,
         "kv_gb": r.peak_kv_bytes_used as f64 / 1e9,
         "gpu_memory_gb": gpu_bytes as f64 / 1e9,
+        "budget_gb": budget as f64 / 1e9,
+        "dense_gb": dense as f64 / 1e9,
         "kv_capacity_gb": capacity as f64 / 1e9,
         "requests": a.requests, "submitted": submitted, "completed": results.len(),
         "failed": m.requests_failed_total, "failed_out_of_memory": m.requests_failed_out_of_memory_total,
@@ -393,5 +451,20 @@ where
         "planner_lower": mem.planner_lower_total, "planner_raise": mem.planner_raise_total,
         "final_mean_bits": mem.mean_bits(),
         "bit_mix": bit_mix,
-    }))
+    });
+    let steps = json!({
+        "steps": step_s.len(),
+        "step_ms_mean": step_s.iter().sum::<f64>() / step_s.len().max(1) as f64 * 1e3,
+        "step_ms_p50": percentile(&mut step_s, 0.5) * 1e3,
+        "step_ms_p99": percentile(&mut step_s, 0.99) * 1e3,
+        "poll_page_table_ms": a.poll_page_table_ms,
+        "page_table_reads": poll_s.len(),
+        "page_table_pages": polled_pages,
+        "page_table_read_ms_p50": percentile(&mut poll_s, 0.5) * 1e3,
+        "page_table_read_ms_max": poll_s.iter().copied().fold(0.0, f64::max) * 1e3,
+    });
+    if let (Some(r), Value::Object(extra)) = (record.as_object_mut(), steps) {
+        r.extend(extra);
+    }
+    Ok(record)
 }

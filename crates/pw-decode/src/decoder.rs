@@ -9,7 +9,7 @@ use std::marker::PhantomData;
 use cubecl::prelude::*;
 use kernels_cubecl::MmaMode;
 use kernels_cubecl::argmax;
-use kernels_cubecl::{DeviceArray, GemmConfig, read_f32, read_u32};
+use kernels_cubecl::{DeviceArray, GemmConfig, read_f32_prefix, read_u32};
 use pw_kv::{BlockTables, DevicePools, SeqId};
 
 use crate::DecodeError;
@@ -193,8 +193,9 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
         let mut out = Vec::with_capacity(batch.len());
         for chunk in batch.chunks(self.max_step) {
             self.enqueue(chunk, None)?;
-            let all = read_f32(&self.client, &self.s.logits)?;
-            out.extend(all.chunks(self.cfg.vocab).take(chunk.len()).map(<[f32]>::to_vec));
+            // Only this chunk's rows: the buffer holds those of the largest step.
+            let rows = read_f32_prefix(&self.client, &self.s.logits, chunk.len() * self.cfg.vocab)?;
+            out.extend(rows.chunks(self.cfg.vocab).map(<[f32]>::to_vec));
         }
         Ok(out)
     }
@@ -222,7 +223,7 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
             // Only chunks that end a prompt are read back (and waited for): row j of the logits
             // is the prompt that ends at chunk row `last[j]`.
             if !last.is_empty() {
-                let all = read_f32(&self.client, &self.s.logits)?;
+                let all = read_f32_prefix(&self.client, &self.s.logits, last.len() * self.cfg.vocab)?;
                 for (j, &row) in last.iter().enumerate() {
                     if let Some(i) = chunk[row].2 {
                         out[i] = all[j * self.cfg.vocab..][..self.cfg.vocab].to_vec();

@@ -127,6 +127,8 @@ pub struct ExpertPage {
     pub bytes: Vec<u64>,
     /// Offline sensitivity per bit-width `min_bits..=max_bits`.
     pub sensitivity: Vec<f64>,
+    /// Target of the raising whose copy is in flight, if any.
+    pub raising_to: Option<u8>,
 }
 
 /// One sparse layer's committed expert pool as a step reads it.
@@ -446,6 +448,7 @@ impl<R: Runtime> PagedExperts<R> {
                     max_bits: b.max_bits,
                     bytes: (b.min_bits..=b.max_bits).map(|x| block_bytes(b, x)).collect(),
                     sensitivity: b.sensitivity.clone(),
+                    raising_to: info.raising_to,
                 });
             }
         }

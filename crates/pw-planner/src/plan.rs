@@ -380,6 +380,18 @@ pub fn estimated_damage(
     residual: Option<&ResidualFactors>,
     config: &PlannerConfig,
 ) -> Result<f64, PlanError> {
+    Ok(page_damage(snapshot, bits, routing, residual, config)?.iter().sum())
+}
+
+/// Each page's estimated damage `D_i(bits_i)` under the same model as [`plan`] (what the
+/// planner weighs when it lowers that page), in page order.
+pub fn page_damage(
+    snapshot: &Snapshot,
+    bits: &[u8],
+    routing: Option<&RoutingStats>,
+    residual: Option<&ResidualFactors>,
+    config: &PlannerConfig,
+) -> Result<Vec<f64>, PlanError> {
     if bits.len() != snapshot.pages.len() {
         return Err(PlanError::Shape {
             what: "allocation".into(),
@@ -398,7 +410,7 @@ pub fn estimated_damage(
                 Err(PlanError::Page { page: p.id.to_string(), reason: format!("{b} bits is not stored") })
             }
         })
-        .sum();
+        .collect();
     CURVES.with(|c| c.set(cs));
     damage
 }

@@ -261,8 +261,13 @@ struct Limits {
     weight_bytes: u64,
 }
 
+/// The engine thread's answer to a page-table request.
+type PageTableReply = tokio::sync::oneshot::Sender<Result<Option<crate::PageTableView>, String>>;
+
 enum Msg {
     Submit(Pending),
+    /// The page table, read between two steps.
+    PageTable(PageTableReply),
     Shutdown,
 }
 
@@ -279,6 +284,7 @@ impl std::fmt::Debug for Msg {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Msg::Submit(p) => write!(f, "Submit({})", p.id),
+            Msg::PageTable(_) => write!(f, "PageTable"),
             Msg::Shutdown => write!(f, "Shutdown"),
         }
     }
@@ -364,6 +370,30 @@ impl EngineHandle {
     /// The engine's metrics.
     pub fn metrics(&self) -> &Arc<Metrics> {
         &self.metrics
+    }
+
+    /// The model's page table, read by the engine thread between two steps (at once when it
+    /// is idle); `None` for a model without paged experts.
+    pub async fn page_table(&self) -> Result<Option<crate::PageTableView>, ServeError> {
+        self.ask_page_table()?.await.map_err(|_| ServeError::EngineStopped)?.map_err(ServeError::Model)
+    }
+
+    /// [`Self::page_table`] for callers outside an async runtime (blocks until the step in
+    /// flight ends).
+    pub fn blocking_page_table(&self) -> Result<Option<crate::PageTableView>, ServeError> {
+        self.ask_page_table()?
+            .blocking_recv()
+            .map_err(|_| ServeError::EngineStopped)?
+            .map_err(ServeError::Model)
+    }
+
+    fn ask_page_table(
+        &self,
+    ) -> Result<tokio::sync::oneshot::Receiver<Result<Option<crate::PageTableView>, String>>, ServeError>
+    {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.tx.send(Msg::PageTable(tx)).map_err(|_| ServeError::EngineStopped)?;
+        Ok(rx)
     }
 
     /// The scheduler limits.
@@ -452,6 +482,7 @@ impl Engine {
             step: 0,
             oom_strikes: 0,
             batch_cap: usize::MAX,
+            cap_free_blocks: None,
             seed_base: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64),
         };
         let thread = std::thread::Builder::new()
@@ -543,8 +574,11 @@ struct Worker {
     /// Consecutive steps that produced nothing because the model was out of KV memory.
     oom_strikes: u32,
     /// Most sequences running at once as the model's memory allows: lowered when it runs out
-    /// of KV memory, lifted once a sequence ends and frees some.
+    /// of KV memory, lifted once a sequence ends and frees some or the model's boundary reports
+    /// more free KV blocks than when it was set (the planner lowered pages).
     batch_cap: usize,
+    /// Free KV blocks the model reported when `batch_cap` was last lowered.
+    cap_free_blocks: Option<u64>,
 }
 
 /// What happened to a sequence after its new token.
@@ -664,6 +698,10 @@ impl Worker {
                     // Idle: block until work arrives (or every handle is gone).
                     match self.rx.recv() {
                         Ok(Msg::Submit(p)) => self.waiting.push_back(p),
+                        Ok(Msg::PageTable(reply)) => {
+                            self.answer_page_table(reply);
+                            continue;
+                        }
                         Ok(Msg::Shutdown) | Err(_) => return,
                     }
                 } else {
@@ -671,6 +709,10 @@ impl Worker {
                     // that the cache is empty): keep calling boundaries until it settles.
                     match self.rx.recv_timeout(IDLE_BOUNDARY) {
                         Ok(Msg::Submit(p)) => self.waiting.push_back(p),
+                        Ok(Msg::PageTable(reply)) => {
+                            self.answer_page_table(reply);
+                            continue;
+                        }
                         Ok(Msg::Shutdown) | Err(mpsc::RecvTimeoutError::Disconnected) => return,
                         Err(mpsc::RecvTimeoutError::Timeout) => {
                             self.memory_boundary();
@@ -682,6 +724,7 @@ impl Worker {
             loop {
                 match self.rx.try_recv() {
                     Ok(Msg::Submit(p)) => self.waiting.push_back(p),
+                    Ok(Msg::PageTable(reply)) => self.answer_page_table(reply),
                     Ok(Msg::Shutdown) => return,
                     Err(mpsc::TryRecvError::Empty) => break,
                     Err(mpsc::TryRecvError::Disconnected) => {
@@ -926,6 +969,8 @@ impl Worker {
                 }
                 self.active.extend(seqs.into_iter().map(|(a, _)| a));
                 self.batch_cap = self.active.len().max(1);
+                let free = self.metrics.snapshot().memory.map(|m| m.kv_blocks_free);
+                self.cap_free_blocks = free;
                 Ran::default()
             }
             Err(e) => {
@@ -946,6 +991,7 @@ impl Worker {
         }
         // Memory came back: the batch may grow again.
         self.batch_cap = usize::MAX;
+        self.cap_free_blocks = None;
         let (mut finished, mut cancelled, mut failed) = (0, 0, 0);
         for (a, after) in &ended {
             self.release(a);
@@ -1069,11 +1115,23 @@ impl Worker {
         }
     }
 
+    /// Answers a page-table request (no model call is in flight here).
+    fn answer_page_table(&self, reply: PageTableReply) {
+        let _ = reply.send(self.model.page_table().map_err(|e| e.to_string()));
+    }
+
     /// The step boundary: the model's memory boundary, publish the state, then let the hook
     /// act on it.
     fn boundary(&mut self, tokens: usize) {
         self.step += 1;
         let memory = self.memory_boundary();
+        if let (Some(at), Some(m)) = (self.cap_free_blocks, &memory)
+            && m.kv_blocks_free > at
+        {
+            // The planner made room since the model ran out: the batch may grow again.
+            self.batch_cap = usize::MAX;
+            self.cap_free_blocks = None;
+        }
         let state = BoundaryState {
             step: self.step,
             active: self.active.len(),
@@ -1089,6 +1147,17 @@ impl Worker {
         let per_request: Vec<(u64, u64)> =
             self.active.iter().map(|a| (a.id, kv.bytes_for(a.computed))).collect();
         self.metrics.record_tokens(tokens as u64);
+        if let Some(mem) = &state.memory {
+            self.metrics.record_history(|t_s| crate::HistorySample {
+                t_s,
+                mean_bits: mem.mean_bits(),
+                expert_bytes: mem.weight_bytes(),
+                kv_bytes: mem.kv_blocks_used * mem.block_bytes,
+                budget_bytes: mem.budget_bytes,
+                queue: state.waiting as u64,
+                active: state.active as u64,
+            });
+        }
         self.metrics.update(|m| {
             m.steps_total = state.step;
             m.queue_length = state.waiting as u64;

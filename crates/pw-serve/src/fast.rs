@@ -475,6 +475,10 @@ where
         let demand = demand_kv_bytes.div_ceil(self.block_bytes);
         self.mem.boundary(&mut self.dec, used, demand).map(Some)
     }
+
+    fn page_table(&self) -> Result<Option<crate::PageTableView>, StepError> {
+        self.mem.view(&self.dec).map(Some)
+    }
 }
 
 /// Loads [`Path`] for the fast path on `client` with an f16 cache: the serving default on a GPU.

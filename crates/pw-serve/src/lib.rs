@@ -19,6 +19,7 @@ mod hook;
 mod kv;
 mod metrics;
 mod model;
+mod page_table;
 mod paged;
 mod schedule;
 pub mod server;
@@ -37,6 +38,7 @@ pub use metrics::{Metrics, MetricsSnapshot};
 pub use model::{
     BurnStepModel, DecodeSlot, PrefillOutcome, PrefillSlot, SeqId, SeqOutcome, StepError, StepModel,
 };
+pub use page_table::{HistorySample, PageLocation, PageTableView, PageView, PlannerDecision};
 pub use paged::{MemoryOptions, WeightPolicy};
 /// The planner options [`MemoryOptions`] carries.
 pub use pw_planner::{PlannerConfig, RoutingConfig};

@@ -5,6 +5,8 @@ use std::fmt::Write;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use crate::page_table::{HISTORY_EVERY, HISTORY_LEN, HistorySample};
+
 /// Tokens per second are averaged over this trailing window.
 const RATE_WINDOW: Duration = Duration::from_secs(5);
 
@@ -83,12 +85,18 @@ impl MetricsSnapshot {
 #[derive(Debug)]
 pub struct Metrics {
     state: Mutex<(MetricsSnapshot, VecDeque<(Instant, u64)>)>,
+    /// The memory time line and when its last sample was taken.
+    history: Mutex<(Option<Instant>, VecDeque<HistorySample>)>,
     started: Instant,
 }
 
 impl Default for Metrics {
     fn default() -> Self {
-        Self { state: Mutex::new((MetricsSnapshot::default(), VecDeque::new())), started: Instant::now() }
+        Self {
+            state: Mutex::new((MetricsSnapshot::default(), VecDeque::new())),
+            history: Mutex::new((None, VecDeque::new())),
+            started: Instant::now(),
+        }
     }
 }
 
@@ -103,6 +111,26 @@ impl Metrics {
         let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
         s.0.generated_tokens_total += tokens;
         s.1.push_back((Instant::now(), tokens));
+    }
+
+    /// Appends a time-line sample (made by `sample` from the seconds since start) unless one
+    /// was taken less than [`HISTORY_EVERY`] ago; keeps the last [`HISTORY_LEN`].
+    pub(crate) fn record_history(&self, sample: impl FnOnce(f64) -> HistorySample) {
+        let mut h = self.history.lock().unwrap_or_else(|p| p.into_inner());
+        let now = Instant::now();
+        if h.0.is_some_and(|t| now.duration_since(t) < HISTORY_EVERY) {
+            return;
+        }
+        h.0 = Some(now);
+        h.1.push_back(sample(now.duration_since(self.started).as_secs_f64()));
+        while h.1.len() > HISTORY_LEN {
+            h.1.pop_front();
+        }
+    }
+
+    /// The memory time line, oldest first.
+    pub fn history(&self) -> Vec<HistorySample> {
+        self.history.lock().unwrap_or_else(|p| p.into_inner()).1.iter().copied().collect()
     }
 
     /// The current values.
@@ -247,6 +275,31 @@ fn engine_metrics(m: &MetricsSnapshot) -> Vec<(&'static str, &'static str, &'sta
             format!("{:.6}", m.mean_time_per_output_token()),
         ),
     ]
+}
+
+/// A per-page series: its name, its help text and the value it reads from a page.
+type PageSeries = (&'static str, &'static str, fn(&crate::PageView) -> u64);
+
+/// One series per expert page: committed and desired bits, committed bytes.
+pub(crate) fn page_metrics(out: &mut String, view: &crate::PageTableView) {
+    let series: [PageSeries; 3] = [
+        ("pw_page_committed_bits", "Bits the kernels read, per expert page.", |p| p.committed_bits as u64),
+        ("pw_page_desired_bits", "Bits the planner asked for, per expert page.", |p| p.desired_bits as u64),
+        ("pw_page_bytes", "Device bytes of the committed bits, per expert page.", |p| p.bytes),
+    ];
+    for (name, help, value) in series {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+        for p in &view.pages {
+            let _ = writeln!(
+                out,
+                "{name}{{layer=\"{}\",expert=\"{}\",kind=\"{}\"}} {}",
+                p.layer,
+                p.expert,
+                p.kind,
+                value(p)
+            );
+        }
+    }
 }
 
 /// The memory budget's and the page table's metrics (servers with a planner).

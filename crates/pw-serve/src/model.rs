@@ -105,6 +105,12 @@ pub trait StepModel: Send {
         let _ = demand_kv_bytes;
         Ok(None)
     }
+
+    /// The expert pages and the memory split as the last boundary left them (called between
+    /// steps). `None` for a model without paged experts (the default).
+    fn page_table(&self) -> Result<Option<crate::PageTableView>, StepError> {
+        Ok(None)
+    }
 }
 
 /// [`StepModel`] over a Burn [`CausalLm`]: every sequence runs its own forward with its own

@@ -16,11 +16,13 @@ use cubecl::prelude::*;
 use pw_decode::{Decoder, ExpertPage};
 use pw_pages::{Accountant, Lease, Use};
 use pw_planner::{
-    KvPressureConfig, MemoryTarget, PageId, PageState, Planner, PlannerConfig, RoutingConfig, Snapshot, plan,
+    KvPressureConfig, MemoryTarget, PageId, PageState, Planner, PlannerConfig, RoutingConfig, Snapshot,
+    page_damage, plan,
 };
 
 use crate::hook::MemoryState;
 use crate::model::StepError;
+use crate::page_table::{PageLocation, PageTableView, PageView, PlannerDecision};
 
 /// Who decides the experts' bit-widths.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -93,6 +95,7 @@ pub(crate) struct PagedMemory {
     options: MemoryOptions,
     boundaries: u64,
     state: MemoryState,
+    last_decision: Option<PlannerDecision>,
 }
 
 fn page_state(p: &ExpertPage) -> PageState {
@@ -137,7 +140,7 @@ impl PagedMemory {
         };
         let state =
             MemoryState { budget_bytes: accountant.usage().budget, block_bytes, ..Default::default() };
-        Ok(Self { accountant, kv, block_bytes, planner, options, boundaries: 0, state })
+        Ok(Self { accountant, kv, block_bytes, planner, options, boundaries: 0, state, last_decision: None })
     }
 
     /// Free KV blocks the budget allows now.
@@ -231,11 +234,26 @@ impl PagedMemory {
                     }
                 }
                 if changed > 0 {
-                    match target {
-                        MemoryTarget::Free(_) => self.state.planner_lower_total += 1,
-                        MemoryTarget::Spare(_) => self.state.planner_raise_total += 1,
-                        MemoryTarget::Hold => {}
-                    }
+                    let (name, bytes) = match target {
+                        MemoryTarget::Free(b) => {
+                            self.state.planner_lower_total += 1;
+                            ("free", b)
+                        }
+                        MemoryTarget::Spare(b) => {
+                            self.state.planner_raise_total += 1;
+                            ("spare", b)
+                        }
+                        MemoryTarget::Hold => ("hold", 0),
+                    };
+                    self.last_decision = Some(PlannerDecision {
+                        boundary: self.boundaries,
+                        target: name,
+                        target_bytes: bytes,
+                        pages_changed: changed,
+                        bytes_before: plan.bytes_before,
+                        bytes_after: plan.bytes_after,
+                        met: plan.met,
+                    });
                 }
                 if !plan.met {
                     self.state.planner_unmet_total += 1;
@@ -254,5 +272,71 @@ impl PagedMemory {
         self.state.kv_blocks_free = self.free_blocks();
         self.state.budget_bytes = self.accountant.usage().budget;
         Ok(self.state.clone())
+    }
+
+    /// Every page's state and the memory split as the last boundary left them, with the
+    /// planner's routing shares and damage estimates (see [`PageTableView`]).
+    pub(crate) fn view<R: Runtime, KV: Float + CubeElement>(
+        &self,
+        dec: &Decoder<R, KV>,
+    ) -> Result<PageTableView, StepError> {
+        let pages = dec.experts().pages();
+        let (shares, damage) = match &self.planner {
+            Some(p) => {
+                let snapshot = Snapshot { pages: pages.iter().map(page_state).collect() };
+                let desired: Vec<u8> = pages.iter().map(|x| x.desired).collect();
+                let d = page_damage(&snapshot, &desired, Some(&p.routing), p.residual.as_ref(), &p.config)
+                    .map_err(err)?;
+                // share() is relative to the layer's mean expert; the view gives the fraction.
+                let n = p.routing.experts() as f64;
+                let s: Vec<f64> = pages.iter().map(|x| p.routing.share(x.layer, x.expert) / n).collect();
+                (Some(s), Some(d))
+            }
+            None => (None, None),
+        };
+        let views = pages
+            .iter()
+            .enumerate()
+            .map(|(i, p)| PageView {
+                layer: p.layer,
+                expert: p.expert,
+                kind: match p.kind {
+                    pw_planner::BlockKind::GateUp => "gate_up",
+                    pw_planner::BlockKind::Down => "down",
+                },
+                desired_bits: p.desired,
+                committed_bits: p.committed,
+                location: if p.committed == 0 {
+                    PageLocation::Host
+                } else if p.raising_to.is_some() {
+                    PageLocation::InTransfer
+                } else {
+                    PageLocation::Gpu
+                },
+                bytes: p
+                    .committed
+                    .checked_sub(p.min_bits)
+                    .and_then(|i| p.bytes.get(i as usize))
+                    .copied()
+                    .unwrap_or(0),
+                routing_share: shares.as_ref().map(|s| s[i]),
+                damage: damage.as_ref().map(|d| d[i]),
+            })
+            .collect();
+        let cfg = dec.config();
+        Ok(PageTableView {
+            policy: if self.planner.is_some() { "planner" } else { "pinned" },
+            boundary: self.boundaries,
+            layers: cfg.layers,
+            experts: cfg.experts,
+            budget_bytes: self.accountant.usage().budget,
+            expert_bytes: self.state.weight_bytes(),
+            block_bytes: self.block_bytes,
+            kv_blocks_used: self.state.kv_blocks_used,
+            kv_blocks_free: self.free_blocks(),
+            mean_bits: self.state.mean_bits(),
+            last_decision: self.last_decision.clone(),
+            pages: views,
+        })
     }
 }

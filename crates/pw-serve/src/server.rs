@@ -6,7 +6,9 @@
 //! | `POST /v1/chat/completions` | `messages` rendered with the model's chat template |
 //! | `GET /v1/models` | the served model |
 //! | `GET /health` | `{"status":"ok"}` |
-//! | `GET /metrics` | Prometheus text |
+//! | `GET /metrics` | Prometheus text (per-page series with [`ServerOptions::metrics_per_page`]) |
+//! | `GET /v1/page-table` | every expert page's bits, location, routing share and damage; memory split, queue, the planner's last decision and the memory time line |
+//! | `GET /dashboard` | a live view of `/v1/page-table` (one self-contained HTML page) |
 //!
 //! Sampling fields: `max_tokens` (`max_completion_tokens`), `temperature`, `top_p`, `top_k`,
 //! `seed`, `stop` (string or list), `stop_token_ids`, `ignore_eos`, `n` (1 only),
@@ -60,6 +62,9 @@ pub struct ServerOptions {
     pub header_timeout: Duration,
     /// Time a client has to send a request's body (408 after).
     pub body_timeout: Duration,
+    /// `/metrics` also has one series per expert page (bits and bytes), read from the page
+    /// table at each scrape.
+    pub metrics_per_page: bool,
 }
 
 impl Default for ServerOptions {
@@ -69,6 +74,7 @@ impl Default for ServerOptions {
             max_body_bytes: 2 << 20,
             header_timeout: Duration::from_secs(30),
             body_timeout: Duration::from_secs(30),
+            metrics_per_page: false,
         }
     }
 }
@@ -143,6 +149,8 @@ pub fn router(state: Arc<ServerState>) -> Router {
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
+        .route("/v1/page-table", get(page_table))
+        .route("/dashboard", get(dashboard))
         .fallback(not_found)
         // `guard` enforces the body limit itself, with an OpenAI-shaped answer.
         .layer(axum::extract::DefaultBodyLimit::disable())
@@ -798,7 +806,57 @@ async fn metrics(State(state): State<Arc<ServerState>>) -> Response {
          # TYPE pw_http_bad_requests_total counter\npw_http_bad_requests_total {}\n",
         state.bad_requests.load(Ordering::Relaxed)
     ));
+    if state.options.metrics_per_page
+        && let Ok(Ok(Some(view))) = tokio::time::timeout(PAGE_TABLE_WAIT, state.engine.page_table()).await
+    {
+        crate::metrics::page_metrics(&mut text, &view);
+    }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
+}
+
+/// Longest a page-table read waits for the step in flight to end.
+const PAGE_TABLE_WAIT: Duration = Duration::from_secs(30);
+
+async fn page_table(State(state): State<Arc<ServerState>>) -> Result<Response, ApiError> {
+    let view = match tokio::time::timeout(PAGE_TABLE_WAIT, state.engine.page_table()).await {
+        Err(_) => {
+            return Err(ApiError::status(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the engine did not reach a step boundary in time",
+                None,
+            ));
+        }
+        Ok(Err(e)) => return Err(ApiError::status(StatusCode::INTERNAL_SERVER_ERROR, e.to_string(), None)),
+        Ok(Ok(None)) => {
+            return Err(ApiError::status(
+                StatusCode::NOT_FOUND,
+                "this server's model has no paged experts (the reference path serves it)",
+                None,
+            ));
+        }
+        Ok(Ok(Some(v))) => v,
+    };
+    let metrics = state.engine.metrics();
+    let m = metrics.snapshot();
+    let mut body = serde_json::to_value(&view)
+        .map_err(|e| ApiError::status(StatusCode::INTERNAL_SERVER_ERROR, e.to_string(), None))?;
+    if let Value::Object(o) = &mut body {
+        o.insert("model".into(), json!(state.model_name));
+        o.insert("step".into(), json!(m.steps_total));
+        o.insert("queue_depth".into(), json!(m.queue_length));
+        o.insert("active_sequences".into(), json!(m.active_sequences));
+        o.insert("kv_bytes_used".into(), json!(m.kv_bytes_used));
+        o.insert("history".into(), json!(metrics.history()));
+    }
+    Ok(axum::Json(body).into_response())
+}
+
+async fn dashboard() -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/html; charset=utf-8"), (header::CACHE_CONTROL, "no-store")],
+        include_str!("dashboard.html"),
+    )
+        .into_response()
 }
 
 async fn not_found(State(state): State<Arc<ServerState>>, uri: axum::http::Uri) -> ApiError {

@@ -63,7 +63,13 @@ impl Sampler {
         }
         // Filters in the transformers order: temperature, top-k, top-p.
         let t = self.cfg.temperature as f64;
-        let mut order: Vec<usize> = (0..logits.len()).collect();
+        let max = logits[argmax(logits) as usize] as f64;
+        // Only logits within `NEGLIGIBLE` of the best are sorted: a smaller one's weight is below
+        // half an ulp of the running total (which starts at the best token's 1), so leaving it
+        // out changes no sum and no draw, and a large vocabulary is not sorted every token.
+        const NEGLIGIBLE: f64 = 60.0;
+        let floor = max - NEGLIGIBLE * t;
+        let mut order: Vec<usize> = (0..logits.len()).filter(|&i| logits[i] as f64 >= floor).collect();
         order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
         let mut keep = order.len();
         if self.cfg.top_k > 0 && self.cfg.top_k < keep {
@@ -71,7 +77,6 @@ impl Sampler {
             let threshold = logits[order[self.cfg.top_k - 1]];
             keep = order.iter().take_while(|&&i| logits[i] >= threshold).count();
         }
-        let max = logits[order[0]] as f64;
         let weights: Vec<f64> = order[..keep].iter().map(|&i| ((logits[i] as f64 - max) / t).exp()).collect();
         let total: f64 = weights.iter().sum();
         if self.cfg.top_p < 1.0 {

@@ -2,7 +2,7 @@
 
 use pw_planner::{
     BlockKind, KvPressureConfig, MemoryTarget, PageId, PageState, PlanError, PlannerConfig, ResidualFactors,
-    RoutingConfig, RoutingStats, Snapshot, estimated_damage, floors, plan,
+    RoutingConfig, RoutingStats, Snapshot, estimated_damage, floors, page_damage, plan,
 };
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
@@ -169,6 +169,37 @@ fn no_lowered_page_can_be_raised_without_missing_the_target() {
             }
         }
     }
+}
+
+#[test]
+fn page_damage_is_each_pages_share_of_the_estimate() {
+    let mut rng = StdRng::seed_from_u64(9);
+    let mut routing = RoutingStats::new(6, 1, RoutingConfig::default()).unwrap();
+    routing.update(4, &[4; 6], &[4.0; 6]).unwrap();
+    let cfg = PlannerConfig { use_residual: false, ..PlannerConfig::default() };
+    for _ in 0..50 {
+        let s = Snapshot { pages: (0..6).map(|i| random_page(&mut rng, i, None)).collect() };
+        let bits: Vec<u8> = (0..6).map(|_| rng.random_range(3..=6)).collect();
+        let per_page = page_damage(&s, &bits, Some(&routing), None, &cfg).unwrap();
+        assert_eq!(per_page.len(), s.pages.len());
+        let total = estimated_damage(&s, &bits, Some(&routing), None, &cfg).unwrap();
+        assert!((per_page.iter().sum::<f64>() - total).abs() <= 1e-9 * total.abs().max(1.0));
+        // Lowering one page changes only its own entry, and never makes it smaller.
+        if let Some(i) = bits.iter().position(|&b| b > 3) {
+            let mut lower = bits.clone();
+            lower[i] -= 1;
+            let after = page_damage(&s, &lower, Some(&routing), None, &cfg).unwrap();
+            for (j, (a, b)) in after.iter().zip(&per_page).enumerate() {
+                if j == i {
+                    assert!(a >= b, "page {i}: {a} at {} bits < {b} at {}", lower[i], bits[i]);
+                } else {
+                    assert_eq!(a, b, "page {j} changed when page {i} was lowered");
+                }
+            }
+        }
+    }
+    let s = Snapshot { pages: vec![random_page(&mut rng, 0, None)] };
+    assert!(matches!(page_damage(&s, &[3, 3], None, None, &cfg), Err(PlanError::Shape { .. })));
 }
 
 #[test]

@@ -279,12 +279,16 @@ fn a_failing_step_ends_its_sequences_and_the_engine_keeps_serving() {
 }
 
 /// Wraps a model: one sequence's decodes fail in its own slot, and decodes of more than
-/// `room` sequences answer out-of-memory before running anything.
+/// `room` sequences answer out-of-memory before running anything; with `grow_to`, the
+/// boundary after an out-of-memory step makes room for that many (as a planner lowering pages
+/// does) and reports it as free KV blocks.
 struct Picky {
     inner: Box<dyn pw_serve::StepModel>,
     bad_seq: Option<pw_serve::SeqId>,
     room: usize,
     ooms: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    grow_to: Option<usize>,
+    widest: std::sync::Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl pw_serve::StepModel for Picky {
@@ -311,6 +315,7 @@ impl pw_serve::StepModel for Picky {
             self.ooms.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             return Err(pw_serve::StepError::OutOfMemory(format!("room for {} sequences", self.room)));
         }
+        self.widest.fetch_max(batch.len(), std::sync::atomic::Ordering::SeqCst);
         let seqs: Vec<pw_serve::SeqId> = batch.iter().map(|s| s.seq).collect();
         let mut out = self.inner.decode(batch)?;
         for (o, s) in out.iter_mut().zip(seqs) {
@@ -326,6 +331,19 @@ impl pw_serve::StepModel for Picky {
     fn kv_bytes_held(&self) -> u64 {
         self.inner.kv_bytes_held()
     }
+    fn boundary(&mut self, _demand: u64) -> Result<Option<pw_serve::MemoryState>, pw_serve::StepError> {
+        let Some(n) = self.grow_to else { return Ok(None) };
+        if self.ooms.load(std::sync::atomic::Ordering::SeqCst) > 0 {
+            self.room = self.room.max(n);
+        }
+        let free = self.room.min(1 << 20) as u64;
+        Ok(Some(pw_serve::MemoryState {
+            kv_blocks_free: free,
+            block_bytes: 1,
+            settled: true,
+            ..Default::default()
+        }))
+    }
 }
 
 fn picky_engine(
@@ -333,18 +351,54 @@ fn picky_engine(
     room: usize,
     cfg: pw_serve::EngineConfig,
 ) -> (pw_serve::Engine, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    picky_growing(bad_seq, room, None, cfg).0
+}
+
+type Counter = std::sync::Arc<std::sync::atomic::AtomicUsize>;
+
+/// A [`Picky`] engine; returns it with its out-of-memory count and its widest decode.
+fn picky_growing(
+    bad_seq: Option<u64>,
+    room: usize,
+    grow_to: Option<usize>,
+    cfg: pw_serve::EngineConfig,
+) -> ((pw_serve::Engine, Counter), Counter) {
     let inner = Box::new(
         pw_serve::BurnStepModel::<common::B, _>::load(&common::fixture(), &Default::default()).unwrap(),
     );
-    let ooms = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let ooms = Counter::default();
+    let widest = Counter::default();
     let engine = pw_serve::Engine::start(
-        Box::new(Picky { inner, bad_seq, room, ooms: ooms.clone() }),
+        Box::new(Picky { inner, bad_seq, room, ooms: ooms.clone(), grow_to, widest: widest.clone() }),
         std::sync::Arc::new(common::tokenizer()),
         cfg,
         Box::new(pw_serve::UsageRecorder::default()),
     )
     .unwrap();
-    (engine, ooms)
+    ((engine, ooms), widest)
+}
+
+/// Once the model's boundary reports more free KV blocks than when it ran out (its planner
+/// lowered pages), the engine admits again without waiting for a sequence to end.
+#[test]
+fn room_made_after_an_out_of_memory_step_is_used_at_once() {
+    let cfg =
+        pw_serve::EngineConfig { admission: pw_serve::Admission::Preempt, ..common::config(u64::MAX, 8) };
+    let ((engine, ooms), widest) = picky_growing(None, 2, Some(8), cfg);
+    let h = engine.handle();
+    let params = SamplingParams { ignore_eos: true, ..greedy(12) };
+    let streams: Vec<_> = (0..6)
+        .map(|i| {
+            h.submit(GenerateRequest { prompt: common::prompt(6, 40 + i), params: params.clone() }).unwrap()
+        })
+        .collect();
+    for s in streams {
+        assert_eq!(s.collect_blocking().unwrap().tokens.len(), 12);
+    }
+    assert!(ooms.load(std::sync::atomic::Ordering::SeqCst) >= 1, "the model never ran out");
+    // Without the lift, two sequences decode until they end, then the other four together.
+    let w = widest.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(w >= 5, "the widest decode after room was made: {w}");
 }
 
 /// Issue 32, 1: the error of one sequence fails that sequence only; the others of the same

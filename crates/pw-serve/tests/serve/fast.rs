@@ -300,6 +300,7 @@ fn thirty_two_requests_under_a_planned_budget(dir: &Path) {
     let client = wgpu_client();
     let probe = FastStepModel::<WgpuRuntime, half::f16>::load(&client, dir, 8, 1 << 18, 1, 128).unwrap();
     let (experts8, block) = (probe.decoder().expert_bytes() as u64, probe.decoder().kv_block_bytes() as u64);
+    let pages8 = probe.decoder().experts().pages();
     drop(probe);
     let memory = MemoryOptions {
         budget_bytes: Some(experts8 + 16 * block),
@@ -317,7 +318,20 @@ fn thirty_two_requests_under_a_planned_budget(dir: &Path) {
         Engine::start(Box::new(model), std::sync::Arc::new(tok), config, Box::new(UsageRecorder::default()))
             .unwrap();
     let h = engine.handle();
-    for (i, (s, (_, n))) in submit_all(&h, &requests).into_iter().zip(&requests).enumerate() {
+    let streams = submit_all(&h, &requests);
+    // Issue 30: the page table while the planner works shows a lowering as it is.
+    let lowered = loop {
+        let v = h.blocking_page_table().unwrap().expect("the fast path has a page table");
+        if v.pages.iter().any(|p| p.committed_bits < 8) {
+            break v;
+        }
+        assert!(h.metrics().snapshot().requests_finished_total < 32, "no lowered page seen while serving");
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    };
+    check_page_table(&lowered, &pages8);
+    let d = lowered.last_decision.as_ref().expect("a planner decision");
+    assert!(d.target == "free" && d.pages_changed > 0 && d.bytes_after < d.bytes_before, "{d:?}");
+    for (i, (s, (_, n))) in streams.into_iter().zip(&requests).enumerate() {
         assert_eq!(s.collect_blocking().unwrap().tokens.len(), *n, "request {i}");
     }
     let m = common::wait_metrics(&h, |m| m.active_sequences == 0 && m.requests_finished_total == 32);
@@ -328,6 +342,43 @@ fn thirty_two_requests_under_a_planned_budget(dir: &Path) {
         mem.page_moves_down_total > 0 && mem.planner_lower_total > 0,
         "the planner lowered pages: {mem:?}"
     );
+    // Idle: the view agrees with the metrics' memory state once both have settled.
+    let idle = loop {
+        let v = h.blocking_page_table().unwrap().unwrap();
+        let m = h.metrics().snapshot().memory.unwrap();
+        if m.settled && v.expert_bytes == m.weight_bytes() {
+            break v;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    };
+    check_page_table(&idle, &pages8);
+    assert_eq!((idle.kv_blocks_used, idle.policy), (0, "planner"));
+}
+
+/// A page-table view against the page table's own facts: one entry per (sparse layer, expert,
+/// kind) in the decoder's order, each page's bytes those of its committed bits, lowerings
+/// committed at once (desired = committed unless a raising is in flight), and the totals.
+fn check_page_table(v: &pw_serve::PageTableView, pages: &[pw_decode::ExpertPage]) {
+    assert_eq!(v.pages.len(), pages.len());
+    for (got, want) in v.pages.iter().zip(pages) {
+        let kind = if want.kind == pw_format::BlockKind::GateUp { "gate_up" } else { "down" };
+        assert_eq!((got.layer, got.expert, got.kind), (want.layer, want.expert, kind));
+        let bits = got.committed_bits;
+        assert!((want.min_bits..=want.max_bits).contains(&bits), "{got:?}");
+        assert_eq!(got.bytes, want.bytes[(bits - want.min_bits) as usize], "{got:?}");
+        match got.location {
+            pw_serve::PageLocation::InTransfer => assert!(got.desired_bits > bits, "{got:?}"),
+            pw_serve::PageLocation::Gpu => assert!(got.desired_bits >= bits, "{got:?}"),
+            pw_serve::PageLocation::Host => panic!("a resident page shown on the host: {got:?}"),
+        }
+        let share = got.routing_share.expect("the planner's routing share");
+        assert!((0.0..=1.0).contains(&share), "{got:?}");
+        assert!(got.damage.is_some_and(f64::is_finite), "{got:?}");
+    }
+    let total: u64 = v.pages.iter().map(|p| p.bytes).sum();
+    assert_eq!(total, v.expert_bytes);
+    let mean = v.pages.iter().map(|p| p.committed_bits as f64 * p.bytes as f64).sum::<f64>() / total as f64;
+    assert!((mean - v.mean_bits).abs() < 1e-9, "{mean} vs {}", v.mean_bits);
 }
 
 #[test]

@@ -144,6 +144,9 @@ async fn health_models_and_metrics() {
     assert!(s.metric("pw_weight_bytes").await > 0.0);
     assert_eq!(s.metric("pw_active_sequences").await, 0.0);
     assert_eq!(s.metric("pw_kv_bytes_used").await, 0.0);
+    // The reference model has no paged experts: the page table says so with a 404.
+    let r = s.http.get(format!("{}/v1/page-table", s.base)).send().await.unwrap();
+    expect_error(r, 404, "no paged experts").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -460,7 +463,8 @@ async fn the_planner_lowers_pages_under_16_concurrent_requests_and_raises_them_a
     let engine =
         Engine::start(Box::new(model), Arc::new(tok.clone()), config, Box::new(rec.clone())).unwrap();
     let chat = ChatTemplate::from_dir(&dir).unwrap();
-    let s = Arc::new(serve_engine(engine, rec, tok, chat).await);
+    let options = ServerOptions { metrics_per_page: true, ..Default::default() };
+    let s = Arc::new(serve_with(engine, rec, tok, chat, options).await);
     let name = "pw_expert_bytes{bits=\"8\"}";
     assert_eq!(s.metric(name).await, experts8 as f64);
 
@@ -523,6 +527,30 @@ async fn the_planner_lowers_pages_under_16_concurrent_requests_and_raises_them_a
     assert!(s.metric("pw_planner_decisions_total{target=\"spare\"}").await > 0.0);
     assert_eq!(s.metric(name).await, experts8 as f64);
     assert_eq!(s.metric("pw_kv_blocks_used").await, 0.0);
+
+    // Issue 30: the page table over HTTP agrees with the metrics, page by page and in total.
+    let v: Value =
+        s.http.get(format!("{}/v1/page-table", s.base)).send().await.unwrap().json().await.unwrap();
+    let pages = v["pages"].as_array().unwrap();
+    assert_eq!(pages.len(), 2 * mc.num_hidden_layers * mc.num_local_experts, "{v}");
+    assert_eq!(v["expert_bytes"].as_u64(), Some(experts8));
+    assert_eq!(pages.iter().map(|p| p["bytes"].as_u64().unwrap()).sum::<u64>(), experts8);
+    assert!(
+        pages.iter().all(|p| p["committed_bits"] == 8 && p["desired_bits"] == 8 && p["location"] == "gpu")
+    );
+    assert_eq!((v["policy"].as_str(), v["model"].as_str()), (Some("planner"), Some(MODEL)));
+    assert_eq!((v["queue_depth"].as_u64(), v["kv_blocks_used"].as_u64()), (Some(0), Some(0)));
+    assert_eq!(v["last_decision"]["target"], "spare", "the last plan gave memory back: {v}");
+    let history = v["history"].as_array().unwrap();
+    assert!(!history.is_empty() && history.iter().all(|h| h["budget_bytes"].as_u64() == Some(budget)), "{v}");
+    let text = s.metrics_text().await;
+    let per_page = text.lines().filter(|l| l.starts_with("pw_page_committed_bits{")).count();
+    assert_eq!(per_page, pages.len(), "{text}");
+    assert!(text.contains("pw_page_committed_bits{layer=\"0\",expert=\"0\",kind=\"gate_up\"} 8"), "{text}");
+    let r = s.http.get(format!("{}/dashboard", s.base)).send().await.unwrap();
+    assert!(r.headers()["content-type"].to_str().unwrap().starts_with("text/html"));
+    let html = r.text().await.unwrap();
+    assert!(html.contains("/v1/page-table") && !html.contains("src=\"http"), "self-contained page");
 
     // With the pages settled at 8 bits, greedy text is the same streamed or not (one request
     // at a time uses 3 blocks: no pressure, no page moves).
