@@ -10,8 +10,10 @@
 //!   highest bit-width (router choices folded into `RoutingStats` once per forward, residual
 //!   features averaged over the windows), and the residual head saved beside the checkpoint
 //!   (`residual_head.json` + `.mpk`, written by `examples/train_residual_head.rs`; without it the
-//!   factors are 1 and the output says `"residual":"absent"`). `,no-routing`, `,no-residual`
-//!   and `,no-sensitivity` switch a component off (the ablations).
+//!   factors are 1 and the output says `"residual":"absent"`). The routing multiplier is
+//!   relative to the calibration routing `quantize` recorded (`"routing_multiplier":"relative"`;
+//!   `,absolute-routing` uses the plain share). `,no-routing`, `,no-residual` and
+//!   `,no-sensitivity` switch a component off (the ablations).
 //!
 //! On a Hugging Face directory the same command gives the FP16 figure (`"policy":"fp16"`).
 
@@ -63,7 +65,9 @@ pub struct EvalPplArgs {
     pub expert_budget_bytes: Option<u64>,
     /// How bit-widths are chosen under the budget: `uniform` (the highest single bit-width
     /// that fits) or `planner`, optionally with `,no-routing`, `,no-residual`,
-    /// `,no-sensitivity` (ablations). Default with a budget: `planner`.
+    /// `,no-sensitivity` (ablations) or `,absolute-routing` (routing multipliers by the plain
+    /// share even where the checkpoint recorded its calibration routing). Default with a
+    /// budget: `planner`.
     #[arg(long, requires = "expert_budget_bytes")]
     pub policy: Option<String>,
     /// JSON file of `pw_planner::RoutingConfig` (buckets, floors, multipliers) for the
@@ -88,32 +92,44 @@ pub(crate) enum Policy {
     /// The highest single bit-width that fits.
     Uniform,
     /// The planner with these switches.
-    Planner(PlannerConfig),
+    Planner {
+        /// Its components.
+        config: PlannerConfig,
+        /// Routing multipliers by the plain share, ignoring the calibration routing.
+        absolute_routing: bool,
+    },
 }
 
 impl Policy {
-    /// Parses `uniform` or `planner[,no-routing][,no-residual][,no-sensitivity]`.
+    /// The planner with every component on.
+    pub(crate) fn planner() -> Self {
+        Self::Planner { config: PlannerConfig::default(), absolute_routing: false }
+    }
+
+    /// Parses `uniform` or
+    /// `planner[,no-routing][,no-residual][,no-sensitivity][,absolute-routing]`.
     pub(crate) fn parse(s: &str) -> Result<Self> {
         let mut tokens = s.split(',').map(str::trim);
         let mut policy = match tokens.next().unwrap_or_default() {
             "uniform" => Self::Uniform,
-            "planner" => Self::Planner(PlannerConfig::default()),
+            "planner" => Self::planner(),
             other => bail!(
                 "--policy {s}: unknown policy `{other}` (expected `uniform` or \
-                 `planner[,no-routing][,no-residual][,no-sensitivity]`)"
+                 `planner[,no-routing][,no-residual][,no-sensitivity][,absolute-routing]`)"
             ),
         };
         for t in tokens {
-            let Self::Planner(cfg) = &mut policy else {
+            let Self::Planner { config: cfg, absolute_routing } = &mut policy else {
                 bail!("--policy {s}: `{t}` switches off a planner component; `uniform` takes no options")
             };
             match t {
                 "no-routing" => cfg.use_routing = false,
                 "no-residual" => cfg.use_residual = false,
                 "no-sensitivity" => cfg.use_sensitivity = false,
+                "absolute-routing" => *absolute_routing = true,
                 other => bail!(
-                    "--policy {s}: unknown option `{other}` (expected no-routing, no-residual or \
-                     no-sensitivity)"
+                    "--policy {s}: unknown option `{other}` (expected no-routing, no-residual, \
+                     no-sensitivity or absolute-routing)"
                 ),
             }
         }
@@ -124,12 +140,13 @@ impl Policy {
     pub(crate) fn name(&self) -> String {
         match self {
             Self::Uniform => "uniform".into(),
-            Self::Planner(c) => {
+            Self::Planner { config: c, absolute_routing } => {
                 let mut n = String::from("planner");
                 for (off, t) in [
                     (!c.use_routing, ",no-routing"),
                     (!c.use_residual, ",no-residual"),
                     (!c.use_sensitivity, ",no-sensitivity"),
+                    (*absolute_routing, ",absolute-routing"),
                 ] {
                     if off {
                         n.push_str(t);
@@ -177,7 +194,7 @@ fn eval_on<B: Backend>(args: &EvalPplArgs, device: &B::Device) -> Result<()> {
     routing_config(args.routing_config.as_deref())?;
     let policy = match (&args.policy, args.expert_budget_bytes) {
         (Some(p), _) => Some(Policy::parse(p)?),
-        (None, Some(_)) => Some(Policy::Planner(PlannerConfig::default())),
+        (None, Some(_)) => Some(Policy::planner()),
         (None, None) => None,
     };
     let mut ids = tokenize_text_file(&args.model, &args.text)?;
@@ -266,17 +283,22 @@ struct PassStats {
 }
 
 /// Runs the checkpoint at `bits` over the text, gathering routing statistics over
-/// `layers × experts` and residual features.
+/// `layers × experts` (relative to the calibration routing `calibration` recorded, when given)
+/// and residual features.
 fn stats_pass<B: Backend>(
     args: &EvalPplArgs,
     ids: &[u32],
     bits: u8,
     (layers, experts): (usize, usize),
+    calibration: Option<&pw_format::Manifest>,
     device: &B::Device,
 ) -> Result<PassStats> {
     let loaded = load::<B>(&args.model, Some(bits), device)?;
     check_vocab(&loaded, ids, &args.text)?;
     let mut routing = RoutingStats::new(layers, experts, routing_config(args.routing_config.as_deref())?)?;
+    if let Some(m) = calibration {
+        routing.set_calibration_routing(&m.routing).with_context(|| format!("{}", args.model.display()))?;
+    }
     let mut sum: Vec<f64> = Vec::new();
     let (mut forwards, mut model_layers) = (0usize, 0usize);
     let mut failed: Option<anyhow::Error> = None;
@@ -414,12 +436,13 @@ fn budgeted<B: Backend>(
             extra.push_str(&format!(",\"bits\":{b}"));
             manifest.blocks.iter().map(|e| b.clamp(e.min_bits, e.max_bits)).collect()
         }
-        Policy::Planner(cfg) => {
+        Policy::Planner { config: cfg, absolute_routing } => {
             let snapshot = Snapshot::from_manifest(manifest, hi)?;
             let extent = snapshot.extent();
             // Routing and residual need the first pass; the bytes-only ablation does not.
             let stats = if cfg.use_routing || cfg.use_residual {
-                Some(stats_pass::<B>(args, ids, hi, extent, device)?)
+                let calibration = (!absolute_routing).then_some(manifest);
+                Some(stats_pass::<B>(args, ids, hi, extent, calibration, device)?)
             } else {
                 None
             };
@@ -443,8 +466,9 @@ fn budgeted<B: Backend>(
                 );
             }
             if let Some(s) = &stats {
+                let multiplier = if s.routing.has_calibration() { "relative" } else { "absolute" };
                 extra.push_str(&format!(
-                    ",\"ppl_stats_pass\":{},\"stats_bits\":{hi},\"routing_steps\":{}",
+                    ",\"ppl_stats_pass\":{},\"stats_bits\":{hi},\"routing_steps\":{},\"routing_multiplier\":\"{multiplier}\"",
                     serde_json::to_string(&s.ppl)?,
                     s.routing.steps()
                 ));

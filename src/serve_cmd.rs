@@ -183,6 +183,8 @@ impl PlannerArgs {
             give_back_blocks: self.give_back_blocks.max(1),
             routing_every: self.routing_every.max(1),
             max_raise_bytes: (self.max_raise_mb * 1e6) as u64,
+            // Read from the checkpoint by the loader.
+            calibration_routing: Vec::new(),
         }
     }
 }

@@ -243,7 +243,14 @@ fn eval_ppl_under_an_expert_budget() {
         assert_eq!(hist.values().map(|v| v.as_u64().unwrap()).sum::<u64>(), 24);
         assert!(p["ppl"].as_f64().unwrap().is_finite());
     }
-    assert_eq!(get(&out, "planner")["residual"], "head");
+    let planner = get(&out, "planner");
+    assert_eq!(planner["residual"], "head");
+    assert_eq!(planner["routing_multiplier"], "relative", "quantize recorded the calibration routing");
+    let absolute = get(&out, "planner,absolute-routing");
+    assert_eq!(
+        (&absolute["policy"], &absolute["routing_multiplier"]),
+        (&"planner,absolute-routing".into(), &"absolute".into())
+    );
     // The bytes-only ablation skips the statistics pass.
     assert_eq!(get(&out, "planner,no-routing,no-residual")["residual"], "off");
 

@@ -12,8 +12,8 @@
 
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{ElementConversion, Tensor};
-use pw_models::eval::token_nll;
-use pw_models::{AnyModel, ExpertBank};
+use pw_models::eval::token_nll_traced;
+use pw_models::{AnyModel, ExpertBank, Trace};
 use pw_nn::Experts;
 
 /// One expert's gradient (or squared-gradient sum) in the parameter layout the model
@@ -60,7 +60,19 @@ pub fn expert_gradients<B: AutodiffBackend>(
     window: &[u32],
     device: &B::Device,
 ) -> (f64, Vec<Vec<Option<ExpertGrad<B::InnerBackend>>>>) {
-    let loss = token_nll(model, &[window], device).mean();
+    expert_gradients_traced(model, banks, window, device, None)
+}
+
+/// [`expert_gradients`] that also records the forward pass (router outputs) into `trace`.
+#[allow(clippy::type_complexity)]
+fn expert_gradients_traced<B: AutodiffBackend>(
+    model: &AnyModel<B>,
+    banks: &[ExpertBank<B>],
+    window: &[u32],
+    device: &B::Device,
+    trace: Option<&mut Trace<B>>,
+) -> (f64, Vec<Vec<Option<ExpertGrad<B::InnerBackend>>>>) {
+    let loss = token_nll_traced(model, &[window], device, trace).mean();
     let value: f64 = loss.clone().into_scalar().elem();
     let grads = loss.backward();
     let per_bank = banks
@@ -87,6 +99,22 @@ pub struct BankImportance {
     pub down: Vec<Vec<f32>>,
     /// Per expert: windows in which at least one token was routed to it.
     pub routed_windows: Vec<usize>,
+    /// Per expert: the routing weights its tokens carried, summed over the calibration text.
+    pub routing_mass: Vec<f64>,
+}
+
+impl BankImportance {
+    /// Per expert, its share of the layer's routing-weight mass (1 = an average expert; all 1
+    /// when no mass was seen).
+    pub fn mass_share(&self) -> Vec<f64> {
+        let total: f64 = self.routing_mass.iter().sum();
+        let n = self.routing_mass.len() as f64;
+        if total > 0.0 {
+            self.routing_mass.iter().map(|m| m * n / total).collect()
+        } else {
+            vec![1.0; self.routing_mass.len()]
+        }
+    }
 }
 
 /// Running sum of squared per-window gradients, kept on the device.
@@ -94,6 +122,7 @@ pub struct BankImportance {
 pub struct FisherPass<B: AutodiffBackend> {
     acc: Vec<Vec<Option<ExpertGrad<B::InnerBackend>>>>,
     routed: Vec<Vec<usize>>,
+    mass: Vec<Vec<f64>>,
     windows: usize,
     loss_sum: f64,
 }
@@ -104,12 +133,14 @@ impl<B: AutodiffBackend> FisherPass<B> {
         Self {
             acc: banks.iter().map(|b| vec![None; b.num_experts]).collect(),
             routed: banks.iter().map(|b| vec![0; b.num_experts]).collect(),
+            mass: banks.iter().map(|b| vec![0.0; b.num_experts]).collect(),
             windows: 0,
             loss_sum: 0.0,
         }
     }
 
-    /// Adds one window (one example) and returns its loss.
+    /// Adds one window (one example) and returns its loss; its router outputs add to each
+    /// expert's routing mass.
     pub fn add_window(
         &mut self,
         model: &AnyModel<B>,
@@ -117,7 +148,17 @@ impl<B: AutodiffBackend> FisherPass<B> {
         window: &[u32],
         device: &B::Device,
     ) -> f64 {
-        let (loss, grads) = expert_gradients(model, banks, window, device);
+        let mut trace = Trace::default();
+        let (loss, grads) = expert_gradients_traced(model, banks, window, device, Some(&mut trace));
+        for (mass, bank) in self.mass.iter_mut().zip(banks) {
+            let Some(Some(r)) = trace.routing.get(bank.layer) else { continue };
+            let w = r.weights.clone().into_data().convert::<f64>();
+            for (&e, &w) in r.indices.iter().zip(w.as_slice::<f64>().unwrap_or_default()) {
+                if let Some(m) = mass.get_mut(e) {
+                    *m += w;
+                }
+            }
+        }
         for ((acc, routed), bank) in self.acc.iter_mut().zip(&mut self.routed).zip(grads) {
             for ((a, r), g) in acc.iter_mut().zip(routed.iter_mut()).zip(bank) {
                 let Some(g) = g else { continue };
@@ -149,8 +190,9 @@ impl<B: AutodiffBackend> FisherPass<B> {
         self.acc
             .into_iter()
             .zip(self.routed)
+            .zip(self.mass)
             .zip(banks)
-            .map(|((acc, routed_windows), bank)| {
+            .map(|(((acc, routed_windows), routing_mass), bank)| {
                 let (h, i) = (bank.cfg.hidden, bank.cfg.intermediate);
                 let (gate_up, down) = acc
                     .into_iter()
@@ -159,7 +201,7 @@ impl<B: AutodiffBackend> FisherPass<B> {
                         None => (vec![0.0; 2 * i * h], vec![0.0; h * i]),
                     })
                     .unzip();
-                BankImportance { gate_up, down, routed_windows }
+                BankImportance { gate_up, down, routed_windows, routing_mass }
             })
             .collect()
     }

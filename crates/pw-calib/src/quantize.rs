@@ -14,7 +14,7 @@ use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
 use burn::tensor::backend::AutodiffBackend;
-use pw_format::{ApBlock, BlockKind, BlockMeta, CheckpointWriter, Manifest};
+use pw_format::{ApBlock, BlockKind, BlockMeta, CheckpointWriter, LayerRouting, Manifest};
 use pw_models::eval::token_windows;
 use pw_models::{CausalLm, HfSource, LoadedModel, expert_block_name, is_quantized_dir};
 use pw_quant::{MAX_BITS, MIN_BITS};
@@ -139,6 +139,16 @@ pub fn quantize_model<B: AutodiffBackend>(
 
     let mut writer = CheckpointWriter::create(out_dir)?;
     writer.set_model_type(model_type(model_dir)?);
+    // What the planner's online routing is compared with: the Fisher importance already
+    // weighs each expert by this use.
+    writer.set_routing(
+        loaded
+            .banks
+            .iter()
+            .zip(&importance)
+            .map(|(bank, imp)| LayerRouting { layer: bank.layer, mass_share: imp.mass_share() })
+            .collect(),
+    );
     let total_blocks: usize = loaded.banks.iter().map(|b| 2 * b.num_experts).sum();
     let mut done = 0;
     let src = HfSource::<B>::new(&hf, device);

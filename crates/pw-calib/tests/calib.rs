@@ -62,6 +62,13 @@ fn quantize_and_check(name: &str) {
     let n_blocks: usize = original.banks.iter().map(|b| 2 * b.num_experts).sum();
     assert_eq!(m.blocks.len(), n_blocks, "{name}");
     assert_eq!(m.bit_range(), Some((3, 8)));
+    // The calibration routing of every sparse layer: shares averaging 1.
+    let layers: Vec<usize> = m.routing.iter().map(|r| r.layer).collect();
+    assert_eq!(layers, original.banks.iter().map(|b| b.layer).collect::<Vec<_>>(), "{name}");
+    for (r, b) in m.routing.iter().zip(&original.banks) {
+        let sum: f64 = r.mass_share.iter().sum();
+        assert!((sum - b.num_experts as f64).abs() < 1e-6, "{name} layer {}: {:?}", r.layer, r.mass_share);
+    }
     // Every block lists its source tensors, and the blocks plus the dense tensors account for
     // every tensor of the source checkpoint exactly once.
     let hf = pw_hf::Checkpoint::open(&dir).unwrap();
@@ -163,6 +170,7 @@ fn fisher_is_the_sum_of_squared_gradients_and_nonzero_exactly_for_routed_experts
     // the loss (every position but a window's last, whose prediction has no target).
     let mut routed: Vec<Vec<bool>> = loaded.banks.iter().map(|b| vec![false; b.num_experts]).collect();
     let mut in_loss = routed.clone();
+    let mut mass: Vec<Vec<f64>> = loaded.banks.iter().map(|b| vec![0.0; b.num_experts]).collect();
     let plain = LoadedModel::<Cpu>::load(&dir, None, &device).unwrap();
     for w in &windows {
         fisher.add_window(&loaded.model, &loaded.banks, w, &device);
@@ -180,10 +188,12 @@ fn fisher_is_the_sum_of_squared_gradients_and_nonzero_exactly_for_routed_experts
         let mut cache = plain.model.new_cache();
         plain.model.forward(pw_models::generate::ids_tensor::<Cpu>(w, &device), &mut cache, Some(&mut trace));
         let moe_routes = trace.routing.iter().flatten();
-        for ((r, l), routing) in routed.iter_mut().zip(&mut in_loss).zip(moe_routes) {
+        for (((r, l), m), routing) in routed.iter_mut().zip(&mut in_loss).zip(&mut mass).zip(moe_routes) {
+            let weights = routing.weights.clone().into_data().convert::<f64>().to_vec::<f64>().unwrap();
             for (slot, &e) in routing.indices.iter().enumerate() {
                 r[e] = true;
                 l[e] |= slot / routing.k + 1 < w.len();
+                m[e] += weights[slot];
             }
         }
     }
@@ -197,6 +207,8 @@ fn fisher_is_the_sum_of_squared_gradients_and_nonzero_exactly_for_routed_experts
                 "bank {l} expert {e}: importance nonzero iff it shaped the loss"
             );
             assert_eq!(bank.routed_windows[e] > 0, routed[l][e], "bank {l} expert {e}");
+            let m = mass[l][e];
+            assert!((bank.routing_mass[e] - m).abs() <= 1e-5 * m + 1e-9, "bank {l} expert {e} mass");
             let got = bank.gate_up[e].iter().chain(&bank.down[e]);
             for (got, want) in got.zip(want[e].0.iter().chain(&want[e].1)) {
                 let ok = (*got as f64 - want).abs() <= 1e-5 * want.abs() + 1e-30;

@@ -7,7 +7,7 @@ use pw_quant::{MAX_BITS, MIN_BITS};
 use safetensors::Dtype;
 use safetensors::tensor::TensorView;
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Component, Path, PathBuf};
 
 /// File name of the manifest inside a checkpoint directory.
@@ -146,6 +146,21 @@ pub struct Manifest {
     pub blocks: Vec<BlockEntry>,
     /// Unchanged tensors: name → shard file.
     pub dense: BTreeMap<String, String>,
+    /// How the calibration text was routed, per sparse layer (absent in checkpoints written
+    /// before it was recorded).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub routing: Vec<LayerRouting>,
+}
+
+/// One sparse layer's routing on the calibration text: what the planner's online routing
+/// statistics are compared with, since the Fisher sensitivities already weigh each expert by
+/// this use.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LayerRouting {
+    /// Decoder layer.
+    pub layer: usize,
+    /// Per expert, its share of the layer's routing-weight mass (1 = an average expert).
+    pub mass_share: Vec<f64>,
 }
 
 impl Manifest {
@@ -272,6 +287,25 @@ impl Manifest {
                 return Err(err(label(g), "rows", reason));
             }
         }
+        let mut routed_layers = HashSet::new();
+        for (i, r) in self.routing.iter().enumerate() {
+            let entry = format!("routing[{i}] (layer {})", r.layer);
+            if !routed_layers.insert(r.layer) {
+                return Err(err(entry, "layer", "appears twice".into()));
+            }
+            let experts =
+                self.blocks.iter().filter(|b| b.layer == r.layer && b.kind == BlockKind::GateUp).count();
+            if experts == 0 {
+                return Err(err(entry, "layer", "has no expert blocks".into()));
+            }
+            if r.mass_share.len() != experts {
+                let reason = format!("has {} entries for the layer's {experts} experts", r.mass_share.len());
+                return Err(err(entry, "mass_share", reason));
+            }
+            if let Some(s) = r.mass_share.iter().find(|s| !(s.is_finite() && **s >= 0.0)) {
+                return Err(err(entry, "mass_share", format!("{s} is not a finite share >= 0")));
+            }
+        }
         for (name, file) in &self.dense {
             let entry = format!("dense tensor `{name}`");
             if name.is_empty() {
@@ -335,6 +369,7 @@ impl CheckpointWriter {
                 model_type: None,
                 blocks: Vec::new(),
                 dense: BTreeMap::new(),
+                routing: Vec::new(),
             },
         })
     }
@@ -348,6 +383,12 @@ impl CheckpointWriter {
     /// Records the source model type.
     pub fn set_model_type(&mut self, model_type: Option<String>) {
         self.manifest.model_type = model_type;
+    }
+
+    /// Records how the calibration text was routed (checked against the blocks by
+    /// [`Self::finish`]).
+    pub fn set_routing(&mut self, routing: Vec<LayerRouting>) {
+        self.manifest.routing = routing;
     }
 
     fn shard_name(&self) -> String {

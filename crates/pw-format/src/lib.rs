@@ -56,7 +56,7 @@ mod st;
 
 pub use block::{ApBlock, WORD_BITS, pack_planes, unpack_indices};
 pub use checkpoint::{
-    BlockEntry, BlockKind, BlockMeta, Checkpoint, CheckpointWriter, DEFAULT_SHARD_BYTES, MAGIC,
+    BlockEntry, BlockKind, BlockMeta, Checkpoint, CheckpointWriter, DEFAULT_SHARD_BYTES, LayerRouting, MAGIC,
     MANIFEST_FILE, Manifest, VERSION,
 };
 pub use error::FormatError;

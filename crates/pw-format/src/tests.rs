@@ -224,6 +224,40 @@ fn entry_err(dir: &Path, entry: &str, field: &str) -> String {
 }
 
 #[test]
+fn calibration_routing_round_trips_and_is_checked_against_the_blocks() {
+    let dir = tempfile::tempdir().unwrap();
+    let specs: Vec<_> =
+        (0..3).flat_map(|e| [(1, e, BlockKind::GateUp, 16, 8), (1, e, BlockKind::Down, 8, 8)]).collect();
+    let mut w = CheckpointWriter::create(dir.path()).unwrap();
+    for (i, &(layer, expert, kind, rows, cols)) in specs.iter().enumerate() {
+        let (_, b) = random_block(40 + i as u64, rows, cols, 3, 8);
+        let name = format!("layers.{layer}.experts.{expert}.{kind:?}");
+        w.add_block(BlockMeta { name, layer, expert, kind, sources: vec![] }, &b).unwrap();
+    }
+    let routing = vec![LayerRouting { layer: 1, mass_share: vec![1.5, 0.5, 1.0] }];
+    w.set_routing(routing.clone());
+    w.finish().unwrap();
+    assert_eq!(Checkpoint::open(dir.path()).unwrap().manifest().routing, routing);
+
+    edit_manifest(dir.path(), |v| v["routing"][0]["mass_share"] = serde_json::json!([1.0, 1.0]));
+    let s = entry_err(dir.path(), "routing[0] (layer 1)", "mass_share");
+    assert!(s.contains("3 experts"), "{s}");
+    edit_manifest(dir.path(), |v| v["routing"][0]["mass_share"] = serde_json::json!([1.0, -1.0, 1.0]));
+    entry_err(dir.path(), "routing[0] (layer 1)", "mass_share");
+    edit_manifest(dir.path(), |v| {
+        v["routing"][0]["mass_share"] = serde_json::json!([1.0, 1.0, 1.0]);
+        v["routing"][0]["layer"] = 0.into();
+    });
+    let s = entry_err(dir.path(), "routing[0] (layer 0)", "layer");
+    assert!(s.contains("no expert blocks"), "{s}");
+    // Checkpoints written before the field existed still open.
+    edit_manifest(dir.path(), |v| {
+        v.as_object_mut().unwrap().remove("routing");
+    });
+    assert!(Checkpoint::open(dir.path()).unwrap().manifest().routing.is_empty());
+}
+
+#[test]
 fn absolute_block_file_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     write_checkpoint(dir.path(), DEFAULT_SHARD_BYTES);
@@ -409,6 +443,7 @@ fn byte_counts_that_overflow_are_refused() {
         model_type: None,
         blocks: vec![block(0)],
         dense: Default::default(),
+        routing: vec![],
     };
     m.validate(Path::new(MANIFEST_FILE)).unwrap();
     m.blocks.push(block(1));

@@ -50,5 +50,5 @@ pub use hook::Planner;
 pub use memory::{KvPressureConfig, MemoryTarget, kv_block_bytes};
 pub use plan::{Plan, PlannerConfig, ResidualFactors, estimated_damage, floors, page_damage, plan};
 pub use pw_format::BlockKind;
-pub use routing::{Bucket, RoutingConfig, RoutingStats, accumulate_choices};
+pub use routing::{Bucket, MIN_CALIBRATION_SHARE, RoutingConfig, RoutingStats, accumulate_choices};
 pub use snapshot::{PageId, PageState, Snapshot};

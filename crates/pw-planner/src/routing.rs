@@ -127,6 +127,8 @@ pub struct RoutingStats {
     /// constant input reads back exactly after one step.
     norm: f64,
     steps: u64,
+    /// Each expert's share on the calibration text, `[layers · experts]` (empty: not known).
+    calibration: Vec<f64>,
 }
 
 impl RoutingStats {
@@ -143,7 +145,74 @@ impl RoutingStats {
             layer_mass: vec![0.0; layers],
             norm: 0.0,
             steps: 0,
+            calibration: Vec::new(),
         })
+    }
+
+    /// Sets each expert's mass share on the calibration text its pages' sensitivities were
+    /// measured on (Fisher importance already weighs an expert by that use), `[layers ·
+    /// experts]` layer-major: the damage multiplier then follows the share *relative* to it, so
+    /// an expert used as in calibration gets 1 instead of being counted twice.
+    pub fn set_calibration_shares(&mut self, shares: Vec<f64>) -> Result<(), PlanError> {
+        let n = self.layers * self.experts;
+        if shares.len() != n {
+            return Err(PlanError::Shape {
+                what: "calibration routing shares".into(),
+                reason: format!("{} entries, expected layers·experts = {n}", shares.len()),
+            });
+        }
+        if let Some(i) = shares.iter().position(|s| !(s.is_finite() && *s >= 0.0)) {
+            return Err(PlanError::Shape {
+                what: "calibration routing shares".into(),
+                reason: format!(
+                    "layer {} expert {} has {}, expected finite and >= 0",
+                    i / self.experts,
+                    i % self.experts,
+                    shares[i]
+                ),
+            });
+        }
+        self.calibration = shares;
+        Ok(())
+    }
+
+    /// [`Self::set_calibration_shares`] from the calibration routing `quantize` recorded in a
+    /// checkpoint's manifest (layers it does not list get 1); false, and nothing set, when it
+    /// recorded none.
+    pub fn set_calibration_routing(
+        &mut self,
+        routing: &[pw_format::LayerRouting],
+    ) -> Result<bool, PlanError> {
+        if routing.is_empty() {
+            return Ok(false);
+        }
+        let mut shares = vec![1.0; self.layers * self.experts];
+        for r in routing {
+            if r.layer >= self.layers || r.mass_share.len() != self.experts {
+                return Err(PlanError::Shape {
+                    what: format!("calibration routing of layer {}", r.layer),
+                    reason: format!(
+                        "{} experts; the planner covers {} layers of {} experts",
+                        r.mass_share.len(),
+                        self.layers,
+                        self.experts
+                    ),
+                });
+            }
+            shares[r.layer * self.experts..][..self.experts].copy_from_slice(&r.mass_share);
+        }
+        self.set_calibration_shares(shares)?;
+        Ok(true)
+    }
+
+    /// The expert's calibration share, when set.
+    pub fn calibration_share(&self, layer: usize, expert: usize) -> Option<f64> {
+        self.calibration.get(self.idx(layer, expert)).copied()
+    }
+
+    /// Whether calibration shares are set.
+    pub fn has_calibration(&self) -> bool {
+        !self.calibration.is_empty()
     }
 
     /// Layers covered.
@@ -234,9 +303,27 @@ impl RoutingStats {
         if total <= 0.0 { 1.0 } else { self.mass[self.idx(layer, expert)] * self.experts as f64 / total }
     }
 
-    /// The expert's bucket.
+    /// The expert's share over its calibration share (1 = used as on the calibration text, and
+    /// before any step); the plain [`Self::share`] without calibration shares. A calibration
+    /// share is read as at least [`MIN_CALIBRATION_SHARE`], so an expert the calibration text
+    /// never reached counts as hot as soon as it carries mass.
+    pub fn relative_share(&self, layer: usize, expert: usize) -> f64 {
+        if self.calibration.is_empty() {
+            return self.share(layer, expert);
+        }
+        if self.layer_mass[layer] <= 0.0 {
+            return 1.0;
+        }
+        self.share(layer, expert) / self.calibration[self.idx(layer, expert)].max(MIN_CALIBRATION_SHARE)
+    }
+
+    /// The expert's bucket by its share (what its bit floor follows: a heavily used expert
+    /// keeps its floor whatever calibration saw).
     pub fn bucket(&self, layer: usize, expert: usize) -> Bucket {
-        let s = self.share(layer, expert);
+        self.bucket_of(self.share(layer, expert))
+    }
+
+    fn bucket_of(&self, s: f64) -> Bucket {
         if s >= self.config.hot_share {
             Bucket::Hot
         } else if s < self.config.cold_share {
@@ -255,15 +342,19 @@ impl RoutingStats {
         }
     }
 
-    /// Damage multiplier of the expert's pages.
+    /// Damage multiplier of the expert's pages, by the bucket of its [relative
+    /// share](Self::relative_share).
     pub fn multiplier(&self, layer: usize, expert: usize) -> f64 {
-        match self.bucket(layer, expert) {
+        match self.bucket_of(self.relative_share(layer, expert)) {
             Bucket::Hot => self.config.hot_multiplier,
             Bucket::Warm => self.config.warm_multiplier,
             Bucket::Cold => self.config.cold_multiplier,
         }
     }
 }
+
+/// Smallest calibration share [`RoutingStats::relative_share`] divides by.
+pub const MIN_CALIBRATION_SHARE: f64 = 1e-3;
 
 /// Host-side accumulation of one layer's router output into the flat per-step arrays that
 /// [`RoutingStats::update`] takes (the CPU path; the GPU decode path fills the same arrays with

@@ -48,14 +48,19 @@ pub struct FastStepModel<R: Runtime, KV: Float + CubeElement> {
     kv_capacity: u64,
 }
 
-/// The experts of the model in `dir`: read from a PagedWeight checkpoint, or quantized from a
-/// Hugging Face one with uniform importance (its sensitivities then proxies for those
-/// `pagedweight quantize` computes).
-fn load_experts(dir: &Path, cfg: &DecodeConfig, bits: u8) -> Result<ExpertBlocks, pw_decode::DecodeError> {
+/// The experts of the model in `dir` and the calibration routing recorded with them: read from
+/// a PagedWeight checkpoint, or quantized from a Hugging Face one with uniform importance (its
+/// sensitivities then proxies for those `pagedweight quantize` computes, and no routing).
+fn load_experts(
+    dir: &Path,
+    cfg: &DecodeConfig,
+    bits: u8,
+) -> Result<(ExpertBlocks, Vec<pw_format::LayerRouting>), pw_decode::DecodeError> {
     if pw_models::is_quantized_dir(dir) {
-        return ExpertBlocks::from_checkpoint(&pw_format::Checkpoint::open(dir)?, cfg, bits);
+        let ckpt = pw_format::Checkpoint::open(dir)?;
+        return Ok((ExpertBlocks::from_checkpoint(&ckpt, cfg, bits)?, ckpt.manifest().routing.clone()));
     }
-    ExpertBlocks::quantize_hf(&Checkpoint::open(dir)?, cfg, bits)
+    Ok((ExpertBlocks::quantize_hf(&Checkpoint::open(dir)?, cfg, bits)?, Vec::new()))
 }
 
 /// Expert bytes of `experts` if every page were at `bits` (clamped to its range).
@@ -97,7 +102,9 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
         let model = |e: String| ServeError::Model(format!("{}: {e}", dir.display()));
         let config = ModelConfig::from_dir(dir).map_err(|e| model(e.to_string()))?;
         let cfg = DecodeConfig::from_model(&config).map_err(|e| model(e.to_string()))?;
-        let mut experts = load_experts(dir, &cfg, o.bits).map_err(|e| model(e.to_string()))?;
+        let (mut experts, calibration_routing) =
+            load_experts(dir, &cfg, o.bits).map_err(|e| model(e.to_string()))?;
+        let memory = MemoryOptions { calibration_routing, ..o.memory.clone() };
         let block_bytes = cfg.kv_geometry(BLOCK, size_of::<KV>(), o.max_context).block_bytes() as u64;
         let plan = MemoryPlan::new(
             &o.memory,
@@ -121,7 +128,7 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
             .accountant(accountant.clone())
             .load(dir, experts)
             .map_err(|e| model(e.to_string()))?;
-        Self::assemble(dec, accountant, &o.memory, plan, o.max_batch).map_err(model)
+        Self::assemble(dec, accountant, &memory, plan, o.max_batch).map_err(model)
     }
 
     /// A model of `cfg`'s shapes with random weights (see [`pw_decode::DecoderBuilder::synthetic`]),

@@ -32,8 +32,11 @@ pub struct PageView {
     pub location: PageLocation,
     /// Device bytes at the committed bits (planes + LUT).
     pub bytes: u64,
-    /// The expert's share of its layer's routed tokens (planner only).
+    /// The expert's share of its layer's routing-weight mass (planner only).
     pub routing_share: Option<f64>,
+    /// Its share on the calibration text, which the routing multiplier compares with (planner
+    /// on a checkpoint that recorded it).
+    pub calibration_share: Option<f64>,
     /// The planner's estimated damage of the page at its desired bits (planner only).
     pub damage: Option<f64>,
 }

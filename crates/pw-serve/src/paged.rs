@@ -54,6 +54,9 @@ pub struct MemoryOptions {
     /// Most bytes one boundary may start raising (0 = no limit), so that a give-back spreads
     /// its copies over several steps.
     pub max_raise_bytes: u64,
+    /// How the calibration text was routed (from a PagedWeight checkpoint; empty: unknown):
+    /// the planner's routing multiplier is then relative to it.
+    pub calibration_routing: Vec<pw_format::LayerRouting>,
 }
 
 impl Default for MemoryOptions {
@@ -67,6 +70,7 @@ impl Default for MemoryOptions {
             give_back_blocks: 16,
             routing_every: 1,
             max_raise_bytes: 0,
+            calibration_routing: Vec::new(),
         }
     }
 }
@@ -132,10 +136,11 @@ impl PagedMemory {
                     bytes_per_block: block_bytes,
                     min_give_back_bytes: 0,
                 };
-                Some(
+                let mut p =
                     Planner::new(layers, experts, options.planner.clone(), kvc, options.routing.clone())
-                        .map_err(err)?,
-                )
+                        .map_err(err)?;
+                p.routing.set_calibration_routing(&options.calibration_routing).map_err(err)?;
+                Some(p)
             }
         };
         let state =
@@ -281,6 +286,9 @@ impl PagedMemory {
         dec: &Decoder<R, KV>,
     ) -> Result<PageTableView, StepError> {
         let pages = dec.experts().pages();
+        // Shares are relative to the layer's mean expert; the view gives fractions of the layer.
+        let p_experts = dec.config().experts as f64;
+        let calibration = self.planner.as_ref().filter(|p| p.routing.has_calibration());
         let (shares, damage) = match &self.planner {
             Some(p) => {
                 let snapshot = Snapshot { pages: pages.iter().map(page_state).collect() };
@@ -320,6 +328,9 @@ impl PagedMemory {
                     .copied()
                     .unwrap_or(0),
                 routing_share: shares.as_ref().map(|s| s[i]),
+                calibration_share: calibration
+                    .and_then(|c| c.routing.calibration_share(p.layer, p.expert))
+                    .map(|s| s / p_experts),
                 damage: damage.as_ref().map(|d| d[i]),
             })
             .collect();

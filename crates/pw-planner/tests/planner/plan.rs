@@ -433,6 +433,7 @@ fn snapshot_from_a_manifest_takes_bytes_and_sensitivity_per_bit_width() {
         model_type: None,
         blocks: vec![entry.clone()],
         dense: Default::default(),
+        routing: vec![],
     };
     let s = Snapshot::from_manifest(&manifest, 9).unwrap();
     let p = &s.pages[0];

@@ -65,6 +65,35 @@ fn buckets_floors_and_multipliers_follow_the_mass_share() {
 }
 
 #[test]
+fn multipliers_follow_the_share_relative_to_calibration() {
+    let d = RoutingConfig::default();
+    let mut r = RoutingStats::new(2, 4, d.clone()).unwrap();
+    // Calibration: layer 0 saw expert 0 at 2.4 and expert 3 never; layer 1 uniform.
+    r.set_calibration_shares(vec![2.4, 1.2, 0.4, 0.0, 1.0, 1.0, 1.0, 1.0]).unwrap();
+    assert!((0..4).all(|e| r.multiplier(0, e) == d.warm_multiplier), "no observation: neutral");
+    // Online: layer 0 at 2.4, 1.2, 0.32, 0.08 (as calibration but for expert 3); layer 1 skewed.
+    r.update(10, &[6, 3, 1, 1, 3, 3, 2, 2], &[6.0, 3.0, 0.8, 0.2, 3.0, 0.5, 0.25, 0.25]).unwrap();
+    assert!((r.relative_share(0, 0) - 1.0).abs() < 1e-6, "used as in calibration: 1");
+    assert_eq!(r.multiplier(0, 0), d.warm_multiplier, "not counted twice");
+    assert_eq!(r.bucket(0, 0), Bucket::Hot, "the floor still follows the plain share");
+    assert_eq!(r.floor_bits(0, 0), d.hot_floor_bits);
+    assert_eq!(r.multiplier(0, 2), d.warm_multiplier, "0.32 of 0.4");
+    assert_eq!(r.multiplier(0, 3), d.hot_multiplier, "calibration never reached it");
+    assert_eq!(r.multiplier(1, 0), d.hot_multiplier, "3.0 against 1.0");
+    assert_eq!(r.multiplier(1, 2), d.cold_multiplier);
+    // Without calibration the same step gives the plain buckets.
+    let mut plain = RoutingStats::new(2, 4, d.clone()).unwrap();
+    plain.update(10, &[6, 3, 1, 1, 3, 3, 2, 2], &[6.0, 3.0, 0.8, 0.2, 3.0, 0.5, 0.25, 0.25]).unwrap();
+    assert_eq!(plain.multiplier(0, 0), d.hot_multiplier);
+    assert!(!plain.has_calibration() && r.has_calibration());
+    // Bad shares are named.
+    let e = r.set_calibration_shares(vec![1.0; 7]).unwrap_err().to_string();
+    assert!(e.contains("calibration routing shares") && e.contains("7 entries"), "{e}");
+    let e = r.set_calibration_shares(vec![1.0, f64::NAN, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]).unwrap_err();
+    assert!(e.to_string().contains("layer 0 expert 1"), "{e}");
+}
+
+#[test]
 fn router_choices_accumulate_into_flat_counts() {
     let (layers, experts) = (2, 3);
     let mut counts = vec![0u32; layers * experts];

@@ -390,3 +390,64 @@ fn thirty_two_mixtral_requests_under_a_planned_budget_all_complete() {
 fn thirty_two_qwen2_moe_requests_under_a_planned_budget_all_complete() {
     thirty_two_requests_under_a_planned_budget(&asset("tiny-qwen2-moe"));
 }
+
+/// Issue 29: a PagedWeight checkpoint's calibration routing reaches the served planner (its
+/// routing multiplier is relative to it) and shows in the page table; a Hugging Face directory
+/// has none.
+#[test]
+fn the_checkpoints_calibration_routing_reaches_the_planner() {
+    use pw_format::{BlockKind, BlockMeta, CheckpointWriter, LayerRouting};
+    use pw_serve::{FastOptions, MemoryOptions, WeightPolicy};
+    let dir = asset("tiny-mixtral");
+    let hf = pw_hf::Checkpoint::open(&dir).unwrap();
+    let cfg = pw_decode::DecodeConfig::from_model(&pw_hf::ModelConfig::from_dir(&dir).unwrap()).unwrap();
+    let experts = pw_decode::ExpertBlocks::quantize_hf(&hf, &cfg, 8).unwrap();
+    let out = tempfile::tempdir().unwrap();
+    let mut w = CheckpointWriter::create(out.path()).unwrap();
+    for (l, layer) in experts.blocks.iter().enumerate() {
+        for (e, (gu, dn)) in layer.iter().enumerate() {
+            for (kind, block, name) in [(BlockKind::GateUp, gu, "gate_up"), (BlockKind::Down, dn, "down")] {
+                let name = format!("layers.{l}.experts.{e}.{name}");
+                w.add_block(BlockMeta { name, layer: l, expert: e, kind, sources: vec![] }, block).unwrap();
+            }
+        }
+    }
+    for name in hf.names().filter(|n| !n.contains(".experts.")) {
+        let (dtype, shape, bytes) = hf.raw(name).unwrap();
+        w.add_dense(name, dtype, shape.to_vec(), bytes.to_vec()).unwrap();
+    }
+    w.copy_file(&dir.join("config.json")).unwrap();
+    // Planted: expert e of layer l had share (1 + l + e) / mean.
+    let planted = |l: usize, e: usize| (1 + l + e) as f64;
+    let routing: Vec<LayerRouting> = (0..cfg.layers)
+        .filter(|&l| cfg.sparse[l])
+        .map(|l| {
+            let raw: Vec<f64> = (0..cfg.experts).map(|e| planted(l, e)).collect();
+            let mean = raw.iter().sum::<f64>() / cfg.experts as f64;
+            LayerRouting { layer: l, mass_share: raw.iter().map(|r| r / mean).collect() }
+        })
+        .collect();
+    w.set_routing(routing.clone());
+    w.finish().unwrap();
+
+    let client = wgpu_client();
+    let memory = MemoryOptions {
+        budget_bytes: Some(experts.blocks.len() as u64 * (1 << 24)),
+        policy: WeightPolicy::Planner,
+        ..Default::default()
+    };
+    let options = FastOptions { bits: 8, kv_budget_bytes: 0, max_batch: 4, max_context: 64, memory };
+    let view = |d: &Path| {
+        let m = FastStepModel::<WgpuRuntime, half::f16>::load_with(&client, d, &options).unwrap();
+        m.page_table().unwrap().expect("the fast path has a page table")
+    };
+    let v = view(out.path());
+    assert!(!v.pages.is_empty());
+    for p in &v.pages {
+        let want =
+            routing.iter().find(|r| r.layer == p.layer).unwrap().mass_share[p.expert] / cfg.experts as f64;
+        let got = p.calibration_share.expect("every page has its calibration share");
+        assert!((got - want).abs() < 1e-12, "layer {} expert {}: {got} vs {want}", p.layer, p.expert);
+    }
+    assert!(view(&dir).pages.iter().all(|p| p.calibration_share.is_none()), "no routing in an HF directory");
+}
