@@ -106,6 +106,33 @@ impl ExpertBlocks {
     }
 }
 
+impl ExpertBlocks {
+    /// Writes these blocks (named `layers.{l}.experts.{e}.{gate_up,down}`) and every tensor of
+    /// the Hugging Face checkpoint `hf` but its experts into `w`: a PagedWeight checkpoint of
+    /// blocks quantized elsewhere (e.g. by [`Self::quantize_hf`]).
+    pub fn write_checkpoint(
+        &self,
+        hf: &Checkpoint,
+        w: &mut pw_format::CheckpointWriter,
+    ) -> Result<(), DecodeError> {
+        for (l, layer) in self.blocks.iter().enumerate() {
+            for (e, (gu, dn)) in layer.iter().enumerate() {
+                for (kind, block, name) in [(BlockKind::GateUp, gu, "gate_up"), (BlockKind::Down, dn, "down")]
+                {
+                    let name = format!("layers.{l}.experts.{e}.{name}");
+                    let meta = pw_format::BlockMeta { name, layer: l, expert: e, kind, sources: vec![] };
+                    w.add_block(meta, block)?;
+                }
+            }
+        }
+        for name in hf.names().filter(|n| !n.contains(".experts.")) {
+            let (dtype, shape, bytes) = hf.raw(name)?;
+            w.add_dense(name, dtype, shape.to_vec(), bytes.to_vec())?;
+        }
+        Ok(())
+    }
+}
+
 /// The dense tensors of the model in `dir`: a Hugging Face checkpoint, or the shards of a
 /// PagedWeight checkpoint (which keeps every tensor but the experts under its original name).
 pub(crate) fn dense_checkpoint(dir: &Path) -> Result<Checkpoint, DecodeError> {

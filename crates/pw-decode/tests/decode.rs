@@ -323,7 +323,7 @@ fn three_prompts() -> Vec<(u64, Vec<u32>)> {
 /// same committed bits the same logits as the Hugging Face directory serving those blocks.
 #[test]
 fn pagedweight_checkpoint_serves_its_blocks() {
-    use pw_format::{BlockKind, BlockMeta, CheckpointWriter};
+    use pw_format::{BlockKind, CheckpointWriter};
     let dir = asset("tiny-mixtral");
     let (_, experts, client) = setup(&dir);
     let hf = Checkpoint::open(&dir).unwrap();
@@ -331,18 +331,7 @@ fn pagedweight_checkpoint_serves_its_blocks() {
     let out = tempfile::tempdir().unwrap();
     // Small shards, so the dense tensors span several files.
     let mut w = CheckpointWriter::create(out.path()).unwrap().with_shard_bytes(1 << 20);
-    for (l, layer) in experts.blocks.iter().enumerate() {
-        for (e, (gu, dn)) in layer.iter().enumerate() {
-            for (kind, block, name) in [(BlockKind::GateUp, gu, "gate_up"), (BlockKind::Down, dn, "down")] {
-                let name = format!("layers.{l}.experts.{e}.{name}");
-                w.add_block(BlockMeta { name, layer: l, expert: e, kind, sources: vec![] }, block).unwrap();
-            }
-        }
-    }
-    for name in hf.names().filter(|n| !n.contains(".experts.")) {
-        let (dtype, shape, bytes) = hf.raw(name).unwrap();
-        w.add_dense(name, dtype, shape.to_vec(), bytes.to_vec()).unwrap();
-    }
+    experts.write_checkpoint(&hf, &mut w).unwrap();
     w.copy_file(&dir.join("config.json")).unwrap();
     w.finish().unwrap();
     let pw = pw_format::Checkpoint::open(out.path()).unwrap();

@@ -396,7 +396,7 @@ fn thirty_two_qwen2_moe_requests_under_a_planned_budget_all_complete() {
 /// has none.
 #[test]
 fn the_checkpoints_calibration_routing_reaches_the_planner() {
-    use pw_format::{BlockKind, BlockMeta, CheckpointWriter, LayerRouting};
+    use pw_format::{CheckpointWriter, LayerRouting};
     use pw_serve::{FastOptions, MemoryOptions, WeightPolicy};
     let dir = asset("tiny-mixtral");
     let hf = pw_hf::Checkpoint::open(&dir).unwrap();
@@ -404,18 +404,7 @@ fn the_checkpoints_calibration_routing_reaches_the_planner() {
     let experts = pw_decode::ExpertBlocks::quantize_hf(&hf, &cfg, 8).unwrap();
     let out = tempfile::tempdir().unwrap();
     let mut w = CheckpointWriter::create(out.path()).unwrap();
-    for (l, layer) in experts.blocks.iter().enumerate() {
-        for (e, (gu, dn)) in layer.iter().enumerate() {
-            for (kind, block, name) in [(BlockKind::GateUp, gu, "gate_up"), (BlockKind::Down, dn, "down")] {
-                let name = format!("layers.{l}.experts.{e}.{name}");
-                w.add_block(BlockMeta { name, layer: l, expert: e, kind, sources: vec![] }, block).unwrap();
-            }
-        }
-    }
-    for name in hf.names().filter(|n| !n.contains(".experts.")) {
-        let (dtype, shape, bytes) = hf.raw(name).unwrap();
-        w.add_dense(name, dtype, shape.to_vec(), bytes.to_vec()).unwrap();
-    }
+    experts.write_checkpoint(&hf, &mut w).unwrap();
     w.copy_file(&dir.join("config.json")).unwrap();
     // Planted: expert e of layer l had share (1 + l + e) / mean.
     let planted = |l: usize, e: usize| (1 + l + e) as f64;
