@@ -118,6 +118,24 @@ const BITS: [RGBColor; 6] = [
     RGBColor(26, 152, 80),
 ];
 
+/// One of the figure's three charts: seconds against a value.
+type Chart<'a, 'b> = ChartContext<
+    'a,
+    BitMapBackend<'b>,
+    Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>,
+>;
+
+/// Draws a chart's legend box at `at`.
+fn legend<'a, 'b: 'a>(c: &mut Chart<'a, 'b>, at: SeriesLabelPosition) -> Result<(), String> {
+    c.configure_series_labels()
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .label_font(("sans-serif", 13))
+        .position(at)
+        .draw()
+        .map_err(|e| e.to_string())
+}
+
 fn draw(png: &Path, model: &str, policy: &str, run: &Value, s: &[Sample]) -> Result<()> {
     let err = |e: &dyn std::fmt::Display| anyhow::anyhow!("drawing {}: {e}", png.display());
     let root = BitMapBackend::new(png, (1100, 900)).into_drawing_area();
@@ -150,13 +168,7 @@ fn draw(png: &Path, model: &str, policy: &str, run: &Value, s: &[Sample]) -> Res
             .label(format!("{bits} bits"))
             .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 14, y + 5)], colour.filled()));
     }
-    c.configure_series_labels()
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .label_font(("sans-serif", 13))
-        .position(SeriesLabelPosition::LowerLeft)
-        .draw()
-        .map_err(|e| err(&e))?;
+    legend(&mut c, SeriesLabelPosition::LowerLeft).map_err(|e| err(&e))?;
 
     // The memory split: experts + KV stacked, against the GPU memory limit less the dense
     // weights and step buffers where the record says it.
@@ -194,13 +206,7 @@ fn draw(png: &Path, model: &str, policy: &str, run: &Value, s: &[Sample]) -> Res
             .label("budget (experts + KV)")
             .legend(|(x, y)| PathElement::new([(x, y), (x + 14, y)], BLACK.stroke_width(2)));
     }
-    c.configure_series_labels()
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .label_font(("sans-serif", 13))
-        .position(SeriesLabelPosition::LowerRight)
-        .draw()
-        .map_err(|e| err(&e))?;
+    legend(&mut c, SeriesLabelPosition::LowerRight).map_err(|e| err(&e))?;
 
     // Requests queued and running.
     let q_top = s.iter().map(|x| x.queue.max(x.active)).fold(1.0, f64::max);
@@ -225,13 +231,7 @@ fn draw(png: &Path, model: &str, policy: &str, run: &Value, s: &[Sample]) -> Res
             .label(name)
             .legend(move |(x, y)| PathElement::new([(x, y), (x + 14, y)], colour.stroke_width(2)));
     }
-    c.configure_series_labels()
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .label_font(("sans-serif", 13))
-        .position(SeriesLabelPosition::UpperRight)
-        .draw()
-        .map_err(|e| err(&e))?;
+    legend(&mut c, SeriesLabelPosition::UpperRight).map_err(|e| err(&e))?;
     root.present().map_err(|e| err(&e))?;
     Ok(())
 }

@@ -117,9 +117,8 @@ impl ExpertBlocks {
     ) -> Result<(), DecodeError> {
         for (l, layer) in self.blocks.iter().enumerate() {
             for (e, (gu, dn)) in layer.iter().enumerate() {
-                for (kind, block, name) in [(BlockKind::GateUp, gu, "gate_up"), (BlockKind::Down, dn, "down")]
-                {
-                    let name = format!("layers.{l}.experts.{e}.{name}");
+                for (kind, block) in [(BlockKind::GateUp, gu), (BlockKind::Down, dn)] {
+                    let name = format!("layers.{l}.experts.{e}.{}", kind.name());
                     let meta = pw_format::BlockMeta { name, layer: l, expert: e, kind, sources: vec![] };
                     w.add_block(meta, block)?;
                 }

@@ -29,6 +29,16 @@ pub enum BlockKind {
     Down,
 }
 
+impl BlockKind {
+    /// `gate_up` or `down`: the name the manifest writes, and block names and labels use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::GateUp => "gate_up",
+            Self::Down => "down",
+        }
+    }
+}
+
 /// One any-precision block in the manifest.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct BlockEntry {

@@ -27,11 +27,7 @@ pub struct PageKey {
 
 impl fmt::Display for PageKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let kind = match self.kind {
-            BlockKind::GateUp => "gate_up",
-            BlockKind::Down => "down",
-        };
-        write!(f, "layer {} expert {} {kind}", self.layer, self.expert)
+        write!(f, "layer {} expert {} {}", self.layer, self.expert, self.kind.name())
     }
 }
 

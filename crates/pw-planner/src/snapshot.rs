@@ -27,11 +27,7 @@ impl PageId {
 
 impl std::fmt::Display for PageId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let k = match self.kind {
-            BlockKind::GateUp => "gate_up",
-            BlockKind::Down => "down",
-        };
-        write!(f, "layer {} expert {} {k}", self.layer, self.expert)
+        write!(f, "layer {} expert {} {}", self.layer, self.expert, self.kind.name())
     }
 }
 

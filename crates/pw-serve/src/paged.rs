@@ -286,21 +286,25 @@ impl PagedMemory {
         dec: &Decoder<R, KV>,
     ) -> Result<PageTableView, StepError> {
         let pages = dec.experts().pages();
-        // Shares are relative to the layer's mean expert; the view gives fractions of the layer.
-        let p_experts = dec.config().experts as f64;
-        let calibration = self.planner.as_ref().filter(|p| p.routing.has_calibration());
-        let (shares, damage) = match &self.planner {
+        // Per page, from the planner: routing share, calibration share (when known), damage.
+        let planned: Vec<(f64, Option<f64>, f64)> = match &self.planner {
             Some(p) => {
                 let snapshot = Snapshot { pages: pages.iter().map(page_state).collect() };
                 let desired: Vec<u8> = pages.iter().map(|x| x.desired).collect();
                 let d = page_damage(&snapshot, &desired, Some(&p.routing), p.residual.as_ref(), &p.config)
                     .map_err(err)?;
-                // share() is relative to the layer's mean expert; the view gives the fraction.
-                let n = p.routing.experts() as f64;
-                let s: Vec<f64> = pages.iter().map(|x| p.routing.share(x.layer, x.expert) / n).collect();
-                (Some(s), Some(d))
+                // Shares are relative to the layer's mean expert; the view gives fractions.
+                let (r, n) = (&p.routing, p.routing.experts() as f64);
+                pages
+                    .iter()
+                    .zip(d)
+                    .map(|(x, damage)| {
+                        let calibration = r.calibration_share(x.layer, x.expert).map(|s| s / n);
+                        (r.share(x.layer, x.expert) / n, calibration, damage)
+                    })
+                    .collect()
             }
-            None => (None, None),
+            None => Vec::new(),
         };
         let views = pages
             .iter()
@@ -308,10 +312,7 @@ impl PagedMemory {
             .map(|(i, p)| PageView {
                 layer: p.layer,
                 expert: p.expert,
-                kind: match p.kind {
-                    pw_planner::BlockKind::GateUp => "gate_up",
-                    pw_planner::BlockKind::Down => "down",
-                },
+                kind: p.kind.name(),
                 desired_bits: p.desired,
                 committed_bits: p.committed,
                 location: if p.committed == 0 {
@@ -327,11 +328,9 @@ impl PagedMemory {
                     .and_then(|i| p.bytes.get(i as usize))
                     .copied()
                     .unwrap_or(0),
-                routing_share: shares.as_ref().map(|s| s[i]),
-                calibration_share: calibration
-                    .and_then(|c| c.routing.calibration_share(p.layer, p.expert))
-                    .map(|s| s / p_experts),
-                damage: damage.as_ref().map(|d| d[i]),
+                routing_share: planned.get(i).map(|x| x.0),
+                calibration_share: planned.get(i).and_then(|x| x.1),
+                damage: planned.get(i).map(|x| x.2),
             })
             .collect();
         let cfg = dec.config();

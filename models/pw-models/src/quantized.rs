@@ -17,10 +17,7 @@ use pw_nn::{DenseExperts, ExpertKeys, ExpertRows, Experts, GatedMlpConfig, LoadE
 /// `{prefix}.{expert}.gate_up` or `{prefix}.{expert}.down`. The quantizer writes these names and
 /// [`PwSource`] reads them.
 pub fn expert_block_name(prefix: &str, expert: usize, kind: BlockKind) -> String {
-    match kind {
-        BlockKind::GateUp => format!("{prefix}.{expert}.gate_up"),
-        BlockKind::Down => format!("{prefix}.{expert}.down"),
-    }
+    format!("{prefix}.{expert}.{}", kind.name())
 }
 
 /// [`WeightSource`] over a quantized checkpoint whose experts are dequantized at `bits`, or
