@@ -89,7 +89,7 @@ pub use norms::{RowNorm, add_rms_norm, add_rms_norm_reference, rms_norm_referenc
 pub use pool::{DESC_WORDS, MAX_TOKENS, PoolImage, PoolSlot, WorkItem, upload_items};
 pub use routing::combine::moe_combine;
 pub use routing::gather::{gather_rows, gather_rows_normed, gather_rows_reference, moe_route_gather};
-pub use routing::route::{moe_route, moe_route_counted};
+pub use routing::route::{ROUTE_SHARED_CHOICES, moe_route, moe_route_counted};
 pub use routing::router::{
     FUSED_ROUTER_MAX_EXPERTS, FUSED_ROUTER_MAX_WEIGHTS, moe_route_gather_router, router_fusable,
     router_logits_reference,

@@ -60,10 +60,6 @@ pub const ROUTE_CHUNK: usize = 2;
 /// ones exit at once.
 pub const ROUTE_CHUNKS: usize = MAX_TOKENS / ROUTE_CHUNK;
 
-/// Most (token, expert) choices of one routing launch: the single routing cube keeps each
-/// choice's expert and weight in shared memory (8 bytes each, 32 KiB in all).
-pub const ROUTE_MAX_CHOICES: usize = 4096;
-
 /// Route chunks [`RouteBuffers::with_chunk`] accepts: powers of two up to the persistent
 /// GEMV's largest token bucket ([`crate::GEMV_MAX_TOKENS`]; where an item's `x` does not fit in
 /// shared memory the routed launch takes the tiled kernel). Wider chunks cut the weight reads
@@ -97,6 +93,8 @@ pub struct RouteCounters<'a> {
 pub struct RouteBuffers {
     /// `[tokens, k]` routing weights.
     pub weights: DeviceArray,
+    /// `[tokens, k]` expert of each choice (written by steps routed in two launches).
+    pub sel: DeviceArray,
     /// `[tokens · k]` source token of each gathered row.
     pub gather: DeviceArray,
     /// `[tokens, k]` gathered row of each choice.
@@ -145,14 +143,9 @@ impl RouteBuffers {
     ) -> Result<Self, KernelError> {
         check_route_chunk(chunk)?;
         let (capacity, n, table) = Self::sizes(shape, chunk, tokens);
-        if n > ROUTE_MAX_CHOICES {
-            return Err(bad(format!(
-                "routing of {tokens} tokens × {} experts each: at most {ROUTE_MAX_CHOICES} choices per launch",
-                shape.k
-            )));
-        }
         Ok(Self {
             weights: DeviceArray::empty::<R, f32>(client, n),
+            sel: DeviceArray::empty::<R, u32>(client, n),
             gather: DeviceArray::empty::<R, u32>(client, n),
             pos: DeviceArray::empty::<R, u32>(client, n),
             desc_gate_up: DeviceArray::empty::<R, u32>(client, table),
@@ -178,6 +171,7 @@ impl RouteBuffers {
     pub fn bytes(&self) -> u64 {
         let all = [
             &self.weights,
+            &self.sel,
             &self.gather,
             &self.pos,
             &self.desc_gate_up,
@@ -192,7 +186,7 @@ impl RouteBuffers {
     /// Device bytes of [`Self::with_capacity`]'s buffers, for memory budgets.
     pub fn bytes_for(shape: MoeShape, chunk: usize, tokens: usize) -> u64 {
         let (_, n, table) = Self::sizes(shape, chunk, tokens);
-        4 * (3 * n + 2 * table + 2 * shape.experts + 2) as u64
+        4 * (4 * n + 2 * table + 2 * shape.experts + 2) as u64
     }
 
     /// Most tokens per work item: what [`ap_gemm_routed`] and [`ap_gemm_routed_gated`] take

@@ -11,6 +11,13 @@ use crate::{DeviceArray, KernelError};
 /// top-k, grouping and work items of a step of hundreds of tokens spread over many planes.
 const ROUTE_UNITS: usize = 1024;
 
+/// Most (token, expert) choices routed in one cube with the step's selection in shared memory
+/// (8 bytes each); a larger step selects in a launch of its own ([`moe_select_kernel`]).
+pub const ROUTE_SHARED_CHOICES: usize = 2048;
+
+/// Planes (tokens) per cube of [`moe_select_kernel`].
+const SELECT_PLANES: usize = 8;
+
 /// Routing and grouping in one cube of `units` units (whole planes of `plane_size`, at least
 /// `experts`):
 /// 1. a plane per token `t < meta[0]`: softmax over `logits[t · lstride + loff ..][..experts]`,
@@ -190,20 +197,10 @@ pub(crate) fn route_cube(
     #[comptime] units: usize,
     #[comptime] plane_size: usize,
 ) -> usize {
-    let u = UNIT_POS as usize;
     let mut sel = SharedMemory::<u32>::new(max_tokens * k);
     // The final weights, for the statistics (shared: global writes of other units need not
     // be visible after a cube barrier on every backend).
     let mut wsh = SharedMemory::<f32>::new(max_tokens * k);
-    let mut src = SharedMemory::<u32>::new(1usize);
-    // Each expert's first gathered row and token count, for the work items.
-    let mut esh = SharedMemory::<u32>::new(experts);
-    let mut csh = SharedMemory::<u32>::new(experts);
-    // Each expert's first work item, and the planes' item totals.
-    let mut ish = SharedMemory::<u32>::new(experts);
-    let mut wtot = SharedMemory::<u32>::new(comptime![units / plane_size]);
-    // Softmax and top-k of a token by one plane (`plane_top_k`).
-    let lane = u % plane_size;
     select_experts(
         logits,
         &mut sel,
@@ -220,6 +217,77 @@ pub(crate) fn route_cube(
         plane_size,
     );
     sync_cube();
+    group_choices(
+        &sel.to_slice(),
+        &wsh.to_slice(),
+        slots,
+        tokens,
+        gather,
+        pos,
+        desc_gate_up,
+        desc_down,
+        groups,
+        counts,
+        mass,
+        base,
+        wanted,
+        write,
+        wcube,
+        wcubes,
+        experts,
+        k,
+        hidden,
+        inter,
+        chunk,
+        chunks,
+        stats,
+        units,
+        plane_size,
+    )
+}
+
+/// The grouping half of [`route_cube`] over the step's choices `sel[t · k + j]` and their
+/// weights `wts` (shared memory, or global memory written by an earlier launch): each expert's
+/// rows, the positions, the work items and the statistics; returns the source token of
+/// gathered row `wanted` to every unit.
+#[cube]
+#[allow(clippy::too_many_arguments, clippy::collapsible_if)]
+pub(crate) fn group_choices(
+    sel: &Slice<u32>,
+    wts: &Slice<f32>,
+    slots: &Array<u32>,
+    tokens: usize,
+    gather: &mut Array<u32>,
+    pos: &mut Array<u32>,
+    desc_gate_up: &mut Array<u32>,
+    desc_down: &mut Array<u32>,
+    groups: &mut Array<u32>,
+    counts: &mut Array<u32>,
+    mass: &mut Array<f32>,
+    base: u32,
+    wanted: usize,
+    write: bool,
+    wcube: usize,
+    wcubes: usize,
+    #[comptime] experts: usize,
+    #[comptime] k: usize,
+    #[comptime] hidden: usize,
+    #[comptime] inter: usize,
+    #[comptime] chunk: usize,
+    #[comptime] chunks: usize,
+    #[comptime] stats: bool,
+    #[comptime] units: usize,
+    #[comptime] plane_size: usize,
+) -> usize {
+    let u = UNIT_POS as usize;
+    let lane = u % plane_size;
+    let mut src = SharedMemory::<u32>::new(1usize);
+    // Each expert's first gathered row and token count, for the work items.
+    let mut esh = SharedMemory::<u32>::new(experts);
+    let mut csh = SharedMemory::<u32>::new(experts);
+    // Each expert's first work item, and the planes' item totals.
+    let mut ish = SharedMemory::<u32>::new(experts);
+    let mut wtot = SharedMemory::<u32>::new(comptime![units / plane_size]);
     // Each expert's choices are counted, then given their rows, by one plane walking the
     // step's choices a plane's width at a time (planes take experts in turn).
     let n = tokens * k;
@@ -229,7 +297,7 @@ pub(crate) fn route_cube(
         let mut count = 0u32;
         for i0 in range_stepped(0, n, plane_size) {
             count += plane_broadcast(
-                plane_inclusive_sum(choice_hit(&sel, i0 + lane, n, e)),
+                plane_inclusive_sum(choice_hit(sel, i0 + lane, n, e)),
                 comptime![plane_size as u32 - 1],
             );
         }
@@ -255,7 +323,7 @@ pub(crate) fn route_cube(
         let mut m = 0.0f32;
         for i0 in range_stepped(0, n, plane_size) {
             let i = i0 + lane;
-            let hit = choice_hit(&sel, i, n, e);
+            let hit = choice_hit(sel, i, n, e);
             let incl = plane_inclusive_sum(hit);
             if hit == 1u32 {
                 let r = row + incl - 1u32;
@@ -266,7 +334,7 @@ pub(crate) fn route_cube(
                     gather[r as usize] = (i / k) as u32;
                     pos[i] = r;
                 }
-                m += wsh[i];
+                m += wts[i];
             }
             row += plane_broadcast(incl, comptime![plane_size as u32 - 1]);
         }
@@ -349,34 +417,164 @@ fn select_experts(
     for t in range_stepped(u / plane_size, tokens, comptime![units / plane_size]) {
         let mut ge = Array::<u32>::new(k);
         let mut pv = Array::<f32>::new(k);
-        plane_top_k(logits, t * lstride + loff, lane, &mut ge, &mut pv, experts, k, plane_size);
-        let mut sum = 0.0f32;
-        #[unroll]
-        for jj in 0..k {
-            if lane == 0 {
-                sel[t * k + jj] = ge[jj];
-            }
-            sum += pv[jj];
-        }
+        token_choices(
+            logits,
+            t * lstride + loff,
+            lane,
+            &mut ge,
+            &mut pv,
+            experts,
+            k,
+            renormalize,
+            plane_size,
+        );
         if lane == 0 {
             #[unroll]
             for jj in 0..k {
-                let mut p = pv[jj];
-                if comptime![renormalize] {
-                    p /= sum;
-                }
+                sel[t * k + jj] = ge[jj];
                 if write {
-                    weights[t * k + jj] = p;
+                    weights[t * k + jj] = pv[jj];
                 }
-                wsh[t * k + jj] = p;
+                wsh[t * k + jj] = pv[jj];
             }
         }
     }
 }
 
+/// One token's routing by one plane: its top-`k` experts `ge` and their final weights `pv`
+/// (renormalised when asked), in every lane.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn token_choices(
+    logits: &Slice<f32>,
+    base: usize,
+    lane: usize,
+    ge: &mut Array<u32>,
+    pv: &mut Array<f32>,
+    #[comptime] experts: usize,
+    #[comptime] k: usize,
+    #[comptime] renormalize: bool,
+    #[comptime] plane_size: usize,
+) {
+    plane_top_k(logits, base, lane, ge, pv, experts, k, plane_size);
+    if comptime![renormalize] {
+        let mut sum = 0.0f32;
+        #[unroll]
+        for jj in 0..k {
+            sum += pv[jj];
+        }
+        #[unroll]
+        for jj in 0..k {
+            pv[jj] /= sum;
+        }
+    }
+}
+
+/// The selection of a step too large for [`moe_route_kernel`]'s shared memory, in a launch of
+/// its own: a plane per token `t < meta[0]` (token `t`'s logits at `logits[t · lstride +
+/// loff]`) writes its top-`k` experts to `sel[t · k ..]` and their weights to
+/// `weights[t · k ..]`, which [`moe_group_kernel`] then groups.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn moe_select_kernel(
+    logits: &Array<f32>,
+    meta: &Array<u32>,
+    sel: &mut Array<u32>,
+    weights: &mut Array<f32>,
+    #[comptime] lstride: usize,
+    #[comptime] loff: usize,
+    #[comptime] experts: usize,
+    #[comptime] k: usize,
+    #[comptime] renormalize: bool,
+    #[comptime] plane_size: usize,
+) {
+    let t = ABSOLUTE_POS / plane_size;
+    if t >= meta[0] as usize {
+        terminate!();
+    }
+    let lane = UNIT_POS as usize % plane_size;
+    let mut ge = Array::<u32>::new(k);
+    let mut pv = Array::<f32>::new(k);
+    token_choices(
+        &logits.to_slice(),
+        t * lstride + loff,
+        lane,
+        &mut ge,
+        &mut pv,
+        experts,
+        k,
+        renormalize,
+        plane_size,
+    );
+    if lane == 0 {
+        #[unroll]
+        for jj in 0..k {
+            sel[t * k + jj] = ge[jj];
+            weights[t * k + jj] = pv[jj];
+        }
+    }
+}
+
+/// The grouping of [`moe_select_kernel`]'s choices in one cube of `units` units (see
+/// [`moe_route_kernel`], steps 2 and 3).
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn moe_group_kernel(
+    sel: &Array<u32>,
+    weights: &Array<f32>,
+    slots: &Array<u32>,
+    meta: &Array<u32>,
+    gather: &mut Array<u32>,
+    pos: &mut Array<u32>,
+    desc_gate_up: &mut Array<u32>,
+    desc_down: &mut Array<u32>,
+    groups: &mut Array<u32>,
+    counts: &mut Array<u32>,
+    mass: &mut Array<f32>,
+    base: u32,
+    #[comptime] experts: usize,
+    #[comptime] k: usize,
+    #[comptime] hidden: usize,
+    #[comptime] inter: usize,
+    #[comptime] chunk: usize,
+    #[comptime] chunks: usize,
+    #[comptime] stats: bool,
+    #[comptime] units: usize,
+    #[comptime] plane_size: usize,
+) {
+    let tokens = meta[0] as usize;
+    group_choices(
+        &sel.to_slice(),
+        &weights.to_slice(),
+        slots,
+        tokens,
+        gather,
+        pos,
+        desc_gate_up,
+        desc_down,
+        groups,
+        counts,
+        mass,
+        base,
+        tokens * k,
+        true,
+        0usize,
+        1usize,
+        experts,
+        k,
+        hidden,
+        inter,
+        chunk,
+        chunks,
+        stats,
+        units,
+        plane_size,
+    );
+}
+
 /// 1 when choice `i < n` picked expert `e`, else 0.
 #[cube]
-fn choice_hit(sel: &SharedMemory<u32>, i: usize, n: usize, e: usize) -> u32 {
+fn choice_hit(sel: &Slice<u32>, i: usize, n: usize, e: usize) -> u32 {
     let mut hit = 0u32;
     if i < n {
         hit = select(sel[i] as usize == e, 1u32, 0u32);
@@ -545,8 +743,10 @@ pub(crate) fn check_route(
     Ok(())
 }
 
-/// The one-cube routing launch of [`moe_route_kernel`] (arguments checked by [`check_route`]);
-/// nothing at 0 tokens.
+/// The routing launch (arguments checked by [`check_route`]); nothing at 0 tokens. A step whose
+/// choices fit [`ROUTE_SHARED_CHOICES`] routes in one cube of [`moe_route_kernel`]; a larger one
+/// selects in a plane per token ([`moe_select_kernel`]) and groups in one cube
+/// ([`moe_group_kernel`]).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn route_launch<R: Runtime>(
     client: &ComputeClient<R>,
@@ -565,16 +765,92 @@ pub(crate) fn route_launch<R: Runtime>(
     // plane per expert, the work items a unit per word.
     let (units, plane) = row_units(client, ROUTE_UNITS.max(shape.experts), 1);
     let (counts, mass, base) = out.counters(stats);
-    // SAFETY: sizes checked above; outputs were sized for `capacity` tokens by RouteBuffers.
+    let shared_tokens = out.capacity().min(ROUTE_SHARED_CHOICES / shape.k);
+    if tokens <= shared_tokens {
+        // SAFETY: sizes checked by `check_route`; outputs were sized for `capacity` tokens by
+        // RouteBuffers, and the kernel's shared memory holds `shared_tokens ≥ tokens`.
+        unsafe {
+            moe_route_kernel::launch_unchecked::<R>(
+                client,
+                CubeCount::Static(1, 1, 1),
+                CubeDim::new_1d(units as u32),
+                logits.arg(),
+                slots.arg(),
+                meta.arg(),
+                out.weights.arg(),
+                out.gather.arg(),
+                out.pos.arg(),
+                out.desc_gate_up.arg(),
+                out.desc_down.arg(),
+                out.groups.arg(),
+                counts.arg(),
+                mass.arg(),
+                base as u32,
+                layout.stride,
+                layout.offset,
+                shape.experts,
+                shape.k,
+                shared_tokens,
+                shape.renormalize,
+                shape.hidden,
+                shape.inter,
+                out.chunk,
+                out.chunks(),
+                stats.is_some(),
+                units,
+                plane,
+            )
+        };
+        return;
+    }
+    route_two_launches(client, shape, tokens, meta, (logits, layout), slots, out, stats);
+}
+
+/// The routing of a step in two launches, [`moe_select_kernel`] then [`moe_group_kernel`]
+/// (arguments checked by [`check_route`]): what [`route_launch`] runs where the step's choices
+/// do not fit one cube's shared memory.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn route_two_launches<R: Runtime>(
+    client: &ComputeClient<R>,
+    shape: MoeShape,
+    tokens: usize,
+    meta: &DeviceArray,
+    (logits, layout): (&DeviceArray, LogitsLayout),
+    slots: &DeviceArray,
+    out: &RouteBuffers,
+    stats: Option<RouteCounters<'_>>,
+) {
+    if tokens == 0 {
+        return;
+    }
+    let (units, plane) = row_units(client, ROUTE_UNITS.max(shape.experts), 1);
+    let (counts, mass, base) = out.counters(stats);
+    // SAFETY: sizes checked by `check_route`; `sel` and `weights` hold `capacity · k ≥ tokens ·
+    // k` entries, written by a plane per token.
     unsafe {
-        moe_route_kernel::launch_unchecked::<R>(
+        moe_select_kernel::launch_unchecked::<R>(
+            client,
+            CubeCount::Static(tokens.div_ceil(SELECT_PLANES) as u32, 1, 1),
+            CubeDim::new_1d((SELECT_PLANES * plane) as u32),
+            logits.arg(),
+            meta.arg(),
+            out.sel.arg(),
+            out.weights.arg(),
+            layout.stride,
+            layout.offset,
+            shape.experts,
+            shape.k,
+            shape.renormalize,
+            plane,
+        );
+        moe_group_kernel::launch_unchecked::<R>(
             client,
             CubeCount::Static(1, 1, 1),
             CubeDim::new_1d(units as u32),
-            logits.arg(),
+            out.sel.arg(),
+            out.weights.arg(),
             slots.arg(),
             meta.arg(),
-            out.weights.arg(),
             out.gather.arg(),
             out.pos.arg(),
             out.desc_gate_up.arg(),
@@ -583,12 +859,8 @@ pub(crate) fn route_launch<R: Runtime>(
             counts.arg(),
             mass.arg(),
             base as u32,
-            layout.stride,
-            layout.offset,
             shape.experts,
             shape.k,
-            out.capacity(),
-            shape.renormalize,
             shape.hidden,
             shape.inter,
             out.chunk,

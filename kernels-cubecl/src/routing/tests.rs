@@ -258,3 +258,149 @@ fn moe_route_gather_router_matches_reference() {
         }
     }
 }
+
+/// CPU reference of the grouping of a step's `choices` (`[tokens, k]` experts): each expert's
+/// choices get consecutive gathered rows in token order, experts in order. Returns the gather
+/// (row → token), the positions (choice → row) and the groups table (first row, count).
+fn grouping_reference(shape: MoeShape, choices: &[u32]) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
+    let (n, k) = (choices.len(), shape.k);
+    let (mut gather, mut pos, mut groups) = (vec![0u32; n], vec![0u32; n], vec![]);
+    let mut row = 0u32;
+    for e in 0..shape.experts as u32 {
+        let first = row;
+        for (i, _) in choices.iter().enumerate().filter(|(_, c)| **c == e) {
+            gather[row as usize] = (i / k) as u32;
+            pos[i] = row;
+            row += 1;
+        }
+        groups.extend([first, row - first]);
+    }
+    (gather, pos, groups)
+}
+
+/// CPU reference of the work-item tables (gate_up, down) of a grouping (see
+/// `moe_route_kernel`): per expert in order, items of at most `chunk` rows, then empty items, then
+/// the header whose word 0 counts the live ones.
+fn work_items_reference(
+    shape: MoeShape,
+    slots: &[u32],
+    groups: &[u32],
+    chunk: usize,
+    chunks: usize,
+) -> [Vec<u32>; 2] {
+    let (h, i2) = (shape.hidden as u32, 2 * shape.inter as u32);
+    let words = (shape.experts * chunks + 1) * DESC_WORDS;
+    let (mut gu, mut dn) = (vec![0u32; words], vec![0u32; words]);
+    let mut live = 0;
+    for e in 0..shape.experts {
+        let (first, count) = (groups[2 * e], groups[2 * e + 1]);
+        for c in (0..count).step_by(chunk) {
+            let (f, n) = (first + c, (count - c).min(chunk as u32));
+            let s = &slots[6 * e..][..6];
+            gu[live * DESC_WORDS..][..DESC_WORDS].copy_from_slice(&[
+                s[0],
+                s[1],
+                i2,
+                h,
+                s[2],
+                f * h,
+                f * i2,
+                n,
+            ]);
+            dn[live * DESC_WORDS..][..DESC_WORDS].copy_from_slice(&[
+                s[3],
+                s[4],
+                h,
+                i2 / 2,
+                s[5],
+                f * i2,
+                f * h,
+                n,
+            ]);
+            live += 1;
+        }
+    }
+    gu[words - DESC_WORDS] = live as u32;
+    dn[words - DESC_WORDS] = live as u32;
+    [gu, dn]
+}
+
+/// Steps past `ROUTE_SHARED_CHOICES` choices route in two launches (selection, then grouping):
+/// their weights, gather order, positions, groups, work items and statistics equal the CPU
+/// references (weights within 1e-6: the same f32 softmax); below it, the two-launch path gives
+/// the one-cube kernel's outputs bit for bit. Few distinct logits, so ties between experts occur;
+/// 2, 40 and 128 experts.
+#[test]
+fn moe_route_in_two_launches_matches_reference() {
+    use super::route::route_two_launches;
+    let client = client();
+    let mut rng = StdRng::seed_from_u64(29);
+    let up_f = |v: &[f32]| DeviceArray::from_slice(&client, v);
+    let up_u = |v: &[u32]| DeviceArray::from_slice(&client, v);
+    for shape in [
+        MoeShape { experts: 2, k: 2, renormalize: true, hidden: 64, inter: 48 },
+        MoeShape { experts: 40, k: 4, renormalize: false, hidden: 300, inter: 16 },
+        MoeShape { experts: 128, k: 8, renormalize: true, hidden: 32, inter: 8 },
+    ] {
+        let big = ROUTE_SHARED_CHOICES / shape.k + 37;
+        let slot =
+            |rows, cols, e: u32| PoolSlot { plane_off: 7 + e, lut_off: 3 * e, rows, cols, bits: 3 + e % 6 };
+        let h = shape.hidden as u32;
+        let slots: Vec<_> = (0..shape.experts as u32)
+            .map(|e| (slot(2 * shape.inter as u32, h, e), slot(h, shape.inter as u32, e + 1)))
+            .collect();
+        let words = expert_slot_words(shape, &slots).unwrap();
+        let slot_words = up_u(&words);
+        let bufs = || RouteBuffers::with_capacity(&client, shape, ROUTE_CHUNK, big).unwrap();
+        let (one, two) = (bufs(), bufs());
+        let layout = LogitsLayout { stride: shape.experts, offset: 0 };
+        for tokens in [1usize, 5, 40, big] {
+            let meta = up_u(&[tokens as u32]);
+            let logits: Vec<f32> =
+                (0..tokens * shape.experts).map(|_| rng.random_range(0..6) as f32 * 0.5).collect();
+            let ld = up_f(&logits);
+            let zeros = || (up_u(&vec![0u32; 2 * shape.experts]), up_f(&vec![0.0; 2 * shape.experts]));
+            let ((c1, m1), (c2, m2)) = (zeros(), zeros());
+            let st = |c, m| Some(RouteCounters { counts: c, mass: m, base: shape.experts });
+            route_two_launches(&client, shape, tokens, &meta, (&ld, layout), &slot_words, &two, st(&c2, &m2));
+            let n = tokens * shape.k;
+            let what = format!("{shape:?}, {tokens} tokens");
+            let read = |a: &DeviceArray, len: usize| read_u32(&client, a).unwrap()[..len].to_vec();
+            // The items and the header's count (its other words are never written).
+            let table = shape.experts * two.chunks() * DESC_WORDS + 1;
+            if tokens * shape.k <= ROUTE_SHARED_CHOICES {
+                moe_route_counted(&client, shape, tokens, &meta, &ld, &slot_words, &one, st(&c1, &m1))
+                    .unwrap();
+                for (name, a, b, len) in [
+                    ("gather", &one.gather, &two.gather, n),
+                    ("pos", &one.pos, &two.pos, n),
+                    ("groups", &one.groups, &two.groups, 2 * shape.experts),
+                    ("gate_up items", &one.desc_gate_up, &two.desc_gate_up, table),
+                    ("down items", &one.desc_down, &two.desc_down, table),
+                    ("counts", &c1, &c2, 2 * shape.experts),
+                ] {
+                    assert_eq!(read(a, len), read(b, len), "{name}, {what}");
+                }
+                for (name, a, b) in [("weights", &one.weights, &two.weights), ("mass", &m1, &m2)] {
+                    let len = if name == "weights" { n } else { 2 * shape.experts };
+                    let (x, y) = (read_f32(&client, a).unwrap(), read_f32(&client, b).unwrap());
+                    assert_eq!(x[..len], y[..len], "{name}, {what}");
+                }
+            }
+            let (sel, wts) = route_reference(shape, &logits);
+            assert_close(&read_f32(&client, &two.weights).unwrap()[..n], &wts, 1e-6, &what);
+            let (gather, pos, groups) = grouping_reference(shape, &sel);
+            assert_eq!(read(&two.gather, n), gather, "gather, {what}");
+            assert_eq!(read(&two.pos, n), pos, "pos, {what}");
+            assert_eq!(read(&two.groups, 2 * shape.experts), groups, "groups, {what}");
+            let [gu, dn] = work_items_reference(shape, &words, &groups, ROUTE_CHUNK, two.chunks());
+            assert_eq!(read(&two.desc_gate_up, table), gu[..table], "gate_up items, {what}");
+            assert_eq!(read(&two.desc_down, table), dn[..table], "down items, {what}");
+            let (mut counts, mut mass) = (vec![0u32; 2 * shape.experts], vec![0f32; 2 * shape.experts]);
+            let choices: Vec<usize> = sel.iter().map(|&e| e as usize).collect();
+            route_stats_reference(shape.experts, 1, &choices, &wts, &mut counts, &mut mass);
+            assert_eq!(read(&c2, 2 * shape.experts), counts, "statistics counts, {what}");
+            assert_close(&read_f32(&client, &m2).unwrap(), &mass, 1e-5, &format!("statistics mass, {what}"));
+        }
+    }
+}
