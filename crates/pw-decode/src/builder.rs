@@ -37,12 +37,19 @@ pub struct DecoderBuilder<'a, R: Runtime, KV> {
     route_chunk: usize,
     grouped: GroupedMode,
     max_step_tokens: usize,
+    max_logit_rows: usize,
     _kv: PhantomData<KV>,
 }
 
 /// Most tokens of one decoder step by default (sequences decoding, or prompt tokens): one set
-/// of launches per layer for up to this many, so every weight is read once per step.
-pub const DEFAULT_MAX_STEP_TOKENS: usize = 256;
+/// of launches per layer for up to this many, so every weight is read once per step and a
+/// prompt's expert GEMMs see many tokens per expert.
+pub const DEFAULT_MAX_STEP_TOKENS: usize = 2048;
+
+/// Most rows of logits one step computes by default: sequences decoding, or prompts ending in
+/// the step (a step of decodes runs in chunks of this many). The logits buffer holds this many
+/// rows of the vocabulary rather than one per token of the largest step.
+pub const DEFAULT_MAX_LOGIT_ROWS: usize = 256;
 
 impl<'a, R: Runtime, KV: Float + CubeElement> DecoderBuilder<'a, R, KV> {
     /// The defaults: blocks of 16 tokens, sequences of up to 4096, enough blocks for one such
@@ -61,6 +68,7 @@ impl<'a, R: Runtime, KV: Float + CubeElement> DecoderBuilder<'a, R, KV> {
             route_chunk: ROUTE_CHUNK,
             grouped: GroupedMode::Auto,
             max_step_tokens: DEFAULT_MAX_STEP_TOKENS,
+            max_logit_rows: DEFAULT_MAX_LOGIT_ROWS,
             _kv: PhantomData,
         }
     }
@@ -139,6 +147,13 @@ impl<'a, R: Runtime, KV: Float + CubeElement> DecoderBuilder<'a, R, KV> {
         self
     }
 
+    /// Most rows of logits of one step (default [`DEFAULT_MAX_LOGIT_ROWS`]): decode batches run
+    /// in steps of at most this many sequences, and a prefill step ends at most this many prompts.
+    pub fn max_logit_rows(mut self, rows: usize) -> Self {
+        self.max_logit_rows = rows;
+        self
+    }
+
     /// Loads the dense weights of the checkpoint in `dir` (Hugging Face or PagedWeight, any
     /// supported family) in f16 and its experts from `experts` (quantized from the same
     /// checkpoint, at their bits).
@@ -197,13 +212,17 @@ impl<'a, R: Runtime, KV: Float + CubeElement> DecoderBuilder<'a, R, KV> {
             dense_mma: self.dense_mma,
             grouped: self.grouped,
         };
-        if self.max_step_tokens == 0 {
-            return Err(DecodeError::Unsupported("max_step_tokens must be at least 1".into()));
+        if self.max_step_tokens == 0 || self.max_logit_rows == 0 {
+            return Err(DecodeError::Unsupported(
+                "max_step_tokens and max_logit_rows must be at least 1".into(),
+            ));
         }
+        let logit_rows = self.max_logit_rows.min(self.max_step_tokens);
         Ok(Decoder {
             client: client.clone(),
-            s: Scratch::new(client, &cfg, self.route_chunk, self.max_step_tokens)?,
+            s: Scratch::new(client, &cfg, self.route_chunk, self.max_step_tokens, logit_rows)?,
             max_step: self.max_step_tokens,
+            logit_rows,
             w,
             stats: RouteStats::new(client, cfg.layers, cfg.experts.max(1)),
             experts,

@@ -303,17 +303,22 @@ impl DecodeConfig {
         per_layer + heads * self.vocab as u64 * h * 2 + h * 4
     }
 
-    /// Device bytes of a decoder's per-step scratch for steps of up to `tokens` tokens with
-    /// routing items of `route_chunk` tokens: activations, logits and routing tables, which a
-    /// memory budget holds beside the weights and the KV cache.
-    pub fn scratch_bytes(&self, tokens: usize, route_chunk: usize) -> u64 {
-        let floats: usize = crate::stages::scratch_sizes(self, tokens).iter().sum();
+    /// Device bytes of a decoder's per-step scratch for steps of up to `tokens` tokens and
+    /// `logit_rows` rows of logits with routing items of `route_chunk` tokens: activations,
+    /// logits and routing tables, which a memory budget holds beside the weights and the KV
+    /// cache.
+    pub fn scratch_bytes(&self, tokens: usize, logit_rows: usize, route_chunk: usize) -> u64 {
+        let floats: usize = crate::stages::scratch_sizes(self, tokens, logit_rows).iter().sum();
         4 * floats as u64 + kernels_cubecl::RouteBuffers::bytes_for(self.moe_shape(), route_chunk, tokens)
     }
 
     /// [`Self::scratch_bytes`] of a decoder built with the builder's step size and routing items.
     pub fn default_scratch_bytes(&self) -> u64 {
-        self.scratch_bytes(crate::DEFAULT_MAX_STEP_TOKENS, kernels_cubecl::ROUTE_CHUNK)
+        self.scratch_bytes(
+            crate::DEFAULT_MAX_STEP_TOKENS,
+            crate::DEFAULT_MAX_LOGIT_ROWS,
+            kernels_cubecl::ROUTE_CHUNK,
+        )
     }
 
     /// Parameters of the model, dense and expert, for reports.

@@ -37,6 +37,8 @@ pub struct Decoder<R: Runtime, KV: Float + CubeElement> {
     pub(crate) s: Scratch,
     /// Most tokens of one step (what the scratch buffers hold).
     pub(crate) max_step: usize,
+    /// Most rows of logits of one step (`≤ max_step`): decodes run in chunks of this many.
+    pub(crate) logit_rows: usize,
     /// One greedy-id buffer per chunk of a step.
     pub(crate) ids_out: Vec<DeviceArray>,
     pub(crate) launches: usize,
@@ -156,10 +158,16 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
         self.s.route.chunk()
     }
 
-    /// Most tokens of one step: a batch or prompt of more runs in steps of this many (see
+    /// Most tokens of one step: a prompt of more runs in steps of this many (see
     /// [`DecoderBuilder::max_step_tokens`]).
     pub fn max_step_tokens(&self) -> usize {
         self.max_step
+    }
+
+    /// Most sequences of one decode step, and of prompts ending in one prefill step (see
+    /// [`DecoderBuilder::max_logit_rows`]): a larger batch runs in steps of this many.
+    pub fn max_logit_rows(&self) -> usize {
+        self.logit_rows
     }
 
     /// Kernel launches of the last step (all chunks).
@@ -186,12 +194,12 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
     }
 
     /// One decode step: appends `token` to each listed sequence (distinct; any number, run in
-    /// chunks of [`Self::max_step_tokens`]) and returns each one's next-token logits, in batch
+    /// chunks of [`Self::max_logit_rows`]) and returns each one's next-token logits, in batch
     /// order.
     pub fn step(&mut self, batch: &[(SeqId, u32)]) -> Result<Vec<Vec<f32>>, DecodeError> {
         self.launches = 0;
         let mut out = Vec::with_capacity(batch.len());
-        for chunk in batch.chunks(self.max_step) {
+        for chunk in batch.chunks(self.logit_rows) {
             self.enqueue(chunk, None)?;
             // Only this chunk's rows: the buffer holds those of the largest step.
             let rows = read_f32_prefix(&self.client, &self.s.logits, chunk.len() * self.cfg.vocab)?;
@@ -202,9 +210,10 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
 
     /// Prefills whole prompts: their tokens go through the decode kernels
     /// [`Self::max_step_tokens`] at a time (one step per chunk, each token attending causally to
-    /// the positions up to its own), so a prompt of `n` tokens costs `⌈n / max_step_tokens⌉`
-    /// steps instead of `n`; only each prompt's last position goes through the LM head. Returns
-    /// each prompt's next-token logits (after its last token), in order.
+    /// the positions up to its own; a chunk also ends after [`Self::max_logit_rows`] prompts), so
+    /// a prompt of `n` tokens costs `⌈n / max_step_tokens⌉` steps instead of `n`; only each
+    /// prompt's last position goes through the LM head. Returns each prompt's next-token logits
+    /// (after its last token), in order.
     pub fn prefill(&mut self, prompts: &[(SeqId, &[u32])]) -> Result<Vec<Vec<f32>>, DecodeError> {
         self.launches = 0;
         // (sequence, token, index of the prompt it ends)
@@ -216,7 +225,7 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
             })
             .collect();
         let mut out = vec![Vec::new(); prompts.len()];
-        for chunk in flat.chunks(self.max_step) {
+        for chunk in prefill_chunks(&flat, self.max_step, self.logit_rows, |f| f.2.is_some()) {
             let batch: Vec<(SeqId, u32)> = chunk.iter().map(|f| (f.0, f.1)).collect();
             let last: Vec<usize> = (0..chunk.len()).filter(|&row| chunk[row].2.is_some()).collect();
             self.enqueue(&batch, Some(&last))?;
@@ -244,9 +253,9 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
     /// ids with [`Self::read_greedy`].
     pub fn enqueue_greedy(&mut self, batch: &[(SeqId, u32)]) -> Result<(), DecodeError> {
         self.launches = 0;
-        for (i, chunk) in batch.chunks(self.max_step).enumerate() {
+        for (i, chunk) in batch.chunks(self.logit_rows).enumerate() {
             if self.ids_out.len() <= i {
-                self.ids_out.push(DeviceArray::empty::<R, u32>(&self.client, self.max_step));
+                self.ids_out.push(DeviceArray::empty::<R, u32>(&self.client, self.logit_rows));
             }
             self.enqueue(chunk, None)?;
             argmax(&self.client, chunk.len(), self.cfg.vocab, &self.s.logits, &self.ids_out[i])?;
@@ -258,7 +267,7 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
     /// The ids of the last [`Self::enqueue_greedy`] of `n` sequences (waits for the step).
     pub fn read_greedy(&mut self, n: usize) -> Result<Vec<u32>, DecodeError> {
         let mut ids = Vec::with_capacity(n);
-        let m = self.max_step;
+        let m = self.logit_rows;
         for (i, buf) in self.ids_out.iter().enumerate().take(n.div_ceil(m)) {
             let got = read_u32(&self.client, buf)?;
             ids.extend_from_slice(&got[..(n - i * m).min(m)]);
@@ -352,10 +361,50 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
 /// run's cache read once for its queries) rather than one query per row.
 const PREFILL_MIN_RUN: usize = 4;
 
+/// `items` cut into consecutive chunks of at most `max` items, each holding at most `rows` items
+/// for which `ends` holds (a prefill step's prompts that end in it: its rows of logits).
+fn prefill_chunks<T>(items: &[T], max: usize, rows: usize, ends: impl Fn(&T) -> bool) -> Vec<&[T]> {
+    let mut chunks = Vec::new();
+    let (mut start, mut ended) = (0, 0);
+    for (i, item) in items.iter().enumerate() {
+        if ends(item) {
+            ended += 1;
+        }
+        if i + 1 - start == max || ended == rows || i + 1 == items.len() {
+            chunks.push(&items[start..=i]);
+            (start, ended) = (i + 1, 0);
+        }
+    }
+    chunks
+}
+
 /// The step's rows in runs of one sequence on the device and their count, when some run has
 /// at least [`PREFILL_MIN_RUN`] rows.
 fn prefill_runs<R: Runtime>(seqs: &[SeqId], c: &ComputeClient<R>) -> Option<(DeviceArray, usize)> {
     let runs = kernels_cubecl::prefill_runs(seqs);
     let longest = runs.chunks(2).map(|r| r[1] as usize).max().unwrap_or(0);
     (longest >= PREFILL_MIN_RUN).then(|| (DeviceArray::from_slice(c, &runs), runs.len() / 2))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::prefill_chunks;
+
+    /// Chunks end at `max` items or after `rows` items that end a prompt, and cover every item
+    /// once in order.
+    #[test]
+    fn prefill_chunks_bound_tokens_and_rows() {
+        // Items: prompt lengths 3, 1, 1, 1, 5 (true = a prompt's last token).
+        let ends = [false, false, true, true, true, true, false, false, false, false, true];
+        let lens = |max, rows| -> Vec<usize> {
+            let chunks = prefill_chunks(&ends, max, rows, |e| *e);
+            assert_eq!(chunks.concat(), ends, "max {max}, rows {rows}");
+            chunks.iter().map(|c| c.len()).collect()
+        };
+        assert_eq!(lens(100, 100), [11]);
+        assert_eq!(lens(4, 100), [4, 4, 3]);
+        assert_eq!(lens(100, 2), [4, 2, 5]);
+        assert_eq!(lens(3, 1), [3, 1, 1, 1, 3, 2]);
+        assert!(prefill_chunks(&[] as &[bool], 4, 2, |e| *e).is_empty());
+    }
 }

@@ -38,7 +38,7 @@ mod stages;
 mod synthetic;
 mod weights;
 
-pub use builder::{DEFAULT_MAX_STEP_TOKENS, DecoderBuilder};
+pub use builder::{DEFAULT_MAX_LOGIT_ROWS, DEFAULT_MAX_STEP_TOKENS, DecoderBuilder};
 pub use config::{AttnLayer, DecodeConfig, Family};
 pub use decoder::Decoder;
 pub use experts::{ExpertBlocks, expert_weights};

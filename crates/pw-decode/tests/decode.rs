@@ -9,7 +9,10 @@ use std::path::Path;
 use burn_ndarray::NdArray;
 use cubecl::wgpu::WgpuRuntime;
 use kernels_cubecl::{GroupedMode, ROUTE_CHUNK};
-use pw_decode::{DEFAULT_MAX_STEP_TOKENS, DecodeConfig, Decoder, DecoderBuilder, ExpertAct, ExpertBlocks};
+use pw_decode::{
+    DEFAULT_MAX_LOGIT_ROWS, DEFAULT_MAX_STEP_TOKENS, DecodeConfig, Decoder, DecoderBuilder, ExpertAct,
+    ExpertBlocks,
+};
 use pw_hf::{Checkpoint, ModelConfig};
 use pw_models::generate::{argmax, ids_tensor, last_logits};
 use pw_models::{AnyModel, CausalLm, HfSource};
@@ -371,26 +374,32 @@ fn pagedweight_checkpoint_serves_its_blocks() {
 /// its sliding window of 8; at the default all 44 in one step), then two decode steps: every
 /// next-token logit against the reference.
 fn check_prefill(dir: &Path, tol: f32, route_chunk: usize, grouped: GroupedMode, max_step: usize) {
-    check_prompts(dir, tol, route_chunk, grouped, max_step, &three_prompts());
+    check_prompts(dir, tol, route_chunk, grouped, (max_step, DEFAULT_MAX_LOGIT_ROWS), &three_prompts());
 }
 
-/// [`check_prefill`] of `prompts`, decoded together.
+/// [`check_prefill`] of `prompts`, decoded together, in steps of at most `max_step` tokens
+/// and `logit_rows` rows of logits.
 fn check_prompts(
     dir: &Path,
     tol: f32,
     route_chunk: usize,
     grouped: GroupedMode,
-    max_step: usize,
+    (max_step, logit_rows): (usize, usize),
     prompts: &[(u64, Vec<u32>)],
 ) {
     let (reference, experts, client) = setup(dir);
     let blocks = prompts.iter().map(|p| (p.1.len() + 3).div_ceil(4)).sum::<usize>();
     let mut dec = load::<f32>(&client, dir, &experts, blocks, 48, |b| {
-        b.route_chunk(route_chunk).grouped(grouped).max_step_tokens(max_step)
+        b.route_chunk(route_chunk).grouped(grouped).max_step_tokens(max_step).max_logit_rows(logit_rows)
     });
-    assert_eq!((dec.route_chunk(), dec.max_step_tokens()), (route_chunk, max_step));
+    let rows = logit_rows.min(max_step);
+    assert_eq!(
+        (dec.route_chunk(), dec.max_step_tokens(), dec.max_logit_rows()),
+        (route_chunk, max_step, rows)
+    );
     // What a memory budget sets aside for the scratch is what the decoder holds.
-    assert_eq!(dec.scratch_bytes(), dec.config().scratch_bytes(max_step, route_chunk), "{}", dir.display());
+    let scratch = dec.config().scratch_bytes(max_step, rows, route_chunk);
+    assert_eq!(dec.scratch_bytes(), scratch, "{}", dir.display());
     for (id, _) in prompts {
         dec.add_sequence(*id).unwrap();
     }
@@ -449,14 +458,21 @@ fn grouped_experts_chunked_prefill() {
     }
 }
 
-/// Decode steps of 40 sequences in one step (and in steps of 16) on the default options, with
-/// the grouped GEMM and with the GEMVs: every sequence's logits against the reference.
+/// Decode steps of 40 sequences in one step (and in steps of 16 tokens, or of 16 rows of
+/// logits: the prefill of the 40 prompts then ends 16 of them per step) on the default options,
+/// with the grouped GEMM and with the GEMVs: every sequence's logits against the reference.
 #[test]
 fn decode_steps_of_many_sequences() {
     let prompts: Vec<(u64, Vec<u32>)> =
         (0..40u64).map(|s| (s + 1, vec![(s as u32 * 13 + 1) % 90, (s as u32 * 7 + 3) % 90])).collect();
-    for (grouped, max_step) in [(GroupedMode::Always, 64), (GroupedMode::Off, 64), (GroupedMode::Auto, 16)] {
-        check_prompts(&asset("tiny-mixtral"), F32_KV_TOL, ROUTE_CHUNK, grouped, max_step, &prompts);
+    let all = DEFAULT_MAX_LOGIT_ROWS;
+    for (grouped, steps) in [
+        (GroupedMode::Always, (64, all)),
+        (GroupedMode::Off, (64, all)),
+        (GroupedMode::Auto, (16, all)),
+        (GroupedMode::Auto, (64, 16)),
+    ] {
+        check_prompts(&asset("tiny-mixtral"), F32_KV_TOL, ROUTE_CHUNK, grouped, steps, &prompts);
     }
 }
 

@@ -212,7 +212,17 @@ pub fn ap_gemm<R: Runtime>(
     }
     // SAFETY: every offset and length was checked against the buffers above.
     unsafe {
-        tiled::launch(client, cfg, bufs, items.len(), max_rows, token_bucket(most_tokens), act, lut_slots)
+        tiled::launch(
+            client,
+            cfg,
+            bufs,
+            items.len(),
+            max_rows,
+            token_bucket(most_tokens),
+            act,
+            lut_slots,
+            false,
+        )
     };
     Ok(())
 }

@@ -63,7 +63,9 @@ pub fn ap_gemm_routed<R: Runtime>(
     }
     // SAFETY: descriptors are written by `moe_route` from slot words validated by
     // `expert_slot_words` against the layer's shapes; `x`/`y` hold `tokens · k` rows.
-    unsafe { tiled::launch(client, cfg, bufs, items, max_rows, token_bucket(item_tokens), act, LUT_SLOTS) };
+    unsafe {
+        tiled::launch(client, cfg, bufs, items, max_rows, token_bucket(item_tokens), act, LUT_SLOTS, true)
+    };
     Ok(())
 }
 

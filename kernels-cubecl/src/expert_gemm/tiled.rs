@@ -19,7 +19,9 @@ use super::bitplane::{
 
 /// The kernel. Grid: `(row tiles of warps · rows_per_warp, work items)`;
 /// cube: `warps · plane_size` units. Descriptor `d = desc[8·item ..]`: plane word offset,
-/// LUT element offset, rows, cols, bits, x offset, y offset, tokens.
+/// LUT element offset, rows, cols, bits, x offset, y offset, tokens. With `counted` the table
+/// is a routing's (see [`crate::routing::RouteBuffers`]): word 0 of the slot after its `n_items`
+/// items counts the live ones, which come first, and the items past them are not read.
 ///
 /// Each cube branches once per chunk (uniformly) into a body compiled for its item's
 /// bit-width, so a `b`-bit block builds its indices from `b` planes only, and into a body for
@@ -34,6 +36,7 @@ pub fn ap_gemm_kernel(
     desc: &Array<u32>,
     x: &Array<f32>,
     y: &mut Array<f32>,
+    n_items: u32,
     #[comptime] max_tokens: usize,
     #[comptime] plane_size: usize,
     #[comptime] warps: usize,
@@ -42,7 +45,13 @@ pub fn ap_gemm_kernel(
     #[comptime] lut_slots: usize,
     #[comptime] unrolled: bool,
     #[comptime] shuffle: u32,
+    #[comptime] counted: bool,
 ) {
+    if comptime![counted] {
+        if CUBE_POS_Y >= desc[n_items as usize * 8usize] {
+            terminate!();
+        }
+    }
     let rows_per_cube = warps * rows_per_warp;
     let d = CUBE_POS_Y as usize * 8usize;
     let plane_off = desc[d] as usize;
@@ -329,7 +338,8 @@ fn chunk_rows(
 }
 
 /// Launches [`ap_gemm_kernel`] over `n_items` descriptors of up to `max_rows` rows, compiled for
-/// the token bucket `tb` and `lut_slots` LUT slots per row.
+/// the token bucket `tb` and `lut_slots` LUT slots per row; `counted`: a routing's table (live
+/// items first, their count after the items).
 ///
 /// # Safety
 /// The descriptors must lie inside the buffers: checked by the caller against host items, or
@@ -344,6 +354,7 @@ pub(crate) unsafe fn launch<R: Runtime>(
     tb: usize,
     act: Activation,
     lut_slots: usize,
+    counted: bool,
 ) {
     let tiles = max_rows.div_ceil(cfg.warps * cfg.rows_per_warp) as u32;
     // SAFETY: the caller's contract.
@@ -357,6 +368,7 @@ pub(crate) unsafe fn launch<R: Runtime>(
             desc.arg(),
             x.arg(),
             y.arg(),
+            n_items as u32,
             tb,
             cfg.plane_size,
             cfg.warps,
@@ -365,6 +377,7 @@ pub(crate) unsafe fn launch<R: Runtime>(
             lut_slots,
             cfg.unrolled,
             cfg.lut_mode(),
+            counted,
         )
     }
 }

@@ -100,8 +100,8 @@ pub struct RouteBuffers {
     /// `[tokens, k]` gathered row of each choice.
     pub pos: DeviceArray,
     /// `[experts · chunks + 1, 8]` gate_up work items (`chunks = capacity / chunk`): the live
-    /// ones first (expert order), then empty ones; word 0 of the last (header) slot counts the
-    /// live ones.
+    /// ones first (expert order), the rest not written; word 0 of the last (header) slot counts
+    /// the live ones.
     pub desc_gate_up: DeviceArray,
     /// `[experts · chunks + 1, 8]` down work items, laid out as `desc_gate_up`.
     pub desc_down: DeviceArray,

@@ -28,7 +28,7 @@ const SELECT_PLANES: usize = 8;
 ///    (gate_up: `[2I, H]`, down: `[H, I]`, from `slots[e] = (gate_up plane_off, lut_off, bits,
 ///    down plane_off, lut_off, bits)`), items of up to `chunk` tokens each, so the grouped
 ///    GEMM runs with no host round trip: the live items packed at the front of each table (in
-///    expert order), zeros after them, and their count in the header slot that follows the
+///    expert order), the rest not written, and their count in the header slot that follows the
 ///    table's `experts · chunks` items (see [`super::RouteBuffers`]);
 /// 3. with `stats`, expert `e`'s plane also adds its token count to `counts[base + e]` and the
 ///    sum of its choices' weights to `mass[base + e]`: the planner's routing
@@ -584,11 +584,11 @@ fn choice_hit(sel: &Slice<u32>, i: usize, n: usize, e: usize) -> u32 {
 
 /// The work items (see [`moe_route_kernel`]) of every expert `e` (its rows from `esh[e]`,
 /// `csh[e]` of them, in items of at most `chunk` tokens, its slot words from `slots[6e ..]`):
-/// the live ones at item `ish[e] + c`, then empty items (all zero) up to `experts · chunks`,
-/// then the header slot whose word 0 counts the `live` ones (what the GEMV reads instead of
-/// scanning every item). Word by word: cube `wcube` of `wcubes` takes words
-/// `(wcube + i · wcubes) · units + unit`, so a warp's stores are consecutive words (written per
-/// expert, a plane's stores were 64 words apart and the launch waited on its store queue).
+/// the `live` items from item `ish[e]` on for expert `e`, then the header slot (after the
+/// table's `experts · chunks` items) whose word 0 counts them; the items past the live ones are
+/// not written (the routed kernels read the count). Word by word: cube `wcube` of `wcubes` takes
+/// words `(wcube + i · wcubes) · units + unit`, so a warp's stores are consecutive words, and a
+/// word's expert is found by a binary search of `ish`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn write_items(
@@ -608,47 +608,52 @@ fn write_items(
     #[comptime] chunks: usize,
     #[comptime] units: usize,
 ) {
-    let per_e = comptime![chunks * 8];
-    let words = comptime![experts * chunks * 8];
     let first_unit = wcube * units + UNIT_POS as usize;
-    for i in range_stepped(first_unit, words, wcubes * units) {
-        let e = i / per_e;
-        let c = (i / 8usize) % chunks;
-        let count = csh[e];
-        if count > (c * chunk) as u32 {
-            let f = (i % 8usize) as u32;
-            let first = esh[e] + (c * chunk) as u32;
-            let n = min(count - (c * chunk) as u32, chunk as u32);
-            // Slot words 0, 1, 2 (gate_up) and 3, 4, 5 (down) go to fields 0, 1 and 4.
-            let sf = select(f == 0u32, 0usize, select(f == 1u32, 1usize, 2usize));
-            let sg = slots[e * 6usize + sf];
-            let sd = slots[e * 6usize + 3usize + sf];
-            let slot_field = f == 0u32 || f == 1u32 || f == 4u32;
-            let mut g = n;
-            let mut d = n;
-            if f == 2u32 {
-                g = comptime![2 * inter] as u32;
-                d = hidden as u32;
-            } else if f == 3u32 {
-                g = hidden as u32;
-                d = inter as u32;
-            } else if f == 5u32 {
-                g = first * hidden as u32;
-                d = first * comptime![2 * inter] as u32;
-            } else if f == 6u32 {
-                g = first * comptime![2 * inter] as u32;
-                d = first * hidden as u32;
+    for i in range_stepped(first_unit, live as usize * 8usize, wcubes * units) {
+        let item = (i / 8usize) as u32;
+        // The expert of the item: the last one whose first item is at or before it (experts
+        // without items share their first item with the next).
+        let mut lo = 0usize;
+        let mut hi = lo + experts; // a runtime value: `experts` is comptime
+        while hi - lo > 1usize {
+            let mid = (lo + hi) / 2usize;
+            if ish[mid] <= item {
+                lo = mid;
+            } else {
+                hi = mid;
             }
-            let j = (ish[e] as usize + c) * 8usize + f as usize;
-            desc_gate_up[j] = select(slot_field, sg, g);
-            desc_down[j] = select(slot_field, sd, d);
         }
-    }
-    for i in range_stepped(live as usize * 8usize + first_unit, words, wcubes * units) {
-        desc_gate_up[i] = 0u32;
-        desc_down[i] = 0u32;
+        let e = lo;
+        let c = (item - ish[e]) as usize;
+        let count = csh[e];
+        let f = (i % 8usize) as u32;
+        let first = esh[e] + (c * chunk) as u32;
+        let n = min(count - (c * chunk) as u32, chunk as u32);
+        // Slot words 0, 1, 2 (gate_up) and 3, 4, 5 (down) go to fields 0, 1 and 4.
+        let sf = select(f == 0u32, 0usize, select(f == 1u32, 1usize, 2usize));
+        let sg = slots[e * 6usize + sf];
+        let sd = slots[e * 6usize + 3usize + sf];
+        let slot_field = f == 0u32 || f == 1u32 || f == 4u32;
+        let mut g = n;
+        let mut d = n;
+        if f == 2u32 {
+            g = comptime![2 * inter] as u32;
+            d = hidden as u32;
+        } else if f == 3u32 {
+            g = hidden as u32;
+            d = inter as u32;
+        } else if f == 5u32 {
+            g = first * hidden as u32;
+            d = first * comptime![2 * inter] as u32;
+        } else if f == 6u32 {
+            g = first * comptime![2 * inter] as u32;
+            d = first * hidden as u32;
+        }
+        desc_gate_up[i] = select(slot_field, sg, g);
+        desc_down[i] = select(slot_field, sd, d);
     }
     if first_unit == 0 {
+        let words = comptime![experts * chunks * 8];
         desc_gate_up[words] = live;
         desc_down[words] = live;
     }

@@ -1,6 +1,7 @@
 //! Tests of the module's kernels against their CPU references on random inputs (wgpu:
 //! Mesa lavapipe in CI, plane size 8, 32 KiB of shared memory).
 
+use cubecl::prelude::ComputeClient;
 use cubecl::wgpu::WgpuRuntime;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -121,13 +122,12 @@ fn moe_route_gather_matches_reference() {
                         "{what}"
                     );
                 }
-                let d = shape.experts * bufs.chunks() * DESC_WORDS + 1;
                 for (a, b) in
                     [(&want_bufs.desc_gate_up, &bufs.desc_gate_up), (&want_bufs.desc_down, &bufs.desc_down)]
                 {
                     assert_eq!(
-                        read_u32(&client, a).unwrap()[..d],
-                        read_u32(&client, b).unwrap()[..d],
+                        live_items(&client, a, &want_bufs),
+                        live_items(&client, b, &bufs),
                         "work items"
                     );
                 }
@@ -233,15 +233,10 @@ fn moe_route_gather_router_matches_reference() {
                         "{w}: {what}"
                     );
                 }
-                let d = shape.experts * bufs.chunks() * DESC_WORDS + 1;
                 for (a, b) in
                     [(&want_bufs.desc_gate_up, &bufs.desc_gate_up), (&want_bufs.desc_down, &bufs.desc_down)]
                 {
-                    assert_eq!(
-                        read_u32(&client, a).unwrap()[..d],
-                        read_u32(&client, b).unwrap()[..d],
-                        "items"
-                    );
+                    assert_eq!(live_items(&client, a, &want_bufs), live_items(&client, b, &bufs), "items");
                 }
                 assert_eq!(
                     read_f32(&client, &want_bufs.weights).unwrap()[..n],
@@ -278,50 +273,35 @@ fn grouping_reference(shape: MoeShape, choices: &[u32]) -> (Vec<u32>, Vec<u32>, 
     (gather, pos, groups)
 }
 
+/// The live work items of a routing's table and the header's count (the items past them are
+/// not written).
+fn live_items(client: &ComputeClient<WgpuRuntime>, desc: &DeviceArray, bufs: &RouteBuffers) -> Vec<u32> {
+    let words = read_u32(client, desc).unwrap();
+    let items = bufs.chunks() * bufs.groups.len / 2;
+    let live = words[items * DESC_WORDS] as usize;
+    assert!(live <= items, "{live} live items of {items}");
+    [&words[..live * DESC_WORDS], &[live as u32]].concat()
+}
+
 /// CPU reference of the work-item tables (gate_up, down) of a grouping (see
-/// `moe_route_kernel`): per expert in order, items of at most `chunk` rows, then empty items, then
-/// the header whose word 0 counts the live ones.
-fn work_items_reference(
-    shape: MoeShape,
-    slots: &[u32],
-    groups: &[u32],
-    chunk: usize,
-    chunks: usize,
-) -> [Vec<u32>; 2] {
+/// `moe_route_kernel`): per expert in order, items of at most `chunk` rows, then the count of
+/// those live items (as [`live_items`] reads a table).
+fn work_items_reference(shape: MoeShape, slots: &[u32], groups: &[u32], chunk: usize) -> [Vec<u32>; 2] {
     let (h, i2) = (shape.hidden as u32, 2 * shape.inter as u32);
-    let words = (shape.experts * chunks + 1) * DESC_WORDS;
-    let (mut gu, mut dn) = (vec![0u32; words], vec![0u32; words]);
+    let (mut gu, mut dn) = (vec![], vec![]);
     let mut live = 0;
     for e in 0..shape.experts {
         let (first, count) = (groups[2 * e], groups[2 * e + 1]);
         for c in (0..count).step_by(chunk) {
             let (f, n) = (first + c, (count - c).min(chunk as u32));
             let s = &slots[6 * e..][..6];
-            gu[live * DESC_WORDS..][..DESC_WORDS].copy_from_slice(&[
-                s[0],
-                s[1],
-                i2,
-                h,
-                s[2],
-                f * h,
-                f * i2,
-                n,
-            ]);
-            dn[live * DESC_WORDS..][..DESC_WORDS].copy_from_slice(&[
-                s[3],
-                s[4],
-                h,
-                i2 / 2,
-                s[5],
-                f * i2,
-                f * h,
-                n,
-            ]);
+            gu.extend([s[0], s[1], i2, h, s[2], f * h, f * i2, n]);
+            dn.extend([s[3], s[4], h, i2 / 2, s[5], f * i2, f * h, n]);
             live += 1;
         }
     }
-    gu[words - DESC_WORDS] = live as u32;
-    dn[words - DESC_WORDS] = live as u32;
+    gu.push(live);
+    dn.push(live);
     [gu, dn]
 }
 
@@ -366,8 +346,6 @@ fn moe_route_in_two_launches_matches_reference() {
             let n = tokens * shape.k;
             let what = format!("{shape:?}, {tokens} tokens");
             let read = |a: &DeviceArray, len: usize| read_u32(&client, a).unwrap()[..len].to_vec();
-            // The items and the header's count (its other words are never written).
-            let table = shape.experts * two.chunks() * DESC_WORDS + 1;
             if tokens * shape.k <= ROUTE_SHARED_CHOICES {
                 moe_route_counted(&client, shape, tokens, &meta, &ld, &slot_words, &one, st(&c1, &m1))
                     .unwrap();
@@ -375,11 +353,12 @@ fn moe_route_in_two_launches_matches_reference() {
                     ("gather", &one.gather, &two.gather, n),
                     ("pos", &one.pos, &two.pos, n),
                     ("groups", &one.groups, &two.groups, 2 * shape.experts),
-                    ("gate_up items", &one.desc_gate_up, &two.desc_gate_up, table),
-                    ("down items", &one.desc_down, &two.desc_down, table),
                     ("counts", &c1, &c2, 2 * shape.experts),
                 ] {
                     assert_eq!(read(a, len), read(b, len), "{name}, {what}");
+                }
+                for (a, b) in [(&one.desc_gate_up, &two.desc_gate_up), (&one.desc_down, &two.desc_down)] {
+                    assert_eq!(live_items(&client, a, &one), live_items(&client, b, &two), "items, {what}");
                 }
                 for (name, a, b) in [("weights", &one.weights, &two.weights), ("mass", &m1, &m2)] {
                     let len = if name == "weights" { n } else { 2 * shape.experts };
@@ -393,9 +372,9 @@ fn moe_route_in_two_launches_matches_reference() {
             assert_eq!(read(&two.gather, n), gather, "gather, {what}");
             assert_eq!(read(&two.pos, n), pos, "pos, {what}");
             assert_eq!(read(&two.groups, 2 * shape.experts), groups, "groups, {what}");
-            let [gu, dn] = work_items_reference(shape, &words, &groups, ROUTE_CHUNK, two.chunks());
-            assert_eq!(read(&two.desc_gate_up, table), gu[..table], "gate_up items, {what}");
-            assert_eq!(read(&two.desc_down, table), dn[..table], "down items, {what}");
+            let [gu, dn] = work_items_reference(shape, &words, &groups, ROUTE_CHUNK);
+            assert_eq!(live_items(&client, &two.desc_gate_up, &two), gu, "gate_up items, {what}");
+            assert_eq!(live_items(&client, &two.desc_down, &two), dn, "down items, {what}");
             let (mut counts, mut mass) = (vec![0u32; 2 * shape.experts], vec![0f32; 2 * shape.experts]);
             let choices: Vec<usize> = sel.iter().map(|&e| e as usize).collect();
             route_stats_reference(shape.experts, 1, &choices, &wts, &mut counts, &mut mass);

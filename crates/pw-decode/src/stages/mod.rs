@@ -81,13 +81,14 @@ pub(crate) struct Scratch {
 }
 
 impl Scratch {
-    /// Buffers for steps of up to `tokens` tokens of a model of `cfg`'s shapes, its routing cut
-    /// into items of `route_chunk` tokens.
+    /// Buffers for steps of up to `tokens` tokens and `logit_rows` rows of logits of a model of
+    /// `cfg`'s shapes, its routing cut into items of `route_chunk` tokens.
     pub(crate) fn new<R: Runtime>(
         client: &ComputeClient<R>,
         cfg: &DecodeConfig,
         route_chunk: usize,
         tokens: usize,
+        logit_rows: usize,
     ) -> Result<Self, DecodeError> {
         let scratch = |n: usize| DeviceArray::empty::<R, f32>(client, n);
         let [
@@ -105,7 +106,7 @@ impl Scratch {
             mlp_act,
             mlp_out,
             logits,
-        ] = scratch_sizes(cfg, tokens).map(scratch);
+        ] = scratch_sizes(cfg, tokens, logit_rows).map(scratch);
         Ok(Self {
             h,
             proj,
@@ -155,9 +156,9 @@ impl Scratch {
     }
 }
 
-/// Elements of the f32 scratch buffers for steps of `t` tokens of a model of `cfg`'s shapes,
-/// in [`Scratch`]'s field order (`h` to `logits`).
-pub(crate) fn scratch_sizes(cfg: &DecodeConfig, t: usize) -> [usize; 14] {
+/// Elements of the f32 scratch buffers for steps of `t` tokens and `logit_rows` rows of logits
+/// of a model of `cfg`'s shapes, in [`Scratch`]'s field order (`h` to `logits`).
+pub(crate) fn scratch_sizes(cfg: &DecodeConfig, t: usize, logit_rows: usize) -> [usize; 14] {
     let h = cfg.hidden;
     let widest = |f: &dyn Fn(usize) -> usize| (0..cfg.layers).map(f).max().unwrap_or(0).max(1);
     [
@@ -174,7 +175,7 @@ pub(crate) fn scratch_sizes(cfg: &DecodeConfig, t: usize) -> [usize; 14] {
         t * widest(&|l| gu_width(cfg, l)),
         t * widest(&|l| cfg.mlp_inter(l)),
         t * h,
-        t * cfg.vocab,
+        logit_rows.min(t) * cfg.vocab,
     ]
 }
 
