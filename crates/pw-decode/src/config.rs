@@ -309,7 +309,7 @@ impl DecodeConfig {
     /// cache.
     pub fn scratch_bytes(&self, tokens: usize, logit_rows: usize, route_chunk: usize) -> u64 {
         let floats: usize = crate::stages::scratch_sizes(self, tokens, logit_rows).iter().sum();
-        4 * floats as u64 + kernels_cubecl::RouteBuffers::bytes_for(self.moe_shape(), route_chunk, tokens)
+        4 * floats as u64 + crate::stages::route_bytes(self, route_chunk, tokens)
     }
 
     /// [`Self::scratch_bytes`] of a decoder built with the builder's step size and routing items.

@@ -5,13 +5,13 @@ use cubecl::prelude::*;
 
 use super::{GemmConfig, LUT_SLOTS, gemv, tiled};
 use crate::device::bad;
+use crate::pool::DESC_WORDS;
 use crate::pool::token_bucket;
-use crate::pool::{DESC_WORDS, MAX_TOKENS};
 use crate::routing::check_route_chunk;
 use crate::{Activation, DeviceArray, KernelError};
 
 /// Work items of a routed launch over `experts`: the descriptor table's items (without its
-/// header slot; `experts · capacity / chunk`, see [`crate::routing::RouteBuffers::chunks`]),
+/// header slot; `experts · chunks`, see [`crate::routing::RouteBuffers::chunks`]),
 /// with the launch configuration, the chunk and the table's shape checked.
 fn routed_items(
     cfg: GemmConfig,
@@ -22,7 +22,7 @@ fn routed_items(
     check_route_chunk(chunk)?;
     cfg.check()?;
     let items = (desc.len / DESC_WORDS).saturating_sub(1);
-    if experts == 0 || items < experts * (MAX_TOKENS / chunk) || !items.is_multiple_of(experts) {
+    if experts == 0 || items < experts || !items.is_multiple_of(experts) {
         return Err(bad(format!(
             "routed gemm descriptors: {} words for {experts} experts in items of {chunk} tokens",
             desc.len

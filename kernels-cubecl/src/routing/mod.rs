@@ -99,7 +99,7 @@ pub struct RouteBuffers {
     pub gather: DeviceArray,
     /// `[tokens, k]` gathered row of each choice.
     pub pos: DeviceArray,
-    /// `[experts · chunks + 1, 8]` gate_up work items (`chunks = capacity / chunk`): the live
+    /// `[experts · chunks + 1, 8]` gate_up work items (see [`RouteBuffers::chunks`]): the live
     /// ones first (expert order), the rest not written; word 0 of the last (header) slot counts
     /// the live ones.
     pub desc_gate_up: DeviceArray,
@@ -112,6 +112,8 @@ pub struct RouteBuffers {
     chunk: usize,
     /// Most tokens of one routing launch (a multiple of `MAX_TOKENS`).
     capacity: usize,
+    /// The layer geometry the tables are sized for.
+    shape: MoeShape,
     /// One-element stand-ins for the statistics' buffers when none are kept (never written).
     no_counts: DeviceArray,
     no_mass: DeviceArray,
@@ -153,6 +155,7 @@ impl RouteBuffers {
             groups: DeviceArray::empty::<R, u32>(client, 2 * shape.experts),
             chunk,
             capacity,
+            shape,
             no_counts: DeviceArray::empty::<R, u32>(client, 1),
             no_mass: DeviceArray::empty::<R, f32>(client, 1),
         })
@@ -164,7 +167,15 @@ impl RouteBuffers {
         let capacity = tokens.max(1).next_multiple_of(MAX_TOKENS);
         let n = capacity * shape.k;
         // Both tables: `experts · chunks` items and the header slot.
-        (capacity, n, (shape.experts * (capacity / chunk.max(1)) + 1) * DESC_WORDS)
+        (capacity, n, (shape.experts * Self::items_per_expert(shape, chunk, capacity) + 1) * DESC_WORDS)
+    }
+
+    /// Items per expert in the tables: room for every live item of a step of `capacity` tokens
+    /// (at most `capacity · k / chunk` plus one partial item per expert), spread over the
+    /// experts.
+    fn items_per_expert(shape: MoeShape, chunk: usize, capacity: usize) -> usize {
+        let experts = shape.experts.max(1);
+        ((capacity * shape.k).div_ceil(chunk.max(1)) + experts).div_ceil(experts)
     }
 
     /// Device bytes of these buffers.
@@ -195,9 +206,10 @@ impl RouteBuffers {
         self.chunk
     }
 
-    /// Work items per expert in the tables.
+    /// Work items per expert in the tables (the live items are packed at the front, so an
+    /// expert may have more).
     pub fn chunks(&self) -> usize {
-        self.capacity / self.chunk
+        Self::items_per_expert(self.shape, self.chunk, self.capacity)
     }
 
     /// Most tokens of one routing launch into these buffers.

@@ -72,7 +72,10 @@ pub(crate) struct Scratch {
     pub(crate) mlp_act: DeviceArray,
     pub(crate) mlp_out: DeviceArray,
     pub(crate) logits: DeviceArray,
+    /// The routing of steps of up to [`ROUTED_STEP_TOKENS`] tokens.
     pub(crate) route: RouteBuffers,
+    /// The routing of larger steps, when the decoder takes them.
+    pub(crate) route_wide: Option<RouteBuffers>,
     pub(crate) norm_params: DeviceArray,
     pub(crate) eps: DeviceArray,
     pub(crate) embed_scale: DeviceArray,
@@ -122,7 +125,15 @@ impl Scratch {
             mlp_act,
             mlp_out,
             logits,
-            route: RouteBuffers::with_capacity(client, cfg.moe_shape(), route_chunk, tokens)?,
+            route: RouteBuffers::with_capacity(
+                client,
+                cfg.moe_shape(),
+                route_chunk,
+                tokens.min(ROUTED_STEP_TOKENS),
+            )?,
+            route_wide: (tokens > ROUTED_STEP_TOKENS)
+                .then(|| RouteBuffers::with_capacity(client, cfg.moe_shape(), route_chunk, tokens))
+                .transpose()?,
             norm_params: DeviceArray::from_slice(client, &[cfg.eps, 0.0]),
             eps: DeviceArray::from_slice(client, &[cfg.eps]),
             embed_scale: DeviceArray::from_slice(client, &[cfg.embed_scale]),
@@ -152,8 +163,25 @@ impl Scratch {
             &self.mlp_out,
             &self.logits,
         ];
-        4 * f32s.iter().map(|a| a.len as u64).sum::<u64>() + self.route.bytes()
+        let routes = self.route.bytes() + self.route_wide.as_ref().map_or(0, RouteBuffers::bytes);
+        4 * f32s.iter().map(|a| a.len as u64).sum::<u64>() + routes
     }
+}
+
+/// Steps of up to this many tokens route into tables sized for them (a decode batch): the
+/// routing cube's shared memory and the routed GEMV's item prefix grow with the tables, so a
+/// decoder taking longer steps keeps a second, wider set for them.
+pub(crate) const ROUTED_STEP_TOKENS: usize = 256;
+
+/// Device bytes of the routing buffers of a decoder with steps of up to `tokens` tokens.
+pub(crate) fn route_bytes(cfg: &DecodeConfig, route_chunk: usize, tokens: usize) -> u64 {
+    let small = RouteBuffers::bytes_for(cfg.moe_shape(), route_chunk, tokens.min(ROUTED_STEP_TOKENS));
+    let wide = if tokens > ROUTED_STEP_TOKENS {
+        RouteBuffers::bytes_for(cfg.moe_shape(), route_chunk, tokens)
+    } else {
+        0
+    };
+    small + wide
 }
 
 /// Elements of the f32 scratch buffers for steps of `t` tokens and `logit_rows` rows of logits
@@ -206,6 +234,16 @@ pub(crate) struct Fwd<'a, R: Runtime, KV> {
     pub(crate) runs: Option<(DeviceArray, usize)>,
     pub(crate) launches: usize,
     pub(crate) _kv: PhantomData<KV>,
+}
+
+impl<'a, R: Runtime, KV: Float + CubeElement> Fwd<'a, R, KV> {
+    /// The routing buffers of this step's size (see [`ROUTED_STEP_TOKENS`]).
+    pub(crate) fn route_buffers(&self) -> &'a RouteBuffers {
+        match &self.s.route_wide {
+            Some(wide) if self.t > ROUTED_STEP_TOKENS => wide,
+            _ => &self.s.route,
+        }
+    }
 }
 
 impl<R: Runtime, KV: Float + CubeElement> Fwd<'_, R, KV> {
@@ -285,7 +323,7 @@ impl<R: Runtime, KV: Float + CubeElement> Fwd<'_, R, KV> {
         let b = GemmaFfnOut {
             logits: &s.router_logits,
             per_expert_scale: &gl.per_expert_scale,
-            pos: &s.route.pos,
+            pos: &self.route_buffers().pos,
             down: &s.down,
             mlp: &s.mlp_out,
             norms: &gl.post_norms,

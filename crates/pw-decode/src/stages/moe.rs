@@ -49,6 +49,7 @@ impl<'a, R: Runtime, KV: Float + CubeElement> Fwd<'a, R, KV> {
             return self.route_gather(l, ex, Logits::Router, norm);
         }
         let (c, s, cfg) = (self.c, self.s, self.cfg);
+        let route = self.route_buffers();
         let counters = self.stats.counters(cfg.moe_shape(), l, self.t)?;
         let r = moe_route_gather_router(
             c,
@@ -57,7 +58,7 @@ impl<'a, R: Runtime, KV: Float + CubeElement> Fwd<'a, R, KV> {
             &self.meta,
             (router, &s.router_logits),
             ex.slots,
-            &s.route,
+            route,
             counters,
             &s.h,
             Some(kernels_cubecl::RowNorm { w: norm, params: &s.norm_params }),
@@ -101,6 +102,7 @@ impl<'a, R: Runtime, KV: Float + CubeElement> Fwd<'a, R, KV> {
             Logits::Router => (&s.router_logits, LogitsLayout { stride: cfg.experts, offset: 0 }),
             Logits::Mlp => (&s.mlp_gu, LogitsLayout { stride: gu_width(cfg, l), offset: mlp_stride(cfg, l) }),
         };
+        let route = self.route_buffers();
         let counters = self.stats.counters(cfg.moe_shape(), l, self.t)?;
         let norm = Some(kernels_cubecl::RowNorm { w: norm, params: &s.norm_params });
         let r = moe_route_gather(
@@ -110,7 +112,7 @@ impl<'a, R: Runtime, KV: Float + CubeElement> Fwd<'a, R, KV> {
             &self.meta,
             logits,
             ex.slots,
-            &s.route,
+            route,
             counters,
             &s.h,
             norm,
@@ -127,7 +129,8 @@ impl<'a, R: Runtime, KV: Float + CubeElement> Fwd<'a, R, KV> {
             return self.experts_grouped(ex);
         }
         let (h, i, e, gemm) = (cfg.hidden, cfg.inter, cfg.experts, self.tuning.gemm);
-        let (gu, dn, chunk) = (&s.route.desc_gate_up, &s.route.desc_down, s.route.chunk());
+        let route = self.route_buffers();
+        let (gu, dn, chunk) = (&route.desc_gate_up, &route.desc_down, route.chunk());
         let routed = |desc, n, k, x, y, act| {
             ap_gemm_routed(c, gemm, ex.planes, ex.luts, desc, chunk, e, n, k, t, x, y, act)
         };
@@ -165,7 +168,7 @@ impl<'a, R: Runtime, KV: Float + CubeElement> Fwd<'a, R, KV> {
         let (h, i, rows) = (cfg.hidden, cfg.inter, self.t * cfg.top_k);
         let mean = mean_tokens(rows, cfg.experts);
         let (gate_up, down) = GroupedGemm::layer(cfg.experts, h, i, cfg.act);
-        let groups = &s.route.groups;
+        let groups = &self.route_buffers().groups;
         for (g, x, y) in [(gate_up, &s.xg, &s.expert_act), (down, &s.expert_act, &s.down)] {
             let r = ap_gemm_grouped(c, g, true, ex.planes, ex.luts, ex.slots, groups, rows, mean, x, y);
             self.launched(r)?;
@@ -182,8 +185,8 @@ impl<'a, R: Runtime, KV: Float + CubeElement> Fwd<'a, R, KV> {
             cfg.top_k,
             cfg.hidden,
             &s.down,
-            &s.route.pos,
-            &s.route.weights,
+            &self.route_buffers().pos,
+            &self.route_buffers().weights,
             &s.h,
         ))
     }
