@@ -95,7 +95,7 @@ pub use routing::router::{
     router_logits_reference,
 };
 pub use routing::{
-    LogitsLayout, MoeShape, ROUTE_CHUNK, ROUTE_CHUNK_CHOICES, ROUTE_CHUNKS, RouteBuffers, RouteCounters,
-    expert_slot_words, route_reference, route_stats_reference,
+    LogitsLayout, MoeShape, ROUTE_CHUNK, ROUTE_CHUNK_CHOICES, RouteBuffers, RouteCounters, expert_slot_words,
+    route_reference, route_stats_reference,
 };
 pub use sampling::{argmax, argmax_reference, softcap, softcap_reference};

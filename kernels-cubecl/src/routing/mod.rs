@@ -56,10 +56,6 @@ pub fn expert_slot_words(shape: MoeShape, slots: &[(PoolSlot, PoolSlot)]) -> Res
 /// about two tokens. An expert with more tokens reads its weights once per item.
 pub const ROUTE_CHUNK: usize = 2;
 
-/// Work items per expert (`MAX_TOKENS / ROUTE_CHUNK`) in buffers of the default capacity; empty
-/// ones exit at once.
-pub const ROUTE_CHUNKS: usize = MAX_TOKENS / ROUTE_CHUNK;
-
 /// Route chunks [`RouteBuffers::with_chunk`] accepts: powers of two up to the persistent
 /// GEMV's largest token bucket ([`crate::GEMV_MAX_TOKENS`]; where an item's `x` does not fit in
 /// shared memory the routed launch takes the tiled kernel). Wider chunks cut the weight reads
