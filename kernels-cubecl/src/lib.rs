@@ -46,6 +46,8 @@ pub mod norms;
 pub mod plane;
 pub mod pool;
 #[allow(missing_docs)]
+pub mod residual;
+#[allow(missing_docs)]
 pub mod routing;
 #[allow(missing_docs)]
 pub mod sampling;
@@ -87,6 +89,7 @@ pub use norms::head::{
 };
 pub use norms::{RowNorm, add_rms_norm, add_rms_norm_reference, rms_norm_reference};
 pub use pool::{DESC_WORDS, MAX_TOKENS, PoolImage, PoolSlot, WorkItem, upload_items};
+pub use residual::{RESIDUAL_STATS, residual_stats, residual_stats_reference};
 pub use routing::combine::moe_combine;
 pub use routing::gather::{gather_rows, gather_rows_normed, gather_rows_reference, moe_route_gather};
 pub use routing::route::{ROUTE_SHARED_CHOICES, moe_route, moe_route_counted};

@@ -231,6 +231,7 @@ impl<'a, R: Runtime, KV: Float + CubeElement> DecoderBuilder<'a, R, KV> {
             tables: BlockTables::new(&geometry, kv_blocks),
             cfg,
             ids_out: Vec::new(),
+            residual: std::collections::HashMap::new(),
             launches: 0,
             _kv: PhantomData,
         })

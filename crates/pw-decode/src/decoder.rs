@@ -4,12 +4,13 @@
 //! family's forward pass (`crate::mixtral`, `crate::qwen2_moe`, `crate::gemma4`) and reads
 //! back the logits (or, sampling greedily on the device, only the new ids) once.
 
+use std::collections::HashMap;
 use std::marker::PhantomData;
 
 use cubecl::prelude::*;
 use kernels_cubecl::MmaMode;
 use kernels_cubecl::argmax;
-use kernels_cubecl::{DeviceArray, GemmConfig, read_f32_prefix, read_u32};
+use kernels_cubecl::{DeviceArray, GemmConfig, RESIDUAL_STATS, read_f32, read_f32_prefix, read_u32};
 use pw_kv::{BlockTables, DevicePools, SeqId};
 
 use crate::DecodeError;
@@ -41,6 +42,9 @@ pub struct Decoder<R: Runtime, KV: Float + CubeElement> {
     pub(crate) logit_rows: usize,
     /// One greedy-id buffer per chunk of a step.
     pub(crate) ids_out: Vec<DeviceArray>,
+    /// Sequences whose prompt statistics are gathered ([`Decoder::track_residual`]): the
+    /// device statistics (`[layers, RESIDUAL_STATS, hidden]`) and the tokens they cover.
+    pub(crate) residual: HashMap<SeqId, (DeviceArray, usize)>,
     pub(crate) launches: usize,
     pub(crate) _kv: PhantomData<KV>,
 }
@@ -180,10 +184,33 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
         Ok(self.tables.add(id)?)
     }
 
-    /// Ends a sequence and frees its KV blocks.
+    /// Ends a sequence and frees its KV blocks (and its prompt statistics, if gathered).
     pub fn free_sequence(&mut self, id: SeqId) -> Result<(), DecodeError> {
+        self.residual.remove(&id);
         self.tables.free(id)?;
         Ok(())
+    }
+
+    /// Gathers per-channel statistics of the residual stream entering every layer over the
+    /// tokens of `id` that the next steps compute (its prompt), until
+    /// [`Self::take_residual`]: what the planner's prompt-residual head reads, accumulated on
+    /// the device (one launch per layer and tracked sequence of a step).
+    pub fn track_residual(&mut self, id: SeqId) {
+        let len = self.cfg.layers * RESIDUAL_STATS * self.cfg.hidden;
+        let zeros = DeviceArray::from_slice(&self.client, &vec![0f32; len]);
+        self.residual.insert(id, (zeros, 0));
+    }
+
+    /// The statistics gathered for `id` since [`Self::track_residual`] and the tokens they
+    /// cover (`None` if it was not tracked); stops tracking it. Waits for the steps in flight.
+    ///
+    /// # Shapes
+    /// - returns `[layers, RESIDUAL_STATS, hidden]`: Σ|h|, Σh², max|h| per channel
+    pub fn take_residual(&mut self, id: SeqId) -> Result<Option<(Vec<f32>, usize)>, DecodeError> {
+        match self.residual.remove(&id) {
+            Some((stats, tokens)) => Ok(Some((read_f32(&self.client, &stats)?, tokens))),
+            None => Ok(None),
+        }
     }
 
     /// Appends `tokens` positions to a sequence's cache without computing them: whatever the
@@ -313,6 +340,7 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
                 (DeviceArray::from_slice(c, &idx), DeviceArray::from_slice(c, &[n as u32]), n)
             }),
             runs: prefill_runs(&seqs, c),
+            residual: residual_segments(&seqs, &mut self.residual),
             launches: 0,
             _kv: PhantomData,
         };
@@ -360,6 +388,31 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
 /// Fewest rows of one sequence in a step for which its attention runs as a prefill (each
 /// run's cache read once for its queries) rather than one query per row.
 const PREFILL_MIN_RUN: usize = 4;
+
+/// The step's rows of each tracked sequence as segments `(first row, rows, 0)` with the
+/// sequence's statistics buffer, counting the tokens they add.
+fn residual_segments<'a>(
+    seqs: &[SeqId],
+    tracked: &'a mut HashMap<SeqId, (DeviceArray, usize)>,
+) -> Vec<(&'a DeviceArray, Vec<(u32, u32, u32)>)> {
+    let mut segs: HashMap<SeqId, Vec<(u32, u32, u32)>> = HashMap::new();
+    let mut i = 0;
+    while i < seqs.len() {
+        let j = seqs[i..].iter().position(|s| *s != seqs[i]).map_or(seqs.len(), |n| i + n);
+        if tracked.contains_key(&seqs[i]) {
+            segs.entry(seqs[i]).or_default().push((i as u32, (j - i) as u32, 0));
+        }
+        i = j;
+    }
+    tracked
+        .iter_mut()
+        .filter_map(|(id, (stats, tokens))| {
+            let s = segs.remove(id)?;
+            *tokens += s.iter().map(|x| x.1 as usize).sum::<usize>();
+            Some((&*stats, s))
+        })
+        .collect()
+}
 
 /// `items` cut into consecutive chunks of at most `max` items, each holding at most `rows` items
 /// for which `ends` holds (a prefill step's prompts that end in it: its rows of logits).

@@ -16,6 +16,7 @@ pub(crate) fn forward<R: Runtime, KV: Float + CubeElement>(
     // h = embed_tokens(ids) · √hidden
     f.embed(&w.embed)?;
     for (l, layer) in w.layers.iter().enumerate() {
+        f.residual_stats(l)?;
         let (Some(g), Some(router), Some(mlp)) = (&layer.gemma, &layer.router, &layer.mlp) else {
             return Err(DecodeError::Unsupported("Gemma-4 layer without experts or MLP".into()));
         };

@@ -16,6 +16,7 @@ pub(crate) fn forward<R: Runtime, KV: Float + CubeElement>(
     // h = embed_tokens(ids)
     f.embed(&w.embed)?;
     for (l, layer) in w.layers.iter().enumerate() {
+        f.residual_stats(l)?;
         // h += o_proj(attention(rope(qkv_proj(input_layernorm(h)) + bias)))
         f.attention(l, layer, AttnOut::Residual)?;
         let norm = &layer.post_attn_norm;

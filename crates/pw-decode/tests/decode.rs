@@ -570,3 +570,59 @@ fn a_missing_mixtral_router_is_named_as_mixtral_names_it() {
     let msg = e.to_string();
     assert!(msg.contains(router) && !msg.contains("mlp.gate"), "{msg}");
 }
+
+/// Error budget of the prompt statistics against the reference's residual stream: sums over
+/// up to 20 tokens of a stream computed with f32 KV in another summation order, relative to
+/// the largest value of each statistic.
+const RESIDUAL_STATS_TOL: f32 = 1e-3;
+
+/// The residual statistics of tracked prompts (`track_residual`, steps of 16 tokens: one
+/// prompt crosses a step, another shares its steps untracked) against the Burn reference's
+/// stream entering every layer (`Trace::hidden`): Σ|h|, Σh², max|h| per channel and the token
+/// count, on the three families; untracked and taken sequences give `None`.
+#[test]
+fn residual_statistics_of_tracked_prompts() {
+    for dir in [asset("tiny-mixtral"), fixture("qwen2_moe"), fixture("gemma4")] {
+        let (reference, experts, client) = setup(&dir);
+        let mut dec = load::<f32>(&client, &dir, &experts, 16, 48, |b| b.max_step_tokens(16));
+        let (cfg, prompts) = (dec.config().clone(), three_prompts());
+        for (id, _) in &prompts {
+            dec.add_sequence(*id).unwrap();
+        }
+        dec.track_residual(1);
+        dec.track_residual(3);
+        let refs: Vec<(u64, &[u32])> = prompts.iter().map(|(id, p)| (*id, p.as_slice())).collect();
+        dec.prefill(&refs).unwrap();
+        for (id, prompt) in [&prompts[0], &prompts[2]] {
+            let (got, tokens) = dec.take_residual(*id).unwrap().unwrap();
+            assert_eq!(tokens, prompt.len(), "{}: tokens of {id}", dir.display());
+            let device = Default::default();
+            let mut trace = pw_models::Trace::default();
+            reference.forward(ids_tensor::<B>(prompt, &device), &mut reference.new_cache(), Some(&mut trace));
+            let h = cfg.hidden;
+            for l in 0..cfg.layers {
+                let stream: Vec<f32> = trace.hidden[l].clone().into_data().to_vec().unwrap();
+                let mut want = vec![0f32; 3 * h];
+                for (i, &v) in stream.iter().enumerate() {
+                    let c = i % h;
+                    want[c] += v.abs();
+                    want[h + c] += v * v;
+                    want[2 * h + c] = want[2 * h + c].max(v.abs());
+                }
+                let g = &got[l * 3 * h..][..3 * h];
+                for (k, name) in ["sum |h|", "sum h^2", "max |h|"].iter().enumerate() {
+                    let (a, b) = (&g[k * h..][..h], &want[k * h..][..h]);
+                    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+                    let err = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale;
+                    assert!(
+                        err <= RESIDUAL_STATS_TOL,
+                        "{}: seq {id} layer {l} {name}: {err:e}",
+                        dir.display()
+                    );
+                }
+            }
+        }
+        assert!(dec.take_residual(1).unwrap().is_none(), "taken once");
+        assert!(dec.take_residual(2).unwrap().is_none(), "never tracked");
+    }
+}

@@ -195,6 +195,51 @@ pub fn residual_features<B: Backend>(
     Ok(Tensor::cat(parts, 0))
 }
 
+/// Statistics per channel that [`residual_features_from_stats`] reads: the sum of `|h|`, the sum
+/// of `h²` and the largest `|h|` over the prompt's tokens.
+pub const CHANNEL_STATS: usize = 3;
+
+/// [`residual_features`] on the host from per-channel statistics of the stream entering each
+/// layer over a prompt of `tokens` tokens, as a decoder accumulates them on its device without
+/// reading the stream back.
+///
+/// # Shapes
+/// - `stats`: `[layers, CHANNEL_STATS, width]` (Σ|h|, Σh², max|h| per channel)
+/// - output: `[FEATURES_PER_LAYER · layers]`
+pub fn residual_features_from_stats(
+    stats: &[f32],
+    tokens: usize,
+    layers: usize,
+    width: usize,
+) -> Result<Vec<f32>, PlanError> {
+    if tokens == 0 || layers == 0 || width == 0 || stats.len() != layers * CHANNEL_STATS * width {
+        return Err(PlanError::Shape {
+            what: "residual statistics".into(),
+            reason: format!(
+                "{} values over {tokens} tokens, expected {layers} layers x {CHANNEL_STATS} x {width} channels",
+                stats.len()
+            ),
+        });
+    }
+    let eps = 1e-12;
+    let n = (tokens * width) as f64;
+    let mut out = Vec::with_capacity(FEATURES_PER_LAYER * layers);
+    for l in stats.chunks(CHANNEL_STATS * width) {
+        let (abs, sq, peak) = (&l[..width], &l[width..2 * width], &l[2 * width..]);
+        let mean_abs = abs.iter().map(|&v| v as f64).sum::<f64>() / n;
+        let rms = (sq.iter().map(|&v| v as f64).sum::<f64>() / n).sqrt();
+        let mut energy: Vec<f64> = sq.iter().map(|&v| v as f64 / tokens as f64).collect();
+        let total: f64 = energy.iter().sum();
+        energy.sort_by(|a, b| b.total_cmp(a));
+        let top = energy[..(width / 16).max(1)].iter().sum::<f64>() / (total + eps);
+        let max = peak.iter().fold(0f32, |m, &v| m.max(v)) as f64;
+        out.extend(
+            [(mean_abs + eps).ln(), (rms + eps).ln(), top, (max / (rms + eps) + eps).ln()].map(|v| v as f32),
+        );
+    }
+    Ok(out)
+}
+
 /// Options of [`train_residual_head`].
 #[derive(Config, Debug)]
 pub struct HeadTrainingConfig {

@@ -43,8 +43,9 @@ mod snapshot;
 
 pub use error::PlanError;
 pub use head::{
-    FEATURES_PER_LAYER, HEAD_CONFIG_FILE, HEAD_WEIGHTS_FILE, HeadTrainingConfig, ResidualHead,
-    ResidualHeadConfig, TrainReport, inference_head, residual_features, train_residual_head,
+    CHANNEL_STATS, FEATURES_PER_LAYER, HEAD_CONFIG_FILE, HEAD_WEIGHTS_FILE, HeadTrainingConfig, ResidualHead,
+    ResidualHeadConfig, TrainReport, inference_head, residual_features, residual_features_from_stats,
+    train_residual_head,
 };
 pub use hook::Planner;
 pub use memory::{KvPressureConfig, MemoryTarget, kv_block_bytes};

@@ -232,6 +232,9 @@ pub(crate) struct Fwd<'a, R: Runtime, KV> {
     /// ([`kernels_cubecl::prefill_runs`]) and their count: attention then reads each run's
     /// cache once for all of its queries.
     pub(crate) runs: Option<(DeviceArray, usize)>,
+    /// The rows of each sequence whose prompt statistics the decoder gathers, with their
+    /// buffer ([`crate::Decoder::track_residual`]).
+    pub(crate) residual: Vec<(&'a DeviceArray, Vec<(u32, u32, u32)>)>,
     pub(crate) launches: usize,
     pub(crate) _kv: PhantomData<KV>,
 }
@@ -247,6 +250,19 @@ impl<'a, R: Runtime, KV: Float + CubeElement> Fwd<'a, R, KV> {
 }
 
 impl<R: Runtime, KV: Float + CubeElement> Fwd<'_, R, KV> {
+    /// The statistics of the residual stream entering layer `l` (`h`) over the rows of each
+    /// tracked sequence.
+    pub(crate) fn residual_stats(&mut self, l: usize) -> Result<(), DecodeError> {
+        let (c, s, cfg) = (self.c, self.s, self.cfg);
+        let mut n = 0;
+        for (stats, segs) in &self.residual {
+            kernels_cubecl::residual_stats(c, &s.h, cfg.hidden, segs, stats, l, cfg.layers)?;
+            n += 1;
+        }
+        self.launches += n;
+        Ok(())
+    }
+
     /// Counts a launch that went through.
     pub(crate) fn launched(&mut self, r: Result<(), KernelError>) -> Result<(), DecodeError> {
         r?;

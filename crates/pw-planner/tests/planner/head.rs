@@ -4,8 +4,8 @@ use burn::backend::Autodiff;
 use burn::tensor::{Tensor, TensorData};
 use burn_ndarray::NdArray;
 use pw_planner::{
-    BlockKind, FEATURES_PER_LAYER, HeadTrainingConfig, ResidualHead, ResidualHeadConfig, inference_head,
-    residual_features, train_residual_head,
+    BlockKind, CHANNEL_STATS, FEATURES_PER_LAYER, HeadTrainingConfig, ResidualHead, ResidualHeadConfig,
+    inference_head, residual_features, residual_features_from_stats, train_residual_head,
 };
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
@@ -142,4 +142,37 @@ fn features_are_the_documented_statistics() {
     assert!(close(f[6], 1.0) && close(f[7], (4.0 / 0.5f32.sqrt()).ln()), "{f:?}");
     let e = residual_features(&hidden[..1], 2).unwrap_err();
     assert!(e.to_string().contains("residual stream"), "{e}");
+}
+
+/// The features from per-channel statistics (what the fast decoder accumulates) equal
+/// `residual_features` of the same streams: random values of three layers, 7 tokens, 40
+/// channels (top 2), one layer with an outlier channel.
+#[test]
+fn features_from_channel_statistics_match_the_tensor_features() {
+    let dev = Default::default();
+    let mut rng = StdRng::seed_from_u64(3);
+    let (layers, tokens, d) = (3, 7, 40);
+    let mut hidden = vec![];
+    let mut stats = vec![0f32; layers * CHANNEL_STATS * d];
+    for l in 0..layers {
+        let h: Vec<f32> = (0..tokens * d)
+            .map(|i| {
+                rng.random_range(-1.0f32..1.0) * if l == 2 && i % d == 9 { 30.0 } else { 1.0 + l as f32 }
+            })
+            .collect();
+        for (i, &v) in h.iter().enumerate() {
+            let (c, base) = (i % d, l * CHANNEL_STATS * d);
+            stats[base + c] += v.abs();
+            stats[base + d + c] += v * v;
+            stats[base + 2 * d + c] = stats[base + 2 * d + c].max(v.abs());
+        }
+        hidden.push(Tensor::<B, 3>::from_data(TensorData::new(h, [1, tokens, d]), &dev));
+    }
+    let want: Vec<f32> = residual_features(&hidden, layers).unwrap().into_data().to_vec().unwrap();
+    let got = residual_features_from_stats(&stats, tokens, layers, d).unwrap();
+    for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+        assert!((a - b).abs() < 1e-4, "feature {i}: {a} vs {b}");
+    }
+    let e = residual_features_from_stats(&stats, tokens, layers + 1, d).unwrap_err();
+    assert!(e.to_string().contains("residual statistics"), "{e}");
 }
