@@ -66,6 +66,11 @@ pub struct ServeArgs {
     /// Context length (default: `max_position_embeddings` of config.json).
     #[arg(long)]
     pub max_context: Option<usize>,
+    /// Ignore the prompt-residual head beside the checkpoint (`residual_head.json`, written by
+    /// the `train_residual_head` example); by default the fast path's planner weighs each
+    /// running prompt's factors into the pages' damage.
+    #[arg(long)]
+    pub no_residual: bool,
     /// Model name clients use (default: the directory's name).
     #[arg(long)]
     pub served_name: Option<String>,
@@ -371,6 +376,7 @@ fn fast_model(
         max_batch,
         max_context,
         memory: args.planner.memory(budget),
+        residual_head: !args.no_residual,
     };
     let what = match (budget, args.planner.policy) {
         (None, _) => format!("experts at {} bits", args.bits),

@@ -273,8 +273,14 @@ where
         max_raise_bytes: (a.max_raise_mb * 1e6) as u64,
         ..Default::default()
     };
-    let options =
-        FastOptions { bits: policy.bits, kv_budget_bytes: 0, max_batch: a.max_batch, max_context, memory };
+    let options = FastOptions {
+        bits: policy.bits,
+        kv_budget_bytes: 0,
+        max_batch: a.max_batch,
+        max_context,
+        memory,
+        residual_head: true,
+    };
     let t_load = Instant::now();
     let model = FastStepModel::<R, half::f16>::synthetic(&client, cfg.clone(), &options)?;
     let capacity = model.kv_capacity_bytes();

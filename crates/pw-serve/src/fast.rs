@@ -4,13 +4,19 @@
 //! page table whose budget the KV cache shares; the planner moves their bit-widths between
 //! steps ([`crate::MemoryOptions`]).
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::path::Path;
 
+use burn::tensor::{Tensor, TensorData};
+use burn_ndarray::NdArray;
 use cubecl::prelude::*;
 use pw_decode::{DecodeConfig, Decoder, ExpertBlocks};
 use pw_hf::{Checkpoint, ModelConfig};
 use pw_pages::Accountant;
+use pw_planner::{
+    BlockKind, FEATURES_PER_LAYER, HEAD_CONFIG_FILE, ResidualFactors, ResidualHead,
+    residual_features_from_stats,
+};
 
 use crate::model::{DecodeSlot, PrefillOutcome, PrefillSlot, SeqId, SeqOutcome, StepError, StepModel};
 use crate::paged::PagedMemory;
@@ -35,6 +41,10 @@ pub struct FastOptions {
     pub max_context: usize,
     /// Budget, policy and planner options.
     pub memory: MemoryOptions,
+    /// Use the prompt-residual head saved beside the checkpoint (`residual_head.json`), when
+    /// there is one: each request's prompt statistics go through it after its prefill, and the
+    /// planner's damage takes the mean of the running requests' factors.
+    pub residual_head: bool,
 }
 
 /// The fast path for the three families, with a `KV` cache (f16 on the GPU).
@@ -44,6 +54,12 @@ pub struct FastStepModel<R: Runtime, KV: Float + CubeElement> {
     block_bytes: u64,
     live: HashSet<SeqId>,
     mem: PagedMemory,
+    /// The prompt-residual head, when one was loaded.
+    head: Option<ResidualHead<NdArray>>,
+    /// The head's factors of each running sequence whose prompt it has seen.
+    factors: HashMap<SeqId, ResidualFactors>,
+    /// Prompts the head has seen.
+    head_calls: u64,
     /// KV bytes the engine may reserve (see [`Self::kv_capacity_bytes`]).
     kv_capacity: u64,
 }
@@ -90,7 +106,8 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
         max_context: usize,
     ) -> Result<Self, ServeError> {
         let memory = MemoryOptions { policy: WeightPolicy::Pinned, ..Default::default() };
-        Self::load_with(client, dir, &FastOptions { bits, kv_budget_bytes, max_batch, max_context, memory })
+        let o = FastOptions { bits, kv_budget_bytes, max_batch, max_context, memory, residual_head: false };
+        Self::load_with(client, dir, &o)
     }
 
     /// Loads the model in `dir` with its experts under a page table: a PagedWeight checkpoint's
@@ -128,7 +145,22 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
             .accountant(accountant.clone())
             .load(dir, experts)
             .map_err(|e| model(e.to_string()))?;
-        Self::assemble(dec, accountant, &memory, plan, o.max_batch).map_err(model)
+        let head = match o.residual_head && dir.join(HEAD_CONFIG_FILE).is_file() {
+            true => Some(ResidualHead::load(dir, &Default::default()).map_err(|e| model(e.to_string()))?),
+            false => None,
+        };
+        if let Some(h) = &head
+            && h.config().layers != cfg.layers
+        {
+            return Err(model(format!(
+                "{HEAD_CONFIG_FILE}: a head of {} layers for a model of {}",
+                h.config().layers,
+                cfg.layers
+            )));
+        }
+        let mut me = Self::assemble(dec, accountant, &memory, plan, o.max_batch).map_err(model)?;
+        me.head = head;
+        Ok(me)
     }
 
     /// A model of `cfg`'s shapes with random weights (see [`pw_decode::DecoderBuilder::synthetic`]),
@@ -178,7 +210,17 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
         let kv = pool_layout(dec.config(), size_of::<KV>());
         let mem = PagedMemory::new(accountant, block_bytes, layers, experts, memory.clone())
             .map_err(|e| e.to_string())?;
-        let mut me = Self { dec, kv, block_bytes, live: HashSet::new(), mem, kv_capacity: plan.kv_capacity };
+        let mut me = Self {
+            dec,
+            kv,
+            block_bytes,
+            live: HashSet::new(),
+            mem,
+            head: None,
+            factors: HashMap::new(),
+            head_calls: 0,
+            kv_capacity: plan.kv_capacity,
+        };
         me.warm_up(max_batch).map_err(|e| e.to_string())?;
         me.boundary(0).map_err(|e| e.to_string())?;
         Ok(me)
@@ -194,6 +236,47 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
     /// The decoder.
     pub fn decoder(&self) -> &Decoder<R, KV> {
         &self.dec
+    }
+
+    /// Prompts the residual head has seen (one per request whose prefill completed).
+    pub fn residual_head_calls(&self) -> u64 {
+        self.head_calls
+    }
+
+    /// A prompt's statistics through the head: its factors, kept while the sequence runs.
+    fn prompt_factors(&mut self, seq: SeqId) -> Result<(), StepError> {
+        let Some(head) = &self.head else { return Ok(()) };
+        let failed = |e: String| StepError::failed(format!("sequence {seq}: residual head: {e}"));
+        let Some((stats, tokens)) = self.dec.take_residual(seq).map_err(|e| failed(e.to_string()))? else {
+            return Ok(());
+        };
+        let (layers, hidden) = (self.dec.config().layers, self.dec.config().hidden);
+        let f = residual_features_from_stats(&stats, tokens, layers, hidden)
+            .map_err(|e| failed(e.to_string()))?;
+        let x = Tensor::<NdArray, 1>::from_data(
+            TensorData::new(f, [FEATURES_PER_LAYER * layers]),
+            &Default::default(),
+        );
+        let factors = head.factors(x).map_err(|e| failed(e.to_string()))?;
+        self.factors.insert(seq, factors);
+        self.head_calls += 1;
+        Ok(())
+    }
+
+    /// The mean of the running sequences' residual factors per (layer, block kind), for the
+    /// planner (`None` when no running prompt has been through the head).
+    fn combined_factors(&self) -> Option<ResidualFactors> {
+        let n = self.factors.len();
+        let first = self.factors.values().next()?;
+        let layers = first.layers();
+        let mut sum = vec![0.0; 2 * layers];
+        for f in self.factors.values() {
+            for (l, pair) in sum.chunks_mut(2).enumerate() {
+                pair[0] += f.get(l, BlockKind::GateUp);
+                pair[1] += f.get(l, BlockKind::Down);
+            }
+        }
+        ResidualFactors::new(layers, sum.into_iter().map(|v| v / n as f64).collect()).ok()
     }
 
     /// Runs one step at every token bucket up to `max_batch`, then a prompt of a whole step, so
@@ -424,6 +507,9 @@ where
         for &seq in &fresh {
             self.dec.add_sequence(seq).map_err(|e| StepError::failed(e.to_string()))?;
             self.live.insert(seq);
+            if self.head.is_some() {
+                self.dec.track_residual(seq);
+            }
         }
         // Lease the blocks of every chunk, then run them together (a chunk of n tokens costs
         // ⌈n / 16⌉ decode launches, not n). Without the memory, the new sequences are dropped
@@ -440,6 +526,7 @@ where
             let s = &mut batch[i];
             if s.sample {
                 out[i] = sample(s.sampler, s.seq, l).map(Some);
+                self.prompt_factors(s.seq)?;
             }
         }
         Ok(out)
@@ -471,6 +558,7 @@ where
             // The sequence is known, so freeing cannot fail.
             let _ = self.dec.free_sequence(seq);
         }
+        self.factors.remove(&seq);
     }
 
     fn kv_bytes_held(&self) -> u64 {
@@ -480,6 +568,7 @@ where
     fn boundary(&mut self, demand_kv_bytes: u64) -> Result<Option<MemoryState>, StepError> {
         let used = self.dec.kv_tables().used_blocks() as u64;
         let demand = demand_kv_bytes.div_ceil(self.block_bytes);
+        self.mem.set_residual(self.combined_factors());
         self.mem.boundary(&mut self.dec, used, demand).map(Some)
     }
 

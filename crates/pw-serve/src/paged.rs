@@ -16,8 +16,8 @@ use cubecl::prelude::*;
 use pw_decode::{Decoder, ExpertPage};
 use pw_pages::{Accountant, Lease, Use};
 use pw_planner::{
-    KvPressureConfig, MemoryTarget, PageId, PageState, Planner, PlannerConfig, RoutingConfig, Snapshot,
-    page_damage, plan,
+    KvPressureConfig, MemoryTarget, PageId, PageState, Planner, PlannerConfig, ResidualFactors,
+    RoutingConfig, Snapshot, page_damage, plan,
 };
 
 use crate::hook::MemoryState;
@@ -151,6 +151,14 @@ impl PagedMemory {
     /// Free KV blocks the budget allows now.
     fn free_blocks(&self) -> u64 {
         self.accountant.free() / self.block_bytes
+    }
+
+    /// The prompt-residual factors the planner's damage uses from the next boundary on (`None`:
+    /// no correction).
+    pub(crate) fn set_residual(&mut self, factors: Option<ResidualFactors>) {
+        if let Some(p) = &mut self.planner {
+            p.residual = factors;
+        }
     }
 
     /// Makes the KV lease cover `blocks` blocks, running the planner first if the budget has

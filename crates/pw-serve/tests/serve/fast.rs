@@ -309,7 +309,14 @@ fn thirty_two_requests_under_a_planned_budget(dir: &Path) {
         give_back_blocks: 8,
         ..Default::default()
     };
-    let options = FastOptions { bits: 8, kv_budget_bytes: 0, max_batch: 16, max_context: 128, memory };
+    let options = FastOptions {
+        bits: 8,
+        kv_budget_bytes: 0,
+        max_batch: 16,
+        max_context: 128,
+        memory,
+        residual_head: false,
+    };
     let model = FastStepModel::<WgpuRuntime, half::f16>::load_with(&client, dir, &options).unwrap();
     let requests = mixed_requests(model.vocab_size() as u32);
     let config = pressure_config(model.kv_capacity_bytes());
@@ -425,7 +432,14 @@ fn the_checkpoints_calibration_routing_reaches_the_planner() {
         policy: WeightPolicy::Planner,
         ..Default::default()
     };
-    let options = FastOptions { bits: 8, kv_budget_bytes: 0, max_batch: 4, max_context: 64, memory };
+    let options = FastOptions {
+        bits: 8,
+        kv_budget_bytes: 0,
+        max_batch: 4,
+        max_context: 64,
+        memory,
+        residual_head: false,
+    };
     let view = |d: &Path| {
         let m = FastStepModel::<WgpuRuntime, half::f16>::load_with(&client, d, &options).unwrap();
         m.page_table().unwrap().expect("the fast path has a page table")
@@ -439,4 +453,99 @@ fn the_checkpoints_calibration_routing_reaches_the_planner() {
         assert!((got - want).abs() < 1e-12, "layer {} expert {}: {got} vs {want}", p.layer, p.expert);
     }
     assert!(view(&dir).pages.iter().all(|p| p.calibration_share.is_none()), "no routing in an HF directory");
+}
+
+/// Issue 29: a residual head beside the checkpoint whose only weight reads layer 0's `ln rms(h)`
+/// feature into layer 0's gate_up factor. Each prompt goes through the head once, after its
+/// prefill; while the request runs the planner's damage of layer 0's gate_up pages is the
+/// head-less damage times `exp(M · tanh(x / M))` and every other page's is unchanged; two prompts
+/// with different statistics give different factors; the factors leave with the request, and
+/// with `residual_head: false` the head is not read (the head-less damage).
+#[test]
+fn the_residual_head_weighs_each_running_prompt_into_the_damage() {
+    use burn::module::Param;
+    use burn::tensor::{Tensor, TensorData};
+    use pw_planner::{PlannerConfig, ResidualHeadConfig};
+    use pw_serve::{FastOptions, MemoryOptions, WeightPolicy};
+    type Cpu = burn_ndarray::NdArray<f32>;
+
+    let dir = pw_testkit::fixture_copy("mixtral");
+    let client = wgpu_client();
+    let probe = FastStepModel::<WgpuRuntime, f32>::load(&client, dir.path(), 4, 1 << 18, 1, 64).unwrap();
+    let (experts4, block) = (probe.decoder().expert_bytes() as u64, probe.decoder().kv_block_bytes() as u64);
+    let (layers, vocab) = (probe.decoder().config().layers, probe.vocab_size() as u32);
+    drop(probe);
+    let cfg = ResidualHeadConfig::new(layers);
+    let mut head = cfg.init::<Cpu>(&Default::default());
+    let mut w = vec![0f32; cfg.n_features() * cfg.n_outputs()];
+    // Feature 1 of layer 0 (ln rms) into output 0 (layer 0, gate_up); Burn's weight is [in, out].
+    w[cfg.n_outputs()] = 1.0;
+    let w = Tensor::<Cpu, 2>::from_data(
+        TensorData::new(w, [cfg.n_features(), cfg.n_outputs()]),
+        &Default::default(),
+    );
+    head.linear.weight = Param::from_tensor(w);
+    head.save(dir.path()).unwrap();
+
+    // No pressure and no give-back (the pages keep their bits), and no routing multiplier (the
+    // prompts' routing would change every page's damage): only the residual factors move it.
+    let memory = MemoryOptions {
+        budget_bytes: Some(experts4 + 16 * block),
+        policy: WeightPolicy::Planner,
+        threshold_blocks: 0,
+        give_back_blocks: 1 << 20,
+        planner: PlannerConfig { use_routing: false, ..Default::default() },
+        ..Default::default()
+    };
+    let load = |residual_head| {
+        let o = FastOptions {
+            bits: 4,
+            kv_budget_bytes: 0,
+            max_batch: 4,
+            max_context: 64,
+            memory: memory.clone(),
+            residual_head,
+        };
+        FastStepModel::<WgpuRuntime, f32>::load_with(&client, dir.path(), &o).unwrap()
+    };
+    // Each page's (layer, kind, damage) at a boundary, after prefilling `prompt` as sequence 1.
+    let damage = |m: &mut FastStepModel<WgpuRuntime, f32>, prompt: Option<&[u32]>| {
+        if let Some(p) = prompt {
+            let mut s = Sampler::new(SamplingConfig { temperature: 0.0, ..Default::default() });
+            m.prefill(&mut [slot(1, 0, p, true, &mut s)]).unwrap()[0].clone().unwrap();
+        }
+        m.boundary(0).unwrap();
+        let v = m.page_table().unwrap().expect("the fast path has a page table");
+        v.pages.iter().map(|p| (p.layer, p.kind, p.damage.expect("planner damage"))).collect::<Vec<_>>()
+    };
+    let prompts: [Vec<u32>; 2] = [(0..9).map(|i| (i * 5 + 1) % vocab).collect(), vec![3, 3, 3, vocab - 1]];
+    let mut plain = load(false);
+    let base = damage(&mut plain, None);
+    assert!(base.iter().any(|d| d.2 > 0.0), "some page is below its parent's bits: {base:?}");
+    let mut model = load(true);
+    let mut factors = vec![];
+    for (n, p) in prompts.iter().enumerate() {
+        let with = damage(&mut model, Some(p));
+        assert_eq!(model.residual_head_calls(), n as u64 + 1, "one head call per prompt");
+        let mut factor = None;
+        for (a, b) in with.iter().zip(&base) {
+            assert_eq!((a.0, a.1), (b.0, b.1));
+            if b.2 == 0.0 {
+                continue;
+            }
+            let r = a.2 / b.2;
+            if (a.0, a.1) == (0, "gate_up") {
+                assert!(factor.is_none_or(|f: f64| (f - r).abs() < 1e-9 * f), "one factor per (layer, kind)");
+                factor = Some(r);
+            } else {
+                assert!((r - 1.0).abs() < 1e-9, "layer {} {}: {r}", a.0, a.1);
+            }
+        }
+        let f = factor.expect("a damaged layer-0 gate_up page");
+        assert!((f - 1.0).abs() > 1e-3, "prompt {n}: factor {f}");
+        factors.push(f);
+        model.release(1);
+        assert_eq!(damage(&mut model, None), base, "the factors leave with the request");
+    }
+    assert!((factors[0] - factors[1]).abs() > 1e-3 * factors[0], "{factors:?}");
 }

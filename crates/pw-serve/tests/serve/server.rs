@@ -443,7 +443,14 @@ async fn the_planner_lowers_pages_under_16_concurrent_requests_and_raises_them_a
         give_back_blocks: margin,
         ..Default::default()
     };
-    let options = FastOptions { bits: 8, kv_budget_bytes: 0, max_batch: 16, max_context: 128, memory };
+    let options = FastOptions {
+        bits: 8,
+        kv_budget_bytes: 0,
+        max_batch: 16,
+        max_context: 128,
+        memory,
+        residual_head: false,
+    };
     let client = WgpuRuntime::client(&WgpuDevice::DefaultDevice);
     let model = FastStepModel::<WgpuRuntime, half::f16>::load_with(&client, &dir, &options).unwrap();
     assert_eq!(model.decoder().expert_bytes() as u64, experts8, "all experts start at 8 bits");
