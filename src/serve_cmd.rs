@@ -324,6 +324,20 @@ fn resolve(kind: ServeDevice) -> ServeDevice {
     if cfg!(feature = "wgpu") { ServeDevice::Wgpu } else { ServeDevice::Cpu }
 }
 
+/// The fast decoder's step size: the engine's token budget, halved (down to the earlier default
+/// of 256) while its step buffers would take more than half of what a memory budget leaves
+/// beside the dense weights, so a small budget keeps its room for experts and KV.
+fn decoder_step_tokens(dc: &pw_decode::DecodeConfig, total: Option<u64>, engine_tokens: usize) -> usize {
+    let mut tokens = engine_tokens.max(1);
+    if let Some(total) = total {
+        let room = total.saturating_sub(dc.dense_bytes()) / 2;
+        while tokens > 256 && dc.step_scratch_bytes(tokens) > room {
+            tokens = (tokens / 2).max(256);
+        }
+    }
+    tokens
+}
+
 /// The fast-path model on CUDA or wgpu, the KV bytes the engine may reserve and the max batch.
 fn fast_model(
     args: &ServeArgs,
@@ -351,10 +365,11 @@ fn fast_model(
         args.kv_budget_bytes.unwrap_or(kv.bytes_for(max_context).saturating_mul(max_batch.max(1) as u64));
     // The dense weights and the decoder's step buffers are not paged: the experts and the KV
     // cache share the rest.
+    let dc = pw_decode::DecodeConfig::from_model(&config)?;
+    let step_tokens = decoder_step_tokens(&dc, total, args.max_step_tokens.unwrap_or(2048.max(max_batch)));
     let budget = match total {
         Some(total) => {
-            let dc = pw_decode::DecodeConfig::from_model(&config)?;
-            let (dense, scratch) = (dc.dense_bytes(), dc.default_scratch_bytes());
+            let (dense, scratch) = (dc.dense_bytes(), dc.step_scratch_bytes(step_tokens));
             let source = match args.gpu_memory_gb {
                 Some(gb) => format!("--gpu-memory-gb {gb}"),
                 None => {
@@ -377,6 +392,7 @@ fn fast_model(
         max_context,
         memory: args.planner.memory(budget),
         residual_head: !args.no_residual,
+        max_step_tokens: step_tokens,
     };
     let what = match (budget, args.planner.policy) {
         (None, _) => format!("experts at {} bits", args.bits),

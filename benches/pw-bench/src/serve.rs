@@ -280,6 +280,7 @@ where
         max_context,
         memory,
         residual_head: true,
+        max_step_tokens: pw_decode::DEFAULT_MAX_STEP_TOKENS,
     };
     let t_load = Instant::now();
     let model = FastStepModel::<R, half::f16>::synthetic(&client, cfg.clone(), &options)?;

@@ -314,11 +314,13 @@ impl DecodeConfig {
 
     /// [`Self::scratch_bytes`] of a decoder built with the builder's step size and routing items.
     pub fn default_scratch_bytes(&self) -> u64 {
-        self.scratch_bytes(
-            crate::DEFAULT_MAX_STEP_TOKENS,
-            crate::DEFAULT_MAX_LOGIT_ROWS,
-            kernels_cubecl::ROUTE_CHUNK,
-        )
+        self.step_scratch_bytes(crate::DEFAULT_MAX_STEP_TOKENS)
+    }
+
+    /// [`Self::scratch_bytes`] of a decoder of steps of `tokens` tokens and the builder's other
+    /// defaults (rows of logits, routing items).
+    pub fn step_scratch_bytes(&self, tokens: usize) -> u64 {
+        self.scratch_bytes(tokens, crate::DEFAULT_MAX_LOGIT_ROWS, kernels_cubecl::ROUTE_CHUNK)
     }
 
     /// Parameters of the model, dense and expert, for reports.

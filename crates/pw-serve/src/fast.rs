@@ -45,6 +45,9 @@ pub struct FastOptions {
     /// there is one: each request's prompt statistics go through it after its prefill, and the
     /// planner's damage takes the mean of the running requests' factors.
     pub residual_head: bool,
+    /// Most tokens of one decoder step (its step buffers are sized for them; longer prompt
+    /// chunks run in several).
+    pub max_step_tokens: usize,
 }
 
 /// The fast path for the three families, with a `KV` cache (f16 on the GPU).
@@ -106,7 +109,15 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
         max_context: usize,
     ) -> Result<Self, ServeError> {
         let memory = MemoryOptions { policy: WeightPolicy::Pinned, ..Default::default() };
-        let o = FastOptions { bits, kv_budget_bytes, max_batch, max_context, memory, residual_head: false };
+        let o = FastOptions {
+            bits,
+            kv_budget_bytes,
+            max_batch,
+            max_context,
+            memory,
+            residual_head: false,
+            max_step_tokens: pw_decode::DEFAULT_MAX_STEP_TOKENS,
+        };
         Self::load_with(client, dir, &o)
     }
 
@@ -143,6 +154,7 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
             .block_size(BLOCK)
             .max_seq_len(o.max_context)
             .accountant(accountant.clone())
+            .max_step_tokens(o.max_step_tokens)
             .load(dir, experts)
             .map_err(|e| model(e.to_string()))?;
         let head = match o.residual_head && dir.join(HEAD_CONFIG_FILE).is_file() {
@@ -193,6 +205,7 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
             .block_size(BLOCK)
             .max_seq_len(o.max_context)
             .accountant(accountant.clone())
+            .max_step_tokens(o.max_step_tokens)
             .synthetic(cfg.clone(), &|_, _| plan.initial_bits)
             .map_err(|e| model(e.to_string()))?;
         Self::assemble(dec, accountant, &o.memory, plan, o.max_batch).map_err(model)

@@ -316,6 +316,7 @@ fn thirty_two_requests_under_a_planned_budget(dir: &Path) {
         max_context: 128,
         memory,
         residual_head: false,
+        max_step_tokens: pw_decode::DEFAULT_MAX_STEP_TOKENS,
     };
     let model = FastStepModel::<WgpuRuntime, half::f16>::load_with(&client, dir, &options).unwrap();
     let requests = mixed_requests(model.vocab_size() as u32);
@@ -439,6 +440,7 @@ fn the_checkpoints_calibration_routing_reaches_the_planner() {
         max_context: 64,
         memory,
         residual_head: false,
+        max_step_tokens: pw_decode::DEFAULT_MAX_STEP_TOKENS,
     };
     let view = |d: &Path| {
         let m = FastStepModel::<WgpuRuntime, half::f16>::load_with(&client, d, &options).unwrap();
@@ -505,6 +507,7 @@ fn the_residual_head_weighs_each_running_prompt_into_the_damage() {
             max_context: 64,
             memory: memory.clone(),
             residual_head,
+            max_step_tokens: pw_decode::DEFAULT_MAX_STEP_TOKENS,
         };
         FastStepModel::<WgpuRuntime, f32>::load_with(&client, dir.path(), &o).unwrap()
     };

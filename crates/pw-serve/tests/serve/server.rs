@@ -450,6 +450,7 @@ async fn the_planner_lowers_pages_under_16_concurrent_requests_and_raises_them_a
         max_context: 128,
         memory,
         residual_head: false,
+        max_step_tokens: pw_decode::DEFAULT_MAX_STEP_TOKENS,
     };
     let client = WgpuRuntime::client(&WgpuDevice::DefaultDevice);
     let model = FastStepModel::<WgpuRuntime, half::f16>::load_with(&client, &dir, &options).unwrap();
