@@ -18,7 +18,7 @@ use crate::builder::DecoderBuilder;
 use crate::config::{DecodeConfig, Family};
 use crate::paged::PagedExperts;
 use crate::route_stats::RouteStats;
-use crate::stages::{ExpertAct, Fwd, Scratch, Tuning};
+use crate::stages::{ExpertAct, Fwd, ResidualSegments, Scratch, Tuning};
 use crate::weights::DenseWeights;
 
 /// A MoE model of one of the three families on a CubeCL device, decoding batches of
@@ -394,7 +394,7 @@ const PREFILL_MIN_RUN: usize = 4;
 fn residual_segments<'a>(
     seqs: &[SeqId],
     tracked: &'a mut HashMap<SeqId, (DeviceArray, usize)>,
-) -> Vec<(&'a DeviceArray, Vec<(u32, u32, u32)>)> {
+) -> ResidualSegments<'a> {
     let mut segs: HashMap<SeqId, Vec<(u32, u32, u32)>> = HashMap::new();
     let mut i = 0;
     while i < seqs.len() {

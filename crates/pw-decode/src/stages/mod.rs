@@ -207,6 +207,10 @@ pub(crate) fn scratch_sizes(cfg: &DecodeConfig, t: usize, logit_rows: usize) -> 
     ]
 }
 
+/// Each tracked sequence's statistics buffer with its rows of the step as `(first row, rows,
+/// slot)` segments.
+pub(crate) type ResidualSegments<'a> = Vec<(&'a DeviceArray, Vec<(u32, u32, u32)>)>;
+
 /// One chunk of a step in flight: what every stage reads (the device, the shapes, the
 /// scratch buffers, the step's uploaded ids, positions and block tables) and the launches so far.
 pub(crate) struct Fwd<'a, R: Runtime, KV> {
@@ -234,7 +238,7 @@ pub(crate) struct Fwd<'a, R: Runtime, KV> {
     pub(crate) runs: Option<(DeviceArray, usize)>,
     /// The rows of each sequence whose prompt statistics the decoder gathers, with their
     /// buffer ([`crate::Decoder::track_residual`]).
-    pub(crate) residual: Vec<(&'a DeviceArray, Vec<(u32, u32, u32)>)>,
+    pub(crate) residual: ResidualSegments<'a>,
     pub(crate) launches: usize,
     pub(crate) _kv: PhantomData<KV>,
 }
