@@ -389,20 +389,19 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
 /// run's cache read once for its queries) rather than one query per row.
 const PREFILL_MIN_RUN: usize = 4;
 
-/// The step's rows of each tracked sequence as segments `(first row, rows, 0)` with the
-/// sequence's statistics buffer, counting the tokens they add.
+/// The step's rows of each tracked sequence as segments `(first row, rows, 0)` (its runs, as
+/// [`kernels_cubecl::prefill_runs`] finds them) with the sequence's statistics buffer, counting
+/// the tokens they add.
 fn residual_segments<'a>(
     seqs: &[SeqId],
     tracked: &'a mut HashMap<SeqId, (DeviceArray, usize)>,
 ) -> ResidualSegments<'a> {
     let mut segs: HashMap<SeqId, Vec<(u32, u32, u32)>> = HashMap::new();
-    let mut i = 0;
-    while i < seqs.len() {
-        let j = seqs[i..].iter().position(|s| *s != seqs[i]).map_or(seqs.len(), |n| i + n);
-        if tracked.contains_key(&seqs[i]) {
-            segs.entry(seqs[i]).or_default().push((i as u32, (j - i) as u32, 0));
+    for run in kernels_cubecl::prefill_runs(seqs).chunks(2) {
+        let seq = seqs[run[0] as usize];
+        if tracked.contains_key(&seq) {
+            segs.entry(seq).or_default().push((run[0], run[1], 0));
         }
-        i = j;
     }
     tracked
         .iter_mut()
