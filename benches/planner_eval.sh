@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Reproduces benches/results/planner-eval.{json,md,png} (issue 7): held-out perplexity of the
-# shipped tiny-mixtral under expert budgets of 30/40/50/60 % of its FP16 expert bytes, for
-# fp16, uniform, the planner and its four ablations. CPU only; release build.
+# Reproduces benches/results/planner-eval.{json,md,png} (issues 7, 29): held-out perplexity of
+# the shipped tiny-mixtral under expert budgets of 25/30/40/50 % of its FP16 expert bytes, for
+# fp16, uniform, the planner (residual head per prompt), the head on the text's mean features
+# (a per-block constant), no head, the absolute routing multiplier, no sensitivity, and uniform /
+# planner on a second checkpoint quantized with layer-streamed importance. CPU only; release build.
 #
 #   bash benches/planner_eval.sh [MAX_TOKENS]      # default 32768 (the committed table)
 #
@@ -21,15 +23,19 @@ TEXT=$MODEL/heldout.txt
 mkdir -p "$WORK" "$OUT"
 
 [ -n "${SKIP_BUILD:-}" ] || cargo build --release --bin pagedweight --example planner_eval_plot --example train_residual_head
-# 1. Quantize (3..8 bits, Fisher importance from MODEL/calib.txt), 2. train the residual head
-# beside the checkpoint.
+# 1. Quantize (3..8 bits, importance from MODEL/calib.txt: Fisher, and layer-streamed input
+# moments), 2. train the residual head beside each checkpoint.
 Q=$WORK/$(basename "$MODEL")-pw
-if [ ! -f "$Q/pagedweight.json" ]; then
-  "$PW" quantize --model "$MODEL" --out "$Q" > "$WORK/quantize.json"
-fi
-if [ ! -f "$Q/residual_head.json" ]; then
-  "$TARGET/release/examples/train_residual_head" --model "$MODEL" --out "$Q" > "$WORK/head.json"
-fi
+QS=$WORK/$(basename "$MODEL")-pw-streamed
+for IMP in fisher streamed; do
+  DIR=$Q; [ "$IMP" = streamed ] && DIR=$QS
+  if [ ! -f "$DIR/pagedweight.json" ]; then
+    "$PW" quantize --model "$MODEL" --out "$DIR" --importance "$IMP" > "$WORK/quantize-$IMP.json"
+  fi
+  if [ ! -f "$DIR/residual_head.json" ]; then
+    "$TARGET/release/examples/train_residual_head" --model "$MODEL" --out "$DIR" > "$WORK/head-$IMP.json"
+  fi
+done
 
 ROWS=$WORK/$NAME.jsonl
 : > "$ROWS"
@@ -38,16 +44,19 @@ ev() { "$PW" eval-ppl --text "$TEXT" --max-tokens "$MAX_TOKENS" "$@" 2> "$WORK/e
 FP16=$(ev --model "$MODEL" --expert-budget-bytes 1)
 echo "$FP16" | tee -a "$ROWS"
 FP16_BYTES=$(echo "$FP16" | sed 's/.*"expert_bytes":\([0-9]*\).*/\1/')
-for PCT in 30 40 50 60; do
+for PCT in 25 30 40 50; do
   BUDGET=$((FP16_BYTES * PCT / 100))
-  for POLICY in uniform planner planner,no-routing planner,no-residual planner,no-sensitivity \
-      planner,no-routing,no-residual,no-sensitivity; do
-    if LINE=$(ev --model "$Q" --expert-budget-bytes "$BUDGET" --policy "$POLICY"); then
+  for POLICY in uniform planner planner,text-residual planner,no-residual planner,absolute-routing \
+      planner,no-sensitivity streamed:uniform streamed:planner; do
+    DIR=$Q; NAME_PREFIX=""
+    case "$POLICY" in streamed:*) DIR=$QS; NAME_PREFIX="streamed:"; POLICY=${POLICY#streamed:};; esac
+    if LINE=$(ev --model "$DIR" --expert-budget-bytes "$BUDGET" --policy "$POLICY"); then
+      LINE=${LINE/\"policy\":\"/\"policy\":\"$NAME_PREFIX}
       echo "{\"budget_pct\":$PCT,${LINE#\{}" | tee -a "$ROWS"
     else
       # Infeasible budgets (below every block at 3 bits) are rows too, with the error.
       ERR=$(grep -v '^ *[0-9]*:\|^ *at \|^Stack backtrace\|^$' "$WORK/err.txt" | head -1 | sed 's/\\/\\\\/g; s/"/\\"/g')
-      echo "{\"budget_pct\":$PCT,\"policy\":\"$POLICY\",\"budget_bytes\":$BUDGET,\"infeasible\":true,\"error\":\"$ERR\"}" | tee -a "$ROWS"
+      echo "{\"budget_pct\":$PCT,\"policy\":\"$NAME_PREFIX$POLICY\",\"budget_bytes\":$BUDGET,\"infeasible\":true,\"error\":\"$ERR\"}" | tee -a "$ROWS"
     fi
   done
 done

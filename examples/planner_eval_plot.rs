@@ -37,15 +37,6 @@ struct Args {
     title: String,
 }
 
-const POLICIES: [&str; 6] = [
-    "uniform",
-    "planner",
-    "planner,no-routing",
-    "planner,no-residual",
-    "planner,no-sensitivity",
-    "planner,no-routing,no-residual,no-sensitivity",
-];
-
 fn main() -> Result<()> {
     let args = Args::parse();
     let text =
@@ -67,6 +58,14 @@ fn main() -> Result<()> {
     let fp16_ppl = fp16["ppl"].as_f64().context("fp16 row: no ppl")?;
     let fp16_bytes = fp16["expert_bytes"].as_f64().context("fp16 row: no expert_bytes")?;
 
+    // Columns: the budgeted rows' policies, in the order they first appear.
+    let mut policies: Vec<String> = Vec::new();
+    for r in rows.iter().filter(|r| r["budget_pct"].is_u64()) {
+        let p = r["policy"].as_str().unwrap_or_default().to_string();
+        if !policies.contains(&p) {
+            policies.push(p);
+        }
+    }
     // Table: one row per budget, one column per policy; ppl (Δ% vs fp16) and MB.
     let mut by_pct: BTreeMap<u64, BTreeMap<String, &Value>> = BTreeMap::new();
     for r in rows.iter().filter(|r| r["budget_pct"].is_u64()) {
@@ -77,13 +76,13 @@ fn main() -> Result<()> {
         "FP16: ppl {fp16_ppl:.4}, expert bytes {:.2} MB. Cells: ppl (Δ vs FP16) / expert MB / bits \
          histogram.\n\n| budget | {} |\n|---|{}\n",
         fp16_bytes / 1e6,
-        POLICIES.join(" | "),
-        "---|".repeat(POLICIES.len())
+        policies.join(" | "),
+        "---|".repeat(policies.len())
     );
     for (pct, cells) in &by_pct {
         let budget = cells.values().next().and_then(|r| r["budget_bytes"].as_f64()).unwrap_or_default();
         md.push_str(&format!("| {pct}% ({:.2} MB) |", budget / 1e6));
-        for p in POLICIES {
+        for p in &policies {
             let cell = match cells.get(p) {
                 None => "–".to_string(),
                 Some(r) if r["infeasible"] == true => "infeasible".to_string(),
@@ -107,17 +106,17 @@ fn main() -> Result<()> {
     std::fs::write(&args.md, &md).with_context(|| format!("writing {}", args.md.display()))?;
     print!("{md}");
 
-    plot(&args, &rows, fp16_ppl, fp16_bytes)
+    plot(&args, &rows, &policies, fp16_ppl, fp16_bytes)
 }
 
-fn plot(args: &Args, rows: &[Value], fp16_ppl: f64, fp16_bytes: f64) -> Result<()> {
+fn plot(args: &Args, rows: &[Value], policies: &[String], fp16_ppl: f64, fp16_bytes: f64) -> Result<()> {
     pagedweight::plot_cmd::register_label_font(&args.font)?;
-    let series: Vec<(&str, Vec<(f64, f64)>)> = POLICIES
+    let series: Vec<(&str, Vec<(f64, f64)>)> = policies
         .iter()
         .map(|p| {
             let mut pts: Vec<(f64, f64)> = rows
                 .iter()
-                .filter(|r| r["policy"] == *p && r["ppl"].is_f64())
+                .filter(|r| r["policy"] == p.as_str() && r["ppl"].is_f64())
                 .map(|r| {
                     (
                         r["expert_bytes"].as_f64().unwrap_or_default() / 1e6,
@@ -126,7 +125,7 @@ fn plot(args: &Args, rows: &[Value], fp16_ppl: f64, fp16_bytes: f64) -> Result<(
                 })
                 .collect();
             pts.sort_by(|a, b| a.0.total_cmp(&b.0));
-            (*p, pts)
+            (p.as_str(), pts)
         })
         .collect();
     let fp16_point = [(fp16_bytes / 1e6, fp16_ppl)];
@@ -156,7 +155,17 @@ fn plot(args: &Args, rows: &[Value], fp16_ppl: f64, fp16_bytes: f64) -> Result<(
         .label_style(("sans-serif", 14))
         .draw()
         .map_err(|e| err(&e))?;
-    let colours = [BLACK, RED, BLUE, GREEN, MAGENTA, RGBColor(230, 140, 0)];
+    let colours = [
+        BLACK,
+        RED,
+        BLUE,
+        GREEN,
+        MAGENTA,
+        RGBColor(230, 140, 0),
+        RGBColor(120, 70, 20),
+        RGBColor(0, 150, 150),
+        RGBColor(128, 128, 128),
+    ];
     for ((name, pts), colour) in series.iter().zip(colours) {
         if pts.is_empty() {
             continue;

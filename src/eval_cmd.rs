@@ -7,10 +7,14 @@
 //! - `planner`: the mixed allocation `pw_planner::plan` reaches when lowering from the highest
 //!   stored bit-width down to the budget, with the checkpoint's offline sensitivities, routing
 //!   statistics and residual features gathered in a first pass over the same text at the
-//!   highest bit-width (router choices folded into `RoutingStats` once per forward, residual
-//!   features averaged over the windows), and the residual head saved beside the checkpoint
-//!   (`residual_head.json` + `.mpk`, written by `examples/train_residual_head.rs`; without it the
-//!   factors are 1 and the output says `"residual":"absent"`). The routing multiplier is
+//!   highest bit-width (router choices folded into `RoutingStats` once per forward), and the
+//!   residual head saved beside the checkpoint (`residual_head.json` + `.mpk`, written by
+//!   `examples/train_residual_head.rs`; without it the factors are 1 and the output says
+//!   `"residual":"absent"`). The head runs per prompt, as in serving: every forward of the
+//!   first pass (one window with `--batch 1`) gets its own factors from its own residual
+//!   features, its own plan, and its windows are scored at that allocation;
+//!   `,text-residual` instead runs the head once on the features averaged over the whole text,
+//!   one set of factors per (layer, kind) for every window. The routing multiplier is
 //!   relative to the calibration routing `quantize` recorded (`"routing_multiplier":"relative"`;
 //!   `,absolute-routing` uses the plain share). `,no-routing`, `,no-residual` and
 //!   `,no-sensitivity` switch a component off (the ablations).
@@ -25,7 +29,7 @@ use anyhow::{Context, Result, bail};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 use indicatif::{ProgressBar, ProgressStyle};
-use pw_models::eval::{Perplexity, perplexity, perplexity_traced, token_windows};
+use pw_models::eval::{Perplexity, perplexity, perplexity_traced, token_nll, token_windows};
 use pw_models::{CausalLm, LoadedModel, Trace, is_quantized_dir};
 use pw_planner::{
     HEAD_CONFIG_FILE, MemoryTarget, PlannerConfig, ResidualFactors, ResidualHead, RoutingConfig,
@@ -97,17 +101,19 @@ pub(crate) enum Policy {
         config: PlannerConfig,
         /// Routing multipliers by the plain share, ignoring the calibration routing.
         absolute_routing: bool,
+        /// The residual head on the text's mean features instead of each prompt's own.
+        text_residual: bool,
     },
 }
 
 impl Policy {
     /// The planner with every component on.
     pub(crate) fn planner() -> Self {
-        Self::Planner { config: PlannerConfig::default(), absolute_routing: false }
+        Self::Planner { config: PlannerConfig::default(), absolute_routing: false, text_residual: false }
     }
 
     /// Parses `uniform` or
-    /// `planner[,no-routing][,no-residual][,no-sensitivity][,absolute-routing]`.
+    /// `planner[,no-routing][,no-residual][,no-sensitivity][,absolute-routing][,text-residual]`.
     pub(crate) fn parse(s: &str) -> Result<Self> {
         let mut tokens = s.split(',').map(str::trim);
         let mut policy = match tokens.next().unwrap_or_default() {
@@ -115,11 +121,11 @@ impl Policy {
             "planner" => Self::planner(),
             other => bail!(
                 "--policy {s}: unknown policy `{other}` (expected `uniform` or \
-                 `planner[,no-routing][,no-residual][,no-sensitivity][,absolute-routing]`)"
+                 `planner[,no-routing][,no-residual][,no-sensitivity][,absolute-routing][,text-residual]`)"
             ),
         };
         for t in tokens {
-            let Self::Planner { config: cfg, absolute_routing } = &mut policy else {
+            let Self::Planner { config: cfg, absolute_routing, text_residual } = &mut policy else {
                 bail!("--policy {s}: `{t}` switches off a planner component; `uniform` takes no options")
             };
             match t {
@@ -127,9 +133,10 @@ impl Policy {
                 "no-residual" => cfg.use_residual = false,
                 "no-sensitivity" => cfg.use_sensitivity = false,
                 "absolute-routing" => *absolute_routing = true,
+                "text-residual" => *text_residual = true,
                 other => bail!(
                     "--policy {s}: unknown option `{other}` (expected no-routing, no-residual, \
-                     no-sensitivity or absolute-routing)"
+                     no-sensitivity, absolute-routing or text-residual)"
                 ),
             }
         }
@@ -140,13 +147,14 @@ impl Policy {
     pub(crate) fn name(&self) -> String {
         match self {
             Self::Uniform => "uniform".into(),
-            Self::Planner { config: c, absolute_routing } => {
+            Self::Planner { config: c, absolute_routing, text_residual } => {
                 let mut n = String::from("planner");
                 for (off, t) in [
                     (!c.use_routing, ",no-routing"),
                     (!c.use_residual, ",no-residual"),
                     (!c.use_sensitivity, ",no-sensitivity"),
                     (*absolute_routing, ",absolute-routing"),
+                    (*text_residual, ",text-residual"),
                 ] {
                     if off {
                         n.push_str(t);
@@ -276,6 +284,8 @@ struct PassStats {
     routing: RoutingStats,
     /// Residual features averaged over the forwards (`None` when no forward ran).
     features: Option<Vec<f32>>,
+    /// Per forward: the windows it ran and their residual features.
+    forwards: Vec<(usize, Vec<f32>)>,
     /// Decoder layers the features cover.
     layers: usize,
     /// Perplexity of the pass (the highest stored bit-width).
@@ -300,15 +310,17 @@ fn stats_pass<B: Backend>(
         routing.set_calibration_routing(&m.routing).with_context(|| format!("{}", args.model.display()))?;
     }
     let mut sum: Vec<f64> = Vec::new();
+    let mut per_forward = Vec::new();
     let (mut forwards, mut model_layers) = (0usize, 0usize);
     let mut failed: Option<anyhow::Error> = None;
     let pb = bar(token_windows(ids, args.ctx).len(), "statistics");
     let result = perplexity_traced(&loaded.model, ids, args.ctx, args.batch, device, true, |n, trace| {
         pb.inc(n as u64);
-        if failed.is_none()
-            && let Err(e) = fold_trace(trace, &mut routing, &mut sum, &mut model_layers, experts)
-        {
-            failed = Some(e);
+        if failed.is_none() {
+            match fold_trace(trace, &mut routing, &mut sum, &mut model_layers, experts) {
+                Ok(f) => per_forward.push((n, f)),
+                Err(e) => failed = Some(e),
+            }
         }
         forwards += 1;
     });
@@ -317,18 +329,18 @@ fn stats_pass<B: Backend>(
         return Err(e);
     }
     let features = (forwards > 0).then(|| sum.iter().map(|v| (*v / forwards as f64) as f32).collect());
-    Ok(PassStats { routing, features, layers: model_layers, ppl: result.ppl() })
+    Ok(PassStats { routing, features, forwards: per_forward, layers: model_layers, ppl: result.ppl() })
 }
 
 /// Folds one forward's router outputs into `routing` (one step) and adds its residual features
-/// to `sum`.
+/// to `sum`; returns those features.
 fn fold_trace<B: Backend>(
     trace: &Trace<B>,
     routing: &mut RoutingStats,
     sum: &mut Vec<f64>,
     model_layers: &mut usize,
     experts: usize,
-) -> Result<()> {
+) -> Result<Vec<f32>> {
     let n = routing.layers() * experts;
     let (mut counts, mut mass) = (vec![0u32; n], vec![0f32; n]);
     let mut tokens = 0;
@@ -363,15 +375,16 @@ fn fold_trace<B: Backend>(
     for (s, v) in sum.iter_mut().zip(&f) {
         *s += *v as f64;
     }
-    Ok(())
+    Ok(f)
 }
 
-/// The residual factors from the head beside the checkpoint, or why there are none.
-fn residual_factors<B: Backend>(
+/// The residual head beside the checkpoint, checked against the model's layers; `None` (with
+/// a note on stderr) when there is none.
+fn residual_head<B: Backend>(
     dir: &Path,
     stats: &PassStats,
     device: &B::Device,
-) -> Result<(Option<ResidualFactors>, &'static str)> {
+) -> Result<Option<ResidualHead<B>>> {
     if !dir.join(HEAD_CONFIG_FILE).is_file() {
         eprintln!(
             "no {HEAD_CONFIG_FILE} in {}: residual factors 1 (train one with `cargo run --release \
@@ -379,10 +392,9 @@ fn residual_factors<B: Backend>(
             dir.display(),
             dir.display()
         );
-        return Ok((None, "absent"));
+        return Ok(None);
     }
     let head = ResidualHead::<B>::load(dir, device)?;
-    let Some(f) = &stats.features else { return Ok((None, "absent")) };
     if head.config().layers != stats.layers {
         bail!(
             "{}: the residual head is for {} layers, the model has {}",
@@ -391,8 +403,17 @@ fn residual_factors<B: Backend>(
             stats.layers
         );
     }
-    let x = Tensor::<B, 1>::from_data(TensorData::new(f.clone(), [f.len()]), device);
-    Ok((Some(head.factors(x)?), "head"))
+    Ok(Some(head))
+}
+
+/// The head's factors for one set of residual features.
+fn head_factors<B: Backend>(
+    head: &ResidualHead<B>,
+    features: &[f32],
+    device: &B::Device,
+) -> Result<ResidualFactors> {
+    let x = Tensor::<B, 1>::from_data(TensorData::new(features.to_vec(), [features.len()]), device);
+    Ok(head.factors(x)?)
 }
 
 /// `eval-ppl` on a quantized checkpoint under an expert byte budget.
@@ -436,7 +457,7 @@ fn budgeted<B: Backend>(
             extra.push_str(&format!(",\"bits\":{b}"));
             manifest.blocks.iter().map(|e| b.clamp(e.min_bits, e.max_bits)).collect()
         }
-        Policy::Planner { config: cfg, absolute_routing } => {
+        Policy::Planner { config: cfg, absolute_routing, text_residual } => {
             let snapshot = Snapshot::from_manifest(manifest, hi)?;
             let extent = snapshot.extent();
             // Routing and residual need the first pass; the bytes-only ablation does not.
@@ -446,12 +467,24 @@ fn budgeted<B: Backend>(
             } else {
                 None
             };
-            let (factors, residual) = match &stats {
-                Some(s) if cfg.use_residual => residual_factors::<B>(dir, s, device)?,
-                _ => (None, "off"),
+            let head = match &stats {
+                Some(s) if cfg.use_residual => residual_head::<B>(dir, s, device)?,
+                _ => None,
             };
             let target =
                 if largest > budget { MemoryTarget::Free(largest - budget) } else { MemoryTarget::Hold };
+            if let (Some(head), Some(stats), false) = (&head, &stats, *text_residual) {
+                let planned = Planned { snapshot: &snapshot, stats, head, target, config: cfg };
+                return per_prompt::<B>(args, ids, policy, budget, &planned, device);
+            }
+            let (factors, residual) = match (&head, &stats) {
+                (Some(h), Some(s)) => match &s.features {
+                    Some(f) => (Some(head_factors(h, f, device)?), "head-text-mean"),
+                    None => (None, "absent"),
+                },
+                _ if cfg.use_residual => (None, "absent"),
+                _ => (None, "off"),
+            };
             let t0 = Instant::now();
             let p = plan(&snapshot, stats.as_ref().map(|s| &s.routing), factors.as_ref(), target, cfg)?;
             let plan_ms = t0.elapsed().as_secs_f64() * 1e3;
@@ -501,6 +534,100 @@ fn budgeted<B: Backend>(
         loaded.expert_bytes,
         result.tokens,
         serde_json::to_string(&hist)?
+    );
+    Ok(())
+}
+
+/// What the planner works from in [`per_prompt`].
+struct Planned<'a, B: Backend> {
+    snapshot: &'a Snapshot,
+    stats: &'a PassStats,
+    head: &'a ResidualHead<B>,
+    target: MemoryTarget,
+    config: &'a PlannerConfig,
+}
+
+/// The planner with the residual head per prompt: every forward of the statistics pass gets
+/// its own factors and plan, and its windows are scored with the experts at that allocation
+/// (each distinct allocation loaded once).
+fn per_prompt<B: Backend>(
+    args: &EvalPplArgs,
+    ids: &[u32],
+    policy: &Policy,
+    budget: u64,
+    p: &Planned<'_, B>,
+    device: &B::Device,
+) -> Result<()> {
+    let dir = &args.model;
+    let manifest = pw_format::Checkpoint::open(dir)?.manifest().clone();
+    let t0 = Instant::now();
+    let mut by_allocation: BTreeMap<Vec<u8>, Vec<usize>> = BTreeMap::new();
+    for (j, (_, features)) in p.stats.forwards.iter().enumerate() {
+        let factors = head_factors(p.head, features, device)?;
+        let plan = plan(p.snapshot, Some(&p.stats.routing), Some(&factors), p.target, p.config)?;
+        if !plan.met {
+            bail!(
+                "the planner cannot fit {budget} bytes for prompt {j}: with its bit floors the experts \
+                 still take {} bytes (policy `{}`)",
+                plan.bytes_after,
+                policy.name()
+            );
+        }
+        by_allocation.entry(plan.desired).or_default().push(j);
+    }
+    let plan_ms = t0.elapsed().as_secs_f64() * 1e3 / p.stats.forwards.len().max(1) as f64;
+    let windows = token_windows(ids, args.ctx);
+    let mut first = Vec::with_capacity(p.stats.forwards.len());
+    let mut w = 0;
+    for (n, _) in &p.stats.forwards {
+        first.push(w);
+        w += n;
+    }
+    let mut total = Perplexity::default();
+    let (mut max_bytes, mut mean_bytes) = (0u64, 0f64);
+    let mut hist: BTreeMap<String, f64> = BTreeMap::new();
+    let pb = bar(windows.len(), "windows");
+    for (bits, forwards) in &by_allocation {
+        let block_bits: HashMap<String, u8> =
+            manifest.blocks.iter().zip(bits).map(|(e, &b)| (e.name.clone(), b)).collect();
+        let loaded = LoadedModel::<B>::load_mixed(dir, &block_bits, device)
+            .with_context(|| format!("loading the model in {}", dir.display()))?;
+        if loaded.expert_bytes > budget {
+            bail!(
+                "internal: a per-prompt plan chose {} expert bytes over the budget of {budget}",
+                loaded.expert_bytes
+            );
+        }
+        max_bytes = max_bytes.max(loaded.expert_bytes);
+        for &j in forwards {
+            let (n, _) = p.stats.forwards[j];
+            total.add(token_nll(&loaded.model, &windows[first[j]..first[j] + n], device));
+            mean_bytes += loaded.expert_bytes as f64 * n as f64;
+            for b in bits {
+                *hist.entry(b.to_string()).or_insert(0.0) += n as f64;
+            }
+            pb.inc(n as u64);
+        }
+    }
+    pb.finish_and_clear();
+    let n_windows = windows.len().max(1) as f64;
+    let hist: BTreeMap<String, f64> =
+        hist.into_iter().map(|(k, v)| (k, (v / n_windows * 100.0).round() / 100.0)).collect();
+    let multiplier = if p.stats.routing.has_calibration() { "relative" } else { "absolute" };
+    println!(
+        "{{\"policy\":{},\"ppl\":{},\"expert_bytes\":{max_bytes},\"budget_bytes\":{budget},\"tokens\":{},\
+         \"bits_histogram\":{},\"mean_expert_bytes\":{:.0},\"allocations\":{},\"prompts\":{},\
+         \"ppl_stats_pass\":{},\"routing_steps\":{},\"routing_multiplier\":\"{multiplier}\",\
+         \"residual\":\"head-per-prompt\",\"plan_ms\":{plan_ms:.3}}}",
+        serde_json::to_string(&policy.name())?,
+        serde_json::to_string(&total.ppl())?,
+        total.tokens,
+        serde_json::to_string(&hist)?,
+        mean_bytes / n_windows,
+        by_allocation.len(),
+        p.stats.forwards.len(),
+        serde_json::to_string(&p.stats.ppl)?,
+        p.stats.routing.steps()
     );
     Ok(())
 }

@@ -1,5 +1,6 @@
 //! `pagedweight quantize`: a Hugging Face MoE checkpoint → a quantized PagedWeight checkpoint,
-//! with diagonal-Fisher importance from calibration text (`pw_calib` does the work).
+//! with importance from calibration text: diagonal Fisher where it fits the device's memory,
+//! else the layer-streamed input moments (`pw_calib` does the work).
 
 use std::path::PathBuf;
 
@@ -7,7 +8,7 @@ use anyhow::{Context, Result, bail};
 use burn::backend::Autodiff;
 use burn::tensor::backend::Backend;
 use indicatif::ProgressBar;
-use pw_calib::{QuantizeConfig, Stage, quantize_model};
+use pw_calib::{ImportanceMethod, QuantizeConfig, Stage, quantize_model};
 
 use crate::eval_cmd::{bar, tokenize_text_file};
 use crate::models_cmd::{DeviceKind, on_device};
@@ -39,9 +40,29 @@ pub struct QuantizeArgs {
     /// Worker threads for the quantizer and the CPU backend (default: all cores).
     #[arg(long)]
     pub threads: Option<usize>,
-    /// Backend of the gradient pass.
+    /// Backend of the importance pass.
     #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
     pub device: DeviceKind,
+    /// Importance of the expert weights: `fisher` (gradients through the whole model),
+    /// `streamed` (each expert's input second moments, one layer in memory at a time) or
+    /// `auto` (Fisher when its estimated memory fits the device's).
+    #[arg(long, value_enum, default_value_t = Importance::Auto)]
+    pub importance: Importance,
+    /// Memory `auto` may use, in GB. Default: the free memory of the CUDA device with
+    /// `--device cuda`, else the host's available memory.
+    #[arg(long)]
+    pub memory_gb: Option<f64>,
+}
+
+/// `--importance`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Importance {
+    /// Fisher when it fits, else streamed.
+    Auto,
+    /// Diagonal Fisher.
+    Fisher,
+    /// Layer-streamed input second moments.
+    Streamed,
 }
 
 /// Quantizes the model and prints a one-line JSON summary.
@@ -62,11 +83,18 @@ fn quantize_on<B: Backend>(args: &QuantizeArgs, device: &B::Device) -> Result<()
         );
     }
     let ids = tokenize_text_file(&args.model, &calib)?;
+    let importance = match args.importance {
+        Importance::Fisher => ImportanceMethod::Fisher,
+        Importance::Streamed => ImportanceMethod::Streamed,
+        Importance::Auto => ImportanceMethod::Auto { memory_bytes: memory_bytes(args)? },
+    };
     let cfg = QuantizeConfig {
         min_bits: args.min_bits,
         max_bits: args.max_bits,
         ctx: args.ctx,
         calib_tokens: args.calib_tokens,
+        importance,
+        ..QuantizeConfig::default()
     };
     let mut current: Option<(Stage, ProgressBar)> = None;
     let report = quantize_model::<Autodiff<B>>(&args.model, &args.out, &ids, &cfg, device, |p| {
@@ -77,6 +105,7 @@ fn quantize_on<B: Backend>(args: &QuantizeArgs, device: &B::Device) -> Result<()
             let what = match p.stage {
                 Stage::Loading => "loading",
                 Stage::Gradients => "gradients",
+                Stage::Moments => "layers (streamed importance)",
                 Stage::Quantizing => "quantizing",
                 Stage::Copying => "copying",
             };
@@ -100,7 +129,29 @@ fn quantize_on<B: Backend>(args: &QuantizeArgs, device: &B::Device) -> Result<()
             "calib_windows": report.windows,
             "calib_tokens": report.tokens,
             "calib_loss": report.calib_loss,
+            "importance": report.importance.name(),
+            "memory_needed": { "fisher": report.memory.fisher, "streamed": report.memory.streamed },
+            "memory_available": match importance {
+                ImportanceMethod::Auto { memory_bytes } => Some(memory_bytes),
+                _ => None,
+            },
         })
     );
     Ok(())
+}
+
+/// What `--importance auto` may use: `--memory-gb`, else the CUDA device's free memory, else the
+/// host's available memory.
+fn memory_bytes(args: &QuantizeArgs) -> Result<u64> {
+    if let Some(gb) = args.memory_gb {
+        if !(gb.is_finite() && gb > 0.0) {
+            bail!("--memory-gb {gb}: must be a positive number of GB");
+        }
+        return Ok((gb * 1e9) as u64);
+    }
+    if args.device == DeviceKind::Cuda {
+        return Ok(pagedweight::serve_cmd::cuda_memory()?.0);
+    }
+    pagedweight::serve_cmd::host_available_memory()
+        .context("reading the host's available memory (/proc/meminfo); give --memory-gb")
 }

@@ -414,13 +414,13 @@ fn fast_model(
 
 /// Free and total bytes of CUDA device 0.
 #[cfg(feature = "cuda")]
-fn cuda_memory() -> Result<(u64, u64)> {
+pub fn cuda_memory() -> Result<(u64, u64)> {
     pw_pages::device_memory(0).map_err(|e| anyhow::anyhow!("reading the GPU's memory: {}", e.0))
 }
 
 /// Without CUDA there is no device memory to read.
 #[cfg(not(feature = "cuda"))]
-fn cuda_memory() -> Result<(u64, u64)> {
+pub fn cuda_memory() -> Result<(u64, u64)> {
     bail!("this binary was built without CUDA")
 }
 
@@ -571,13 +571,7 @@ fn server_options(args: &ServeArgs) -> Result<ServerOptions> {
 /// The CPU path's KV cache lives in host memory: refuse a budget the machine does not have
 /// (Linux's `MemAvailable`; elsewhere nothing is checked).
 fn check_host_kv(kv_budget_bytes: u64, max_context: usize, max_batch: usize, args: &ServeArgs) -> Result<()> {
-    let Ok(meminfo) = std::fs::read_to_string("/proc/meminfo") else { return Ok(()) };
-    let available = meminfo
-        .lines()
-        .find_map(|l| l.strip_prefix("MemAvailable:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .map(|kb| kb.saturating_mul(1024));
-    if let Some(available) = available
+    if let Some(available) = host_available_memory()
         && kv_budget_bytes > available
     {
         bail!(
@@ -589,6 +583,16 @@ fn check_host_kv(kv_budget_bytes: u64, max_context: usize, max_batch: usize, arg
         );
     }
     Ok(())
+}
+
+/// The host's available memory in bytes (Linux's `MemAvailable`; `None` elsewhere).
+pub fn host_available_memory() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map(|kb| kb.saturating_mul(1024))
 }
 
 /// Greedy completion of one prompt, streamed to stdout, then a summary.

@@ -107,13 +107,7 @@ impl BankImportance {
     /// Per expert, its share of the layer's routing-weight mass (1 = an average expert; all 1
     /// when no mass was seen).
     pub fn mass_share(&self) -> Vec<f64> {
-        let total: f64 = self.routing_mass.iter().sum();
-        let n = self.routing_mass.len() as f64;
-        if total > 0.0 {
-            self.routing_mass.iter().map(|m| m * n / total).collect()
-        } else {
-            vec![1.0; self.routing_mass.len()]
-        }
+        crate::quantize::mass_share(&self.routing_mass)
     }
 }
 

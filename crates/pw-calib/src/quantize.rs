@@ -1,24 +1,31 @@
 //! Hugging Face MoE checkpoint → PagedWeight checkpoint directory.
 //!
-//! 1. Load the model on an autodiff backend, recording every expert bank.
-//! 2. Fisher pass over the calibration windows ([`crate::fisher`]).
-//! 3. Every expert's gate+up (`[2I, H]`, gate rows first, [`BlockKind::GateUp`]) and down
+//! 1. Importance of every expert weight from the calibration windows: the diagonal Fisher
+//!    through the whole model on an autodiff backend ([`crate::fisher`]) where it fits the
+//!    memory, else the layer-streamed input second moments ([`crate::streamed`]), which hold
+//!    one layer at a time ([`ImportanceMethod`], [`memory_needs`]).
+//! 2. Every expert's gate+up (`[2I, H]`, gate rows first, [`BlockKind::GateUp`]) and down
 //!    (`[H, I]`) matrix, read from the checkpoint in its own layout, is quantized with its
 //!    importance ([`ApBlock::quantize`], rows = outputs); the block's sensitivity per bit-width
 //!    is the quantizer's importance-weighted error. Blocks are named by
 //!    [`expert_block_name`] after the bank's checkpoint prefix and list their source tensors.
-//! 4. Every other tensor is copied byte for byte; `config.json` and the tokenizer / generation
+//! 3. Every other tensor is copied byte for byte; `config.json` and the tokenizer / generation
 //!    files are copied beside the manifest.
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
 use burn::tensor::backend::AutodiffBackend;
-use pw_format::{ApBlock, BlockKind, BlockMeta, CheckpointWriter, LayerRouting, Manifest};
+use pw_format::{
+    ApBlock, BlockKind, BlockMeta, CheckpointWriter, DEFAULT_SHARD_BYTES, LayerRouting, Manifest,
+};
+use pw_hf::ModelConfig;
 use pw_models::eval::token_windows;
 use pw_models::{CausalLm, HfSource, LoadedModel, expert_block_name, is_quantized_dir};
+use pw_nn::{ExpertLayout, GatedMlpConfig};
 use pw_quant::{MAX_BITS, MIN_BITS};
 
+use crate::streamed::streamed_importance;
 use crate::{CalibError, FisherPass};
 
 /// Files copied beside the manifest when the model directory has them (`config.json` is
@@ -44,12 +51,110 @@ pub struct QuantizeConfig {
     pub ctx: usize,
     /// Calibration tokens used at most (a prefix of the calibration ids).
     pub calib_tokens: usize,
+    /// How the importance of the expert weights is estimated.
+    pub importance: ImportanceMethod,
+    /// Bytes after which an output shard is closed; a rerun after an interruption keeps every
+    /// closed shard's blocks.
+    pub shard_bytes: usize,
 }
 
 impl Default for QuantizeConfig {
     fn default() -> Self {
-        Self { min_bits: 3, max_bits: 8, ctx: 256, calib_tokens: 16384 }
+        Self {
+            min_bits: 3,
+            max_bits: 8,
+            ctx: 256,
+            calib_tokens: 16384,
+            importance: ImportanceMethod::Fisher,
+            shard_bytes: DEFAULT_SHARD_BYTES,
+        }
     }
+}
+
+/// How [`quantize_model`] estimates the importance of the expert weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ImportanceMethod {
+    /// Diagonal Fisher: squared gradients of the calibration loss through the whole model.
+    Fisher,
+    /// Layer-streamed: each expert's input second moments, one layer in memory at a time.
+    Streamed,
+    /// Fisher when its estimated memory ([`MemoryNeeds::fisher`]) fits `memory_bytes` (what
+    /// the device running the pass has), else streamed.
+    Auto {
+        /// Bytes available to the pass.
+        memory_bytes: u64,
+    },
+}
+
+impl ImportanceMethod {
+    /// `fisher`, `streamed` or `auto`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Fisher => "fisher",
+            Self::Streamed => "streamed",
+            Self::Auto { .. } => "auto",
+        }
+    }
+}
+
+/// Bytes each importance pass needs on its device, estimated from the checkpoint's tensor shapes
+/// as f32: the Fisher pass holds every weight, its gradient and a squared-gradient sum of every
+/// expert weight (twice: on the device and on the host), plus activations; the streamed pass the
+/// largest decoder layer, the embedding table and the calibration windows' hidden states.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryNeeds {
+    /// The Fisher pass.
+    pub fisher: u64,
+    /// The layer-streamed pass.
+    pub streamed: u64,
+}
+
+/// [`MemoryNeeds`] of quantizing the Hugging Face checkpoint in `model_dir` with `cfg`.
+pub fn memory_needs(model_dir: &Path, cfg: &QuantizeConfig) -> Result<MemoryNeeds, CalibError> {
+    let config = ModelConfig::from_dir(model_dir)?;
+    let hf = pw_hf::Checkpoint::open(model_dir)?;
+    let (mut all, mut experts) = (0u64, 0u64);
+    let mut per_layer: Vec<u64> = Vec::new();
+    for name in hf.names() {
+        let (_, shape) = hf.info(name)?;
+        let n = shape.iter().product::<usize>() as u64;
+        all += n;
+        if name.contains(".experts.") {
+            experts += n;
+        }
+        if let Some(l) = layer_index(name) {
+            if per_layer.len() <= l {
+                per_layer.resize(l + 1, 0);
+            }
+            per_layer[l] += n;
+        }
+    }
+    let (hidden, vocab) = match &config {
+        ModelConfig::Mixtral(c) => (c.hidden_size, c.vocab_size),
+        ModelConfig::Qwen2Moe(c) => (c.hidden_size, c.vocab_size),
+        ModelConfig::Gemma4(c) => (c.hidden_size, c.vocab_size),
+    };
+    let (layers, hidden, vocab) = (per_layer.len().max(1) as u64, hidden as u64, vocab as u64);
+    let ctx = cfg.ctx as u64;
+    let tokens = cfg.calib_tokens as u64;
+    // Activations kept for the backward pass: a few dozen hidden-sized values per token and
+    // layer, and the logits.
+    let fisher_activations = ctx * (layers * 64 * hidden + 4 * vocab);
+    let fisher = 4 * (2 * all + 2 * experts + fisher_activations);
+    let largest_layer = per_layer.iter().copied().max().unwrap_or(0);
+    let streamed = 4 * (largest_layer + vocab * hidden + 2 * tokens * hidden + ctx * 8 * 64 * hidden);
+    Ok(MemoryNeeds { fisher, streamed })
+}
+
+/// The decoder layer a tensor name belongs to (`….layers.N.…`).
+fn layer_index(name: &str) -> Option<usize> {
+    let mut parts = name.split('.');
+    while let Some(p) = parts.next() {
+        if p == "layers" {
+            return parts.next()?.parse().ok();
+        }
+    }
+    None
 }
 
 /// Phase of [`quantize_model`].
@@ -59,6 +164,8 @@ pub enum Stage {
     Loading,
     /// Gradients of the calibration windows (`total` = windows).
     Gradients,
+    /// The layer-streamed pass (`total` = decoder layers).
+    Moments,
     /// Quantizing expert blocks (`total` = blocks).
     Quantizing,
     /// Copying the unchanged tensors (`total` = tensors).
@@ -85,14 +192,51 @@ pub struct QuantizeReport {
     pub windows: usize,
     /// Calibration tokens used.
     pub tokens: usize,
-    /// Mean next-token loss over the calibration windows.
-    pub calib_loss: f64,
+    /// Mean next-token loss over the calibration windows (the Fisher pass computes it; the
+    /// streamed pass stops before the head).
+    pub calib_loss: Option<f64>,
+    /// The importance used: [`ImportanceMethod::Fisher`] or [`ImportanceMethod::Streamed`].
+    pub importance: ImportanceMethod,
+    /// What each importance pass was estimated to need.
+    pub memory: MemoryNeeds,
+}
+
+/// One MoE layer's experts as the quantization stage needs them.
+struct CalibratedBank {
+    layer: usize,
+    layout: ExpertLayout,
+    cfg: GatedMlpConfig,
+    /// Per expert, its share of the layer's routing-weight mass on the calibration text.
+    mass_share: Vec<f64>,
+    importance: ExpertImportance,
+}
+
+/// Per expert, the importance of its gate+up (`[2I, H]`) and down (`[H, I]`) weights.
+enum ExpertImportance {
+    /// One value per weight, rows = outputs.
+    Weights { gate_up: Vec<Vec<f32>>, down: Vec<Vec<f32>> },
+    /// One value per input column, the same for every row.
+    Columns { gate_up: Vec<Vec<f32>>, down: Vec<Vec<f32>> },
+}
+
+impl ExpertImportance {
+    /// The importance of expert `e`'s `kind` block of `rows` rows, one value per weight.
+    fn block(&self, e: usize, kind: BlockKind, rows: usize) -> Vec<f32> {
+        match (self, kind) {
+            (Self::Weights { gate_up, .. }, BlockKind::GateUp) => gate_up[e].clone(),
+            (Self::Weights { down, .. }, BlockKind::Down) => down[e].clone(),
+            (Self::Columns { gate_up, .. }, BlockKind::GateUp) => gate_up[e].repeat(rows),
+            (Self::Columns { down, .. }, BlockKind::Down) => down[e].repeat(rows),
+        }
+    }
 }
 
 /// Quantizes the Hugging Face MoE checkpoint in `model_dir` into a PagedWeight checkpoint in
-/// `out_dir`, with Fisher importance from `calib_ids` (the calibration text's token ids,
-/// tokenized without special tokens). The Fisher pass runs on `B` on `device`;
-/// `progress` is called as each unit of work finishes.
+/// `out_dir`, with importance from `calib_ids` (the calibration text's token ids, tokenized
+/// without special tokens). The importance pass runs on `B` on `device`; `progress` is called as
+/// each unit of work finishes. A run interrupted after it closed output shards resumes where
+/// they end when rerun with the same inputs and settings (the importance pass is redone, the
+/// blocks already written are not).
 pub fn quantize_model<B: AutodiffBackend>(
     model_dir: &Path,
     out_dir: &Path,
@@ -113,19 +257,127 @@ pub fn quantize_model<B: AutodiffBackend>(
         return Err(CalibError::TooFewTokens { tokens: ids.len() });
     }
 
+    let memory = memory_needs(model_dir, cfg)?;
+    let method = match cfg.importance {
+        ImportanceMethod::Auto { memory_bytes } if memory.fisher <= memory_bytes => ImportanceMethod::Fisher,
+        ImportanceMethod::Auto { .. } => ImportanceMethod::Streamed,
+        m => m,
+    };
+    let windows = token_windows(ids, cfg.ctx);
+    let (banks, calib_loss) = match method {
+        ImportanceMethod::Fisher => fisher_banks::<B>(model_dir, &windows, device, &mut progress)?,
+        _ => {
+            let vocab = ModelConfig::from_dir(model_dir)?.vocab_size();
+            if let Some(&id) = ids.iter().find(|&&i| i as usize >= vocab) {
+                return Err(CalibError::TokenOutOfRange { id, vocab });
+            }
+            let banks =
+                streamed_importance::<B::InnerBackend>(model_dir, &windows, device, |done, total| {
+                    progress(Progress { stage: Stage::Moments, done, total })
+                })?;
+            let banks = banks
+                .into_iter()
+                .map(|b| CalibratedBank {
+                    layer: b.layer,
+                    layout: b.layout,
+                    cfg: b.cfg,
+                    mass_share: mass_share(&b.routing_mass),
+                    importance: ExpertImportance::Columns { gate_up: b.gate_up, down: b.down },
+                })
+                .collect();
+            (banks, None)
+        }
+    };
+    let hf = pw_hf::Checkpoint::open(model_dir)?;
+
+    let key = run_key(model_dir, ids, cfg, method);
+    let mut writer = CheckpointWriter::resume(out_dir, &key)?.with_shard_bytes(cfg.shard_bytes);
+    writer.set_model_type(model_type(model_dir)?);
+    // What the planner's online routing is compared with: the importance already weighs each
+    // expert by this use.
+    writer.set_routing(
+        banks.iter().map(|b| LayerRouting { layer: b.layer, mass_share: b.mass_share.clone() }).collect(),
+    );
+    let total_blocks: usize = banks.iter().map(|b| 2 * b.mass_share.len()).sum();
+    let mut done = 0;
+    let src = HfSource::<B::InnerBackend>::new(&hf, device);
+    let mut expert_tensors = HashSet::new();
+    for bank in &banks {
+        let num_experts = bank.mass_share.len();
+        let (h, i) = (bank.cfg.hidden, bank.cfg.intermediate);
+        expert_tensors.extend(bank.layout.tensor_names(num_experts));
+        let written = |e: usize, kind| writer.has_block(&expert_block_name(bank.layout.prefix(), e, kind));
+        if (0..num_experts).all(|e| written(e, BlockKind::GateUp) && written(e, BlockKind::Down)) {
+            done += 2 * num_experts;
+            progress(Progress { stage: Stage::Quantizing, done, total: total_blocks });
+            continue;
+        }
+        let wrap = |source| pw_models::ModelError::Load { dir: model_dir.display().to_string(), source };
+        let rows = bank.layout.read_rows(&src, num_experts, bank.cfg).map_err(wrap)?;
+        for e in 0..num_experts {
+            let (gu_src, dn_src) = bank.layout.expert_sources(e);
+            let parts = [
+                (BlockKind::GateUp, &rows.gate_up[e], 2 * i, h, gu_src),
+                (BlockKind::Down, &rows.down[e], h, i, dn_src),
+            ];
+            for (kind, w, r, c, sources) in parts {
+                let name = expert_block_name(bank.layout.prefix(), e, kind);
+                done += 1;
+                if writer.has_block(&name) {
+                    continue;
+                }
+                let importance = bank.importance.block(e, kind, r);
+                let block = ApBlock::quantize(&name, w, Some(&importance), r, c, cfg.min_bits, cfg.max_bits)?;
+                let meta = BlockMeta { name, layer: bank.layer, expert: e, kind, sources };
+                writer.add_block(meta, &block)?;
+                progress(Progress { stage: Stage::Quantizing, done, total: total_blocks });
+            }
+        }
+    }
+
+    let dense: Vec<&str> = hf.names().filter(|n| !expert_tensors.contains(*n)).collect();
+    for (n, name) in dense.iter().enumerate() {
+        if !writer.has_dense(name) {
+            let (dtype, shape, bytes) = hf.raw(name)?;
+            writer.add_dense(name, dtype, shape.to_vec(), bytes.to_vec())?;
+        }
+        progress(Progress { stage: Stage::Copying, done: n + 1, total: dense.len() });
+    }
+    for f in SIDE_FILES {
+        let p = model_dir.join(f);
+        if p.is_file() {
+            writer.copy_file(&p)?;
+        }
+    }
+    let manifest = writer.finish()?;
+    Ok(QuantizeReport {
+        manifest,
+        windows: windows.len(),
+        tokens: ids.len(),
+        calib_loss,
+        importance: method,
+        memory,
+    })
+}
+
+/// The Fisher pass: the whole model on the autodiff backend; the model is dropped before the
+/// blocks are quantized.
+fn fisher_banks<B: AutodiffBackend>(
+    model_dir: &Path,
+    windows: &[&[u32]],
+    device: &B::Device,
+    progress: &mut impl FnMut(Progress),
+) -> Result<(Vec<CalibratedBank>, Option<f64>), CalibError> {
     progress(Progress { stage: Stage::Loading, done: 0, total: 1 });
     let loaded = LoadedModel::<B>::load(model_dir, None, device)?;
     if loaded.banks.is_empty() {
         return Err(CalibError::NoExperts { dir: model_dir.to_path_buf() });
     }
     let vocab = loaded.model.vocab_size();
-    if let Some(&id) = ids.iter().find(|&&i| i as usize >= vocab) {
+    if let Some(&id) = windows.iter().flat_map(|w| w.iter()).find(|&&i| i as usize >= vocab) {
         return Err(CalibError::TokenOutOfRange { id, vocab });
     }
-    let hf = pw_hf::Checkpoint::open(model_dir)?;
     progress(Progress { stage: Stage::Loading, done: 1, total: 1 });
-
-    let windows = token_windows(ids, cfg.ctx);
     let mut fisher = FisherPass::new(&loaded.banks);
     for (n, w) in windows.iter().enumerate() {
         let loss = fisher.add_window(&loaded.model, &loaded.banks, w, device);
@@ -136,59 +388,47 @@ pub fn quantize_model<B: AutodiffBackend>(
     }
     let calib_loss = fisher.mean_loss();
     let importance = fisher.finish(&loaded.banks);
+    let banks = loaded
+        .banks
+        .iter()
+        .zip(importance)
+        .map(|(bank, imp)| CalibratedBank {
+            layer: bank.layer,
+            layout: bank.layout.clone(),
+            cfg: bank.cfg,
+            mass_share: imp.mass_share(),
+            importance: ExpertImportance::Weights { gate_up: imp.gate_up, down: imp.down },
+        })
+        .collect();
+    Ok((banks, Some(calib_loss)))
+}
 
-    let mut writer = CheckpointWriter::create(out_dir)?;
-    writer.set_model_type(model_type(model_dir)?);
-    // What the planner's online routing is compared with: the Fisher importance already
-    // weighs each expert by this use.
-    writer.set_routing(
-        loaded
-            .banks
-            .iter()
-            .zip(&importance)
-            .map(|(bank, imp)| LayerRouting { layer: bank.layer, mass_share: imp.mass_share() })
-            .collect(),
-    );
-    let total_blocks: usize = loaded.banks.iter().map(|b| 2 * b.num_experts).sum();
-    let mut done = 0;
-    let src = HfSource::<B>::new(&hf, device);
-    let mut expert_tensors = HashSet::new();
-    for (bank, imp) in loaded.banks.iter().zip(&importance) {
-        let (h, i) = (bank.cfg.hidden, bank.cfg.intermediate);
-        let wrap = |source| pw_models::ModelError::Load { dir: model_dir.display().to_string(), source };
-        let rows = bank.layout.read_rows(&src, bank.num_experts, bank.cfg).map_err(wrap)?;
-        expert_tensors.extend(bank.layout.tensor_names(bank.num_experts));
-        for e in 0..bank.num_experts {
-            let (gu_src, dn_src) = bank.layout.expert_sources(e);
-            let parts = [
-                (BlockKind::GateUp, &rows.gate_up[e], &imp.gate_up[e], 2 * i, h, gu_src),
-                (BlockKind::Down, &rows.down[e], &imp.down[e], h, i, dn_src),
-            ];
-            for (kind, w, importance, r, c, sources) in parts {
-                let name = expert_block_name(bank.layout.prefix(), e, kind);
-                let block = ApBlock::quantize(&name, w, Some(importance), r, c, cfg.min_bits, cfg.max_bits)?;
-                let meta = BlockMeta { name, layer: bank.layer, expert: e, kind, sources };
-                writer.add_block(meta, &block)?;
-                done += 1;
-                progress(Progress { stage: Stage::Quantizing, done, total: total_blocks });
-            }
-        }
-    }
+/// Per expert, its share of the layer's routing-weight mass (1 = an average expert; all 1 when
+/// no mass was seen).
+pub(crate) fn mass_share(mass: &[f64]) -> Vec<f64> {
+    let total: f64 = mass.iter().sum();
+    let n = mass.len() as f64;
+    if total > 0.0 { mass.iter().map(|m| m * n / total).collect() } else { vec![1.0; mass.len()] }
+}
 
-    let dense: Vec<&str> = hf.names().filter(|n| !expert_tensors.contains(*n)).collect();
-    for (n, name) in dense.iter().enumerate() {
-        let (dtype, shape, bytes) = hf.raw(name)?;
-        writer.add_dense(name, dtype, shape.to_vec(), bytes.to_vec())?;
-        progress(Progress { stage: Stage::Copying, done: n + 1, total: dense.len() });
+/// What must be equal for a rerun to continue an interrupted one: the source, the calibration
+/// ids, the settings and the importance method.
+fn run_key(model_dir: &Path, ids: &[u32], cfg: &QuantizeConfig, method: ImportanceMethod) -> String {
+    // FNV-1a over the calibration ids.
+    let mut hash = 0xcbf2_9ce4_8422_2325u64;
+    for b in ids.iter().flat_map(|i| i.to_le_bytes()) {
+        hash = (hash ^ b as u64).wrapping_mul(0x0100_0000_01b3);
     }
-    for f in SIDE_FILES {
-        let p = model_dir.join(f);
-        if p.is_file() {
-            writer.copy_file(&p)?;
-        }
-    }
-    let manifest = writer.finish()?;
-    Ok(QuantizeReport { manifest, windows: windows.len(), tokens: ids.len(), calib_loss })
+    let dir = model_dir.canonicalize().unwrap_or_else(|_| model_dir.to_path_buf());
+    format!(
+        "{}|bits {}..={}|ctx {}|{} tokens {hash:016x}|{}",
+        dir.display(),
+        cfg.min_bits,
+        cfg.max_bits,
+        cfg.ctx,
+        ids.len(),
+        method.name()
+    )
 }
 
 fn check_config(cfg: &QuantizeConfig) -> Result<(), CalibError> {

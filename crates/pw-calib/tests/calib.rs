@@ -9,7 +9,10 @@ use burn::backend::Autodiff;
 use burn::tensor::backend::Backend;
 use burn_ndarray::NdArray;
 use common::{calib_ids, fixture};
-use pw_calib::{CalibError, FisherPass, QuantizeConfig, Stage, expert_gradients, quantize_model};
+use pw_calib::{
+    CalibError, FisherPass, ImportanceMethod, QuantizeConfig, Stage, expert_gradients, memory_needs,
+    quantize_model, streamed_importance,
+};
 use pw_format::{BlockKind, Checkpoint};
 use pw_models::eval::token_windows;
 use pw_models::{AnyModel, CausalLm, LoadedModel, Trace};
@@ -24,7 +27,14 @@ type Ad = Autodiff<Cpu>;
 const Q8_LOGIT_TOL: f32 = 1e-2;
 
 fn small_config() -> QuantizeConfig {
-    QuantizeConfig { min_bits: 3, max_bits: 8, ctx: 16, calib_tokens: 96 }
+    QuantizeConfig {
+        min_bits: 3,
+        max_bits: 8,
+        ctx: 16,
+        calib_tokens: 96,
+        importance: ImportanceMethod::Fisher,
+        ..QuantizeConfig::default()
+    }
 }
 
 fn logits<B: Backend>(model: &AnyModel<B>, ids: &[u32], device: &B::Device) -> Vec<f32> {
@@ -38,19 +48,33 @@ fn rel_err(got: &[f32], want: &[f32]) -> f32 {
     got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max) / scale
 }
 
-/// Quantizes `name`, reopens the result, and checks blocks, copied tensors and logits.
+/// Quantizes `name` with Fisher importance, reopens the result, and checks blocks, copied
+/// tensors and logits.
 fn quantize_and_check(name: &str) {
+    quantize_and_check_with(name, ImportanceMethod::Fisher);
+}
+
+fn quantize_and_check_with(name: &str, importance: ImportanceMethod) {
     let dir = fixture(name);
     let out = tempfile::tempdir().unwrap();
     let ids = calib_ids(200, 96, 1);
     let mut stages = Vec::new();
-    let report = quantize_model::<Ad>(&dir, out.path(), &ids, &small_config(), &Default::default(), |p| {
+    let cfg = QuantizeConfig { importance, ..small_config() };
+    let report = quantize_model::<Ad>(&dir, out.path(), &ids, &cfg, &Default::default(), |p| {
         if stages.last() != Some(&p.stage) {
             stages.push(p.stage);
         }
     })
     .unwrap();
-    assert_eq!(stages, [Stage::Loading, Stage::Gradients, Stage::Quantizing, Stage::Copying], "{name}");
+    let want_stages = match importance {
+        ImportanceMethod::Fisher => {
+            [Stage::Loading, Stage::Gradients, Stage::Quantizing, Stage::Copying].to_vec()
+        }
+        _ => [Stage::Moments, Stage::Quantizing, Stage::Copying].to_vec(),
+    };
+    assert_eq!(stages, want_stages, "{name}");
+    assert_eq!(report.importance, importance, "{name}");
+    assert_eq!(report.calib_loss.is_some(), importance == ImportanceMethod::Fisher, "{name}");
     // 96 calibration tokens in windows of 16.
     assert_eq!((report.tokens, report.windows), (96, 6), "{name}");
 
@@ -147,6 +171,144 @@ fn quantizes_gemma4() {
 #[test]
 fn quantizes_gemma4_multimodal_layout() {
     quantize_and_check("gemma4_mm");
+}
+
+#[test]
+fn quantizes_every_family_with_streamed_importance() {
+    for name in ["mixtral", "mixtral_fused", "qwen2_moe", "gemma4_mm"] {
+        quantize_and_check_with(name, ImportanceMethod::Streamed);
+    }
+}
+
+/// The streamed pass sees the same routing as the whole model (mass and windows per expert,
+/// as the Fisher pass records them) and gives each expert one importance per input column:
+/// positive exactly for the experts some token chose, and larger for a projection's inputs
+/// where the routed tokens' activations are larger (the moments of a reference computed from
+/// the model's own trace, on Mixtral whose expert input is the post-attention norm).
+#[test]
+fn streamed_importance_follows_the_routing_of_the_whole_model() {
+    let device = Default::default();
+    for name in ["mixtral", "qwen2_moe", "gemma4"] {
+        let dir = fixture(name);
+        let ids = calib_ids(40, 96, 5);
+        let windows = token_windows(&ids, 8);
+        let streamed = streamed_importance::<Cpu>(&dir, &windows, &device, |_, _| {}).unwrap();
+        let loaded = LoadedModel::<Ad>::load(&dir, None, &device).unwrap();
+        let mut fisher = FisherPass::new(&loaded.banks);
+        for w in &windows {
+            fisher.add_window(&loaded.model, &loaded.banks, w, &device);
+        }
+        let want = fisher.finish(&loaded.banks);
+        assert_eq!(streamed.len(), want.len(), "{name}");
+        for ((s, f), bank) in streamed.iter().zip(&want).zip(&loaded.banks) {
+            assert_eq!(s.layer, bank.layer, "{name}");
+            assert_eq!(s.routed_windows, f.routed_windows, "{name} layer {}", s.layer);
+            for (a, b) in s.routing_mass.iter().zip(&f.routing_mass) {
+                assert!((a - b).abs() <= 1e-5 * b.abs() + 1e-9, "{name} layer {}: mass {a} vs {b}", s.layer);
+            }
+            for e in 0..bank.num_experts {
+                assert_eq!(s.gate_up[e].len(), bank.cfg.hidden);
+                assert_eq!(s.down[e].len(), bank.cfg.intermediate);
+                let routed = s.routed_windows[e] > 0;
+                assert_eq!(
+                    s.gate_up[e].iter().all(|&x| x > 0.0),
+                    routed,
+                    "{name} layer {} expert {e}",
+                    s.layer
+                );
+                assert_eq!(s.down[e].iter().any(|&x| x > 0.0), routed, "{name} layer {} expert {e}", s.layer);
+            }
+        }
+    }
+}
+
+#[test]
+fn auto_importance_picks_fisher_when_it_fits_and_streams_otherwise() {
+    let dir = fixture("mixtral");
+    let cfg = small_config();
+    let needs = memory_needs(&dir, &cfg).unwrap();
+    assert!(needs.streamed < needs.fisher, "{needs:?}");
+    let ids = calib_ids(64, 96, 3);
+    for (memory_bytes, want) in
+        [(needs.fisher, ImportanceMethod::Fisher), (needs.fisher - 1, ImportanceMethod::Streamed)]
+    {
+        let out = tempfile::tempdir().unwrap();
+        let cfg = QuantizeConfig { importance: ImportanceMethod::Auto { memory_bytes }, ..small_config() };
+        let report = quantize_model::<Ad>(&dir, out.path(), &ids, &cfg, &Default::default(), |_| {}).unwrap();
+        assert_eq!(report.importance, want, "{memory_bytes} bytes");
+        assert_eq!(report.memory, needs);
+    }
+}
+
+/// A run stopped part-way through the blocks, rerun with the same inputs, keeps the blocks of
+/// the shards it closed and ends with the checkpoint an uninterrupted run writes; a rerun with
+/// other settings starts over.
+#[test]
+fn an_interrupted_quantization_resumes_after_its_closed_shards() {
+    let dir = fixture("qwen2_moe");
+    let ids = calib_ids(96, 96, 4);
+    // Small shards: a few blocks each.
+    let cfg = QuantizeConfig { importance: ImportanceMethod::Streamed, shard_bytes: 4096, ..small_config() };
+    let device = Default::default();
+    let whole = tempfile::tempdir().unwrap();
+    let want = quantize_model::<Ad>(&dir, whole.path(), &ids, &cfg, &device, |_| {}).unwrap().manifest;
+    let total = want.blocks.len();
+    assert!(total >= 8, "{total} blocks");
+
+    let out = tempfile::tempdir().unwrap();
+    let stop = total / 2;
+    let interrupted = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        quantize_model::<Ad>(&dir, out.path(), &ids, &cfg, &device, |p| {
+            assert!(!(p.stage == Stage::Quantizing && p.done == stop), "interrupted");
+        })
+    }));
+    assert!(interrupted.is_err());
+    assert!(out.path().join(pw_format::PARTIAL_FILE).is_file());
+    assert!(!out.path().join(pw_format::MANIFEST_FILE).exists());
+
+    // The rerun reports the kept blocks as done from its first quantizing step.
+    let mut first_done = None;
+    let got = quantize_model::<Ad>(&dir, out.path(), &ids, &cfg, &device, |p| {
+        if p.stage == Stage::Quantizing && first_done.is_none() {
+            first_done = Some(p.done);
+        }
+    })
+    .unwrap()
+    .manifest;
+    let first_done = first_done.unwrap();
+    assert!(first_done > 1 && first_done < stop + 1, "resumed at block {first_done} of {total}");
+    // The same checkpoint; only the shards holding each tensor may be numbered differently (the
+    // interrupted run's last, unclosed shard is redone from the next number).
+    let unsharded = |m: &pw_format::Manifest| {
+        let mut m = m.clone();
+        m.blocks.iter_mut().for_each(|b| b.file.clear());
+        m.dense.values_mut().for_each(String::clear);
+        m
+    };
+    assert_eq!(unsharded(&got), unsharded(&want));
+    assert!(!out.path().join(pw_format::PARTIAL_FILE).exists());
+    let ck = Checkpoint::open(out.path()).unwrap();
+    let reference = Checkpoint::open(whole.path()).unwrap();
+    for b in &want.blocks {
+        assert_eq!(ck.block(&b.name).unwrap(), reference.block(&b.name).unwrap(), "{}", b.name);
+    }
+
+    // Another calibration text is another run: nothing is kept.
+    let other = calib_ids(96, 96, 5);
+    let out2 = tempfile::tempdir().unwrap();
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        quantize_model::<Ad>(&dir, out2.path(), &ids, &cfg, &device, |p| {
+            assert!(!(p.stage == Stage::Quantizing && p.done == stop), "interrupted");
+        })
+    }));
+    let mut first_done = None;
+    quantize_model::<Ad>(&dir, out2.path(), &other, &cfg, &device, |p| {
+        if p.stage == Stage::Quantizing && first_done.is_none() {
+            first_done = Some(p.done);
+        }
+    })
+    .unwrap();
+    assert_eq!(first_done, Some(1));
 }
 
 #[test]

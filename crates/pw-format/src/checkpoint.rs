@@ -16,6 +16,10 @@ pub const MANIFEST_FILE: &str = "pagedweight.json";
 pub const MAGIC: &str = "pagedweight-checkpoint";
 /// Manifest version written and read by this build.
 pub const VERSION: u32 = 1;
+/// The writer's record of a checkpoint still being written: the manifest of every closed shard
+/// and what the run was (see [`CheckpointWriter::resume`]).
+pub const PARTIAL_FILE: &str = "pagedweight.partial.json";
+
 /// Default shard size of the writer.
 pub const DEFAULT_SHARD_BYTES: usize = 2 << 30;
 
@@ -360,6 +364,16 @@ pub struct CheckpointWriter {
     pending_bytes: usize,
     shard: usize,
     manifest: Manifest,
+    /// Identifies the run for [`Self::resume`]; `None`: no partial record is kept.
+    run_key: Option<String>,
+}
+
+/// [`PARTIAL_FILE`]'s contents.
+#[derive(Serialize, Deserialize)]
+struct Partial {
+    run_key: String,
+    next_shard: usize,
+    manifest: Manifest,
 }
 
 impl CheckpointWriter {
@@ -381,7 +395,40 @@ impl CheckpointWriter {
                 dense: BTreeMap::new(),
                 routing: Vec::new(),
             },
+            run_key: None,
         })
+    }
+
+    /// A writer that can be resumed: every time a shard is closed it records the manifest so far
+    /// in [`PARTIAL_FILE`], tagged with `run_key` (what the caller needs to be equal for the
+    /// output to be the same: inputs and settings). When `dir` already holds such a record
+    /// with the same key, the writer continues after its last closed shard — the entries in
+    /// it are kept ([`Self::has_block`], [`Self::has_dense`]) — instead of starting over; a
+    /// record of another run is ignored and overwritten.
+    pub fn resume(dir: impl AsRef<Path>, run_key: &str) -> Result<Self, FormatError> {
+        let mut w = Self::create(dir)?;
+        w.run_key = Some(run_key.to_string());
+        let path = w.dir.join(PARTIAL_FILE);
+        let Ok(text) = std::fs::read_to_string(&path) else { return Ok(w) };
+        let Ok(partial) = serde_json::from_str::<Partial>(&text) else { return Ok(w) };
+        if partial.run_key == run_key
+            && partial.manifest.magic == MAGIC
+            && partial.manifest.version == VERSION
+        {
+            w.shard = partial.next_shard;
+            w.manifest = partial.manifest;
+        }
+        Ok(w)
+    }
+
+    /// Whether the block `name` was written by an earlier run this writer resumed.
+    pub fn has_block(&self, name: &str) -> bool {
+        self.manifest.blocks.iter().any(|b| b.name == name)
+    }
+
+    /// Whether the unchanged tensor `name` was written by an earlier run this writer resumed.
+    pub fn has_dense(&self, name: &str) -> bool {
+        self.manifest.dense.contains_key(name)
     }
 
     /// Sets the size after which a shard is closed.
@@ -426,6 +473,16 @@ impl CheckpointWriter {
         write_tensors(&path, &pending, None)?;
         self.pending_bytes = 0;
         self.shard += 1;
+        if let Some(key) = &self.run_key {
+            let partial =
+                Partial { run_key: key.clone(), next_shard: self.shard, manifest: self.manifest.clone() };
+            let json = serde_json::to_string(&partial).expect("manifest serialises");
+            // Written beside and renamed, so an interruption never leaves half a record.
+            let path = self.dir.join(PARTIAL_FILE);
+            let tmp = self.dir.join(format!("{PARTIAL_FILE}.tmp"));
+            std::fs::write(&tmp, json).map_err(|e| FormatError::io(&tmp, e))?;
+            std::fs::rename(&tmp, &path).map_err(|e| FormatError::io(&path, e))?;
+        }
         Ok(())
     }
 
@@ -479,6 +536,10 @@ impl CheckpointWriter {
         self.flush()?;
         let json = serde_json::to_string_pretty(&self.manifest).expect("manifest serialises");
         std::fs::write(&path, json).map_err(|e| FormatError::io(&path, e))?;
+        let partial = self.dir.join(PARTIAL_FILE);
+        if partial.exists() {
+            std::fs::remove_file(&partial).map_err(|e| FormatError::io(&partial, e))?;
+        }
         Ok(self.manifest)
     }
 }

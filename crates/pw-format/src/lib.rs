@@ -57,7 +57,7 @@ mod st;
 pub use block::{ApBlock, WORD_BITS, pack_planes, unpack_indices};
 pub use checkpoint::{
     BlockEntry, BlockKind, BlockMeta, Checkpoint, CheckpointWriter, DEFAULT_SHARD_BYTES, LayerRouting, MAGIC,
-    MANIFEST_FILE, Manifest, VERSION,
+    MANIFEST_FILE, Manifest, PARTIAL_FILE, VERSION,
 };
 pub use error::FormatError;
 pub use safetensors::Dtype;

@@ -421,6 +421,58 @@ impl<B: Backend> DenseExperts<B> {
         let order = Tensor::<B, 1, Int>::from_data(TensorData::new(row_of_slot, [t * k]), &device);
         Tensor::cat(outputs, 0).select(0, order).reshape([t, k, h]).sum_dim(1).reshape([t, h])
     }
+
+    /// Per expert, the second moments of what its two projections read, each routed token
+    /// weighted by its routing weight squared (the factor the expert's output is scaled by):
+    /// `Σ w²·x²` over the gate+up input channels and `Σ w²·(act(g)·u)²` over the down input
+    /// channels. `None` for an expert no token chose. These are the diagonal of each
+    /// projection's weighted input Gram matrix, the importance a layer-at-a-time calibration
+    /// pass can gather without gradients.
+    ///
+    /// # Shapes
+    /// - `x`: `[tokens, hidden]` (the experts' input)
+    /// - output: per expert, `([hidden], [intermediate])`
+    pub fn input_moments(
+        &self,
+        x: Tensor<B, 2>,
+        routing: &Routing<B>,
+    ) -> Vec<Option<(Tensor<B, 1>, Tensor<B, 1>)>> {
+        let [t, _] = x.dims();
+        let k = routing.k;
+        let device = x.device();
+        let [_, i2] = self.gate_up[0].dims();
+        let i = i2 / 2;
+        let mut by_expert: Vec<Vec<(usize, usize)>> = vec![Vec::new(); self.gate_up.len()];
+        for (pos, &ex) in routing.indices.iter().enumerate() {
+            by_expert[ex].push((pos / k, pos));
+        }
+        let w2 = routing.weights.clone().reshape([t * k, 1]).powi_scalar(2);
+        by_expert
+            .iter()
+            .enumerate()
+            .map(|(ex, pairs)| {
+                if pairs.is_empty() {
+                    return None;
+                }
+                let n = pairs.len();
+                let ids = |f: fn(&(usize, usize)) -> usize| {
+                    Tensor::<B, 1, Int>::from_data(
+                        TensorData::new(pairs.iter().map(|p| f(p) as i64).collect::<Vec<_>>(), [n]),
+                        &device,
+                    )
+                };
+                let xs = x.clone().select(0, ids(|p| p.0));
+                let ws = w2.clone().select(0, ids(|p| p.1));
+                let gu = xs.clone().matmul(self.gate_up[ex].val());
+                let a = self.act.apply(gu.clone().narrow(1, 0, i)) * gu.narrow(1, i, i);
+                let moment = |m: Tensor<B, 2>| {
+                    let c = m.dims()[1];
+                    (m.powi_scalar(2) * ws.clone()).sum_dim(0).reshape([c])
+                };
+                Some((moment(xs), moment(a)))
+            })
+            .collect()
+    }
 }
 
 /// An always-on expert whose output is scaled by `sigmoid(gate(x))` (Qwen1.5-MoE).

@@ -159,3 +159,75 @@ fn router_renormalisation_and_expert_scale() {
         assert!((w[2 * tok] / scale[e0] + w[2 * tok + 1] / scale[e1] - 1.0).abs() < TOL);
     }
 }
+
+/// `Σ w²·x²` per gate+up input channel and `Σ w²·(silu(g)·u)²` per down input channel, in plain
+/// loops over the routed (token, slot) pairs.
+fn input_moments_reference(
+    x: &[f32],
+    gate_up: &[Vec<f32>],
+    (h, i): (usize, usize),
+    indices: &[usize],
+    weights: &[f32],
+    k: usize,
+) -> Vec<Option<(Vec<f64>, Vec<f64>)>> {
+    let mut out: Vec<Option<(Vec<f64>, Vec<f64>)>> = vec![None; gate_up.len()];
+    for (slot, (&e, &w)) in indices.iter().zip(weights).enumerate() {
+        let row = &x[(slot / k) * h..(slot / k + 1) * h];
+        let (gu, dn) = out[e].get_or_insert_with(|| (vec![0.0; h], vec![0.0; i]));
+        let w2 = (w as f64).powi(2);
+        for (s, &v) in gu.iter_mut().zip(row) {
+            *s += w2 * (v as f64).powi(2);
+        }
+        // gate_up is `[in, out]`: column j of gate, column i + j of up.
+        for (j, d) in dn.iter_mut().enumerate() {
+            let dot =
+                |c: usize| (0..h).map(|r| row[r] as f64 * gate_up[e][r * 2 * i + c] as f64).sum::<f64>();
+            let (g, u) = (dot(j), dot(i + j));
+            let a = g / (1.0 + (-g).exp()) * u;
+            *d += w2 * a * a;
+        }
+    }
+    out
+}
+
+#[test]
+fn expert_input_moments_match_reference() {
+    let device = Default::default();
+    let (h, i, e, k, t) = (12, 10, 5, 2, 9);
+    let src = RandomInit::<B>::new(&device, 5, 0.4);
+    let keys = pw_nn::ExpertKeys { fused: vec!["x".into()], per_expert: vec![] };
+    let cfg = pw_nn::GatedMlpConfig { hidden: h, intermediate: i, act: pw_nn::Act::Silu };
+    let pw_nn::Experts::Dense(experts) = pw_nn::Experts::<B>::load_dense(&src, &keys, e, cfg).unwrap() else {
+        unreachable!()
+    };
+    let xs: Vec<f32> = (0..t * h).map(|j| (j as f32 * 0.37).sin()).collect();
+    let x = Tensor::<B, 2>::from_data(TensorData::new(xs.clone(), [t, h]), &device);
+    // Expert 4 is never chosen; expert 0 by most tokens.
+    let indices: Vec<usize> =
+        (0..t * k).map(|s| if s % k == 0 { (s / k) % 2 } else { 2 + (s / k) % 2 }).collect();
+    let weights: Vec<f32> = (0..t * k).map(|s| 0.2 + 0.05 * s as f32).collect();
+    let routing = pw_nn::Routing {
+        indices: indices.clone(),
+        weights: Tensor::<B, 2>::from_data(TensorData::new(weights.clone(), [t, k]), &device),
+        probs: Tensor::<B, 2>::zeros([t, e], &device),
+        k,
+    };
+    let got = experts.input_moments(x, &routing);
+    let gate_up: Vec<Vec<f32>> =
+        experts.gate_up.iter().map(|p| p.val().into_data().to_vec::<f32>().unwrap()).collect();
+    let want = input_moments_reference(&xs, &gate_up, (h, i), &indices, &weights, k);
+    assert_eq!(got.len(), e);
+    for (ex, (g, w)) in got.into_iter().zip(want).enumerate() {
+        match (g, w) {
+            (None, None) => assert_eq!(ex, 4),
+            (Some((gu, dn)), Some((wgu, wdn))) => {
+                let gu = gu.into_data().to_vec::<f32>().unwrap();
+                let dn = dn.into_data().to_vec::<f32>().unwrap();
+                for (a, b) in gu.iter().zip(&wgu).chain(dn.iter().zip(&wdn)) {
+                    assert!((*a as f64 - b).abs() <= 1e-5 * b.abs() + 1e-7, "expert {ex}: {a} vs {b}");
+                }
+            }
+            (g, w) => panic!("expert {ex}: got {} want {}", g.is_some(), w.is_some()),
+        }
+    }
+}

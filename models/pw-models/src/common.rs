@@ -152,9 +152,9 @@ fn layer_of(prefix: &str) -> Option<usize> {
 }
 
 /// Wraps a source and records every expert bank built through it, in load order.
-struct Recording<'s, B: Backend, S> {
-    inner: &'s S,
-    banks: RefCell<Vec<ExpertBank<B>>>,
+pub(crate) struct Recording<'s, B: Backend, S> {
+    pub(crate) inner: &'s S,
+    pub(crate) banks: RefCell<Vec<ExpertBank<B>>>,
 }
 
 impl<B: Backend, S: WeightSource<B>> WeightSource<B> for Recording<'_, B, S> {
@@ -442,6 +442,15 @@ impl<B: Backend> ModelCache<B> {
     pub fn seen(&self) -> usize {
         self.layers.first().map_or(0, KvCache::seen)
     }
+}
+
+/// What a decoder layer's expert bank read in one forward: its input and the router's choices.
+#[derive(Debug, Clone)]
+pub struct MoeTap<B: Backend> {
+    /// `[tokens, hidden]`: the experts' input.
+    pub input: Tensor<B, 2>,
+    /// The router's choices for those tokens.
+    pub routing: Routing<B>,
 }
 
 /// Intermediate values recorded by a forward pass, for comparison with transformers.

@@ -8,11 +8,11 @@ use burn::tensor::activation::tanh;
 use burn::tensor::{Int, Tensor, backend::Backend};
 use pw_hf::Gemma4Config;
 use pw_nn::{
-    Attention, AttentionConfig, Embedding, ExpertKeys, Experts, GatedMlp, GatedMlpConfig, LoadError,
+    Attention, AttentionConfig, Embedding, ExpertKeys, Experts, GatedMlp, GatedMlpConfig, KvCache, LoadError,
     NormKind, RandomInit, RmsNorm, Router, RouterConfig, WeightSource,
 };
 
-use crate::common::{CausalLm, ModelCache, Trace, act};
+use crate::common::{CausalLm, ModelCache, MoeTap, Trace, act};
 
 /// Router, experts and their own norms (absent when `enable_moe_block` is false).
 #[derive(Module, Debug)]
@@ -38,6 +38,116 @@ pub struct Gemma4DecoderLayer<B: Backend> {
     layer_scalar: Param<Tensor<B, 1>>,
 }
 
+impl<B: Backend> Gemma4DecoderLayer<B> {
+    /// Loads decoder layer `i` (under `model.` or `model.language_model.`, as the checkpoint
+    /// has it).
+    pub fn load(cfg: &Gemma4Config, src: &impl WeightSource<B>, i: usize) -> Result<Self, LoadError> {
+        let root = Gemma4::<B>::root(src);
+        let spec = &cfg.layers[i];
+        let h = cfg.hidden_size;
+        let eps = cfg.rms_norm_eps;
+        let norm = |name: String| RmsNorm::load(src, &name, h, eps, NormKind::Scale);
+        let p = format!("{root}.layers.{i}");
+        let rope = if spec.sliding { cfg.rope_sliding } else { cfg.rope_full };
+        let attn = AttentionConfig {
+            hidden: h,
+            n_heads: cfg.num_attention_heads,
+            n_kv_heads: spec.num_key_value_heads,
+            head_dim: spec.head_dim,
+            qkv_bias: true,
+            qk_norm: true,
+            v_norm: true,
+            k_eq_v: spec.k_eq_v,
+            // Q/K norms replace the 1/√d scaling.
+            scale: Some(1.0),
+            sliding_window: spec.sliding.then_some(cfg.sliding_window),
+            norm_eps: eps,
+            inv_freq: rope.inv_freq(spec.head_dim),
+        };
+        let moe = if cfg.enable_moe_block {
+            let router = RouterConfig {
+                hidden: h,
+                num_experts: cfg.num_experts,
+                top_k: cfg.top_k_experts,
+                renormalize: true,
+                gemma_scaling: true,
+                norm_eps: eps,
+            };
+            let keys = ExpertKeys {
+                fused: vec![format!("{p}.experts")],
+                per_expert: vec![(format!("{p}.experts"), ["gate_proj", "up_proj", "down_proj"])],
+            };
+            let expert = GatedMlpConfig {
+                hidden: h,
+                intermediate: cfg.moe_intermediate_size,
+                act: act(cfg.hidden_activation),
+            };
+            Some(Gemma4Moe {
+                router: router.load(src, &format!("{p}.router"))?,
+                experts: src.experts(&keys, cfg.num_experts, expert)?,
+                post_feedforward_layernorm_1: norm(format!("{p}.post_feedforward_layernorm_1"))?,
+                pre_feedforward_layernorm_2: norm(format!("{p}.pre_feedforward_layernorm_2"))?,
+                post_feedforward_layernorm_2: norm(format!("{p}.post_feedforward_layernorm_2"))?,
+            })
+        } else {
+            None
+        };
+        let scalar_name = format!("{p}.layer_scalar");
+        // transformers initialises the buffer to one when a checkpoint lacks it.
+        let layer_scalar = if src.has(&scalar_name) {
+            src.tensor(&scalar_name, [1])?
+        } else {
+            Tensor::ones([1], &src.device())
+        };
+        Ok(Self {
+            input_layernorm: norm(format!("{p}.input_layernorm"))?,
+            self_attn: attn.load(src, &format!("{p}.self_attn"))?,
+            post_attention_layernorm: norm(format!("{p}.post_attention_layernorm"))?,
+            pre_feedforward_layernorm: norm(format!("{p}.pre_feedforward_layernorm"))?,
+            mlp: GatedMlpConfig {
+                hidden: h,
+                intermediate: cfg.intermediate_size,
+                act: act(cfg.hidden_activation),
+            }
+            .load(src, &format!("{p}.mlp"), ["gate_proj", "up_proj", "down_proj"])?,
+            moe,
+            post_feedforward_layernorm: norm(format!("{p}.post_feedforward_layernorm"))?,
+            layer_scalar: Param::from_tensor(layer_scalar),
+        })
+    }
+
+    /// Runs the new positions through the layer; also returns what its expert bank read (its
+    /// own pre-norm of the residual; `None` without a MoE block).
+    ///
+    /// # Shapes
+    /// - `h`: `[batch, seq, hidden]`
+    /// - output: `[batch, seq, hidden]`, the tap's input `[batch · seq, hidden]`
+    pub fn forward(&self, h: Tensor<B, 3>, kv: &mut KvCache<B>) -> (Tensor<B, 3>, Option<MoeTap<B>>) {
+        let residual = h.clone();
+        let x = self.input_layernorm.forward(h);
+        let x = self.self_attn.forward(x, kv);
+        let h = residual + self.post_attention_layernorm.forward(x);
+
+        let residual = h.clone();
+        let x = self.mlp.forward(self.pre_feedforward_layernorm.forward(h));
+        let (x, tap) = match &self.moe {
+            None => (x, None),
+            Some(moe) => {
+                let [b, t, d] = residual.dims();
+                // The router and experts read the residual itself, not the MLP's input.
+                let flat = residual.clone().reshape([b * t, d]);
+                let routing = moe.router.forward(flat.clone());
+                let input = moe.pre_feedforward_layernorm_2.forward(flat);
+                let y = moe.experts.forward(input.clone(), &routing);
+                let y = moe.post_feedforward_layernorm_2.forward(y.reshape([b, t, d]));
+                (moe.post_feedforward_layernorm_1.forward(x) + y, Some(MoeTap { input, routing }))
+            }
+        };
+        let h = residual + self.post_feedforward_layernorm.forward(x);
+        (h * self.layer_scalar.val().reshape([1, 1, 1]), tap)
+    }
+}
+
 /// Gemma-4 text model for causal LM.
 #[derive(Module, Debug)]
 pub struct Gemma4<B: Backend> {
@@ -56,104 +166,46 @@ impl<B: Backend> Gemma4<B> {
         Self::load(cfg, &RandomInit::new(device, 0, 0.05)).expect("random weights always load")
     }
 
+    /// The text model's prefix: `model.language_model` in `Gemma4ForConditionalGeneration`,
+    /// else `model`.
+    fn root(src: &impl WeightSource<B>) -> &'static str {
+        if src.has("model.language_model.embed_tokens.weight") { "model.language_model" } else { "model" }
+    }
+
+    /// Loads the token embedding and the scale (√hidden) its output is multiplied by to give
+    /// the model's first hidden state.
+    pub fn load_embedding(
+        cfg: &Gemma4Config,
+        src: &impl WeightSource<B>,
+    ) -> Result<(Embedding<B>, f64), LoadError> {
+        let h = cfg.hidden_size;
+        let table = Embedding::load(src, &format!("{}.embed_tokens", Self::root(src)), cfg.vocab_size, h)?;
+        // transformers casts √hidden to the weight dtype; f32 here.
+        Ok((table, (h as f64).sqrt()))
+    }
+
     /// Loads `Gemma4ForCausalLM` (`model.`) or the text part of
     /// `Gemma4ForConditionalGeneration` (`model.language_model.`).
     pub fn load(cfg: &Gemma4Config, src: &impl WeightSource<B>) -> Result<Self, LoadError> {
-        let root = if src.has("model.language_model.embed_tokens.weight") {
-            "model.language_model"
-        } else {
-            "model"
-        };
-        let h = cfg.hidden_size;
-        let eps = cfg.rms_norm_eps;
-        let norm = |name: String| RmsNorm::load(src, &name, h, eps, NormKind::Scale);
-        let layers = cfg
-            .layers
-            .iter()
-            .enumerate()
-            .map(|(i, spec)| {
-                let p = format!("{root}.layers.{i}");
-                let rope = if spec.sliding { cfg.rope_sliding } else { cfg.rope_full };
-                let attn = AttentionConfig {
-                    hidden: h,
-                    n_heads: cfg.num_attention_heads,
-                    n_kv_heads: spec.num_key_value_heads,
-                    head_dim: spec.head_dim,
-                    qkv_bias: true,
-                    qk_norm: true,
-                    v_norm: true,
-                    k_eq_v: spec.k_eq_v,
-                    // Q/K norms replace the 1/√d scaling.
-                    scale: Some(1.0),
-                    sliding_window: spec.sliding.then_some(cfg.sliding_window),
-                    norm_eps: eps,
-                    inv_freq: rope.inv_freq(spec.head_dim),
-                };
-                let moe = if cfg.enable_moe_block {
-                    let router = RouterConfig {
-                        hidden: h,
-                        num_experts: cfg.num_experts,
-                        top_k: cfg.top_k_experts,
-                        renormalize: true,
-                        gemma_scaling: true,
-                        norm_eps: eps,
-                    };
-                    let keys = ExpertKeys {
-                        fused: vec![format!("{p}.experts")],
-                        per_expert: vec![(format!("{p}.experts"), ["gate_proj", "up_proj", "down_proj"])],
-                    };
-                    let expert = GatedMlpConfig {
-                        hidden: h,
-                        intermediate: cfg.moe_intermediate_size,
-                        act: act(cfg.hidden_activation),
-                    };
-                    Some(Gemma4Moe {
-                        router: router.load(src, &format!("{p}.router"))?,
-                        experts: src.experts(&keys, cfg.num_experts, expert)?,
-                        post_feedforward_layernorm_1: norm(format!("{p}.post_feedforward_layernorm_1"))?,
-                        pre_feedforward_layernorm_2: norm(format!("{p}.pre_feedforward_layernorm_2"))?,
-                        post_feedforward_layernorm_2: norm(format!("{p}.post_feedforward_layernorm_2"))?,
-                    })
-                } else {
-                    None
-                };
-                let scalar_name = format!("{p}.layer_scalar");
-                // transformers initialises the buffer to one when a checkpoint lacks it.
-                let layer_scalar = if src.has(&scalar_name) {
-                    src.tensor(&scalar_name, [1])?
-                } else {
-                    Tensor::ones([1], &src.device())
-                };
-                Ok(Gemma4DecoderLayer {
-                    input_layernorm: norm(format!("{p}.input_layernorm"))?,
-                    self_attn: attn.load(src, &format!("{p}.self_attn"))?,
-                    post_attention_layernorm: norm(format!("{p}.post_attention_layernorm"))?,
-                    pre_feedforward_layernorm: norm(format!("{p}.pre_feedforward_layernorm"))?,
-                    mlp: GatedMlpConfig {
-                        hidden: h,
-                        intermediate: cfg.intermediate_size,
-                        act: act(cfg.hidden_activation),
-                    }
-                    .load(
-                        src,
-                        &format!("{p}.mlp"),
-                        ["gate_proj", "up_proj", "down_proj"],
-                    )?,
-                    moe,
-                    post_feedforward_layernorm: norm(format!("{p}.post_feedforward_layernorm"))?,
-                    layer_scalar: Param::from_tensor(layer_scalar),
-                })
-            })
+        let root = Self::root(src);
+        let layers = (0..cfg.layers.len())
+            .map(|i| Gemma4DecoderLayer::load(cfg, src, i))
             .collect::<Result<Vec<_>, LoadError>>()?;
         if !cfg.tie_word_embeddings {
             return Err(LoadError::Source("Gemma-4 with an untied lm_head is not supported".into()));
         }
+        let (embed_tokens, embed_scale) = Self::load_embedding(cfg, src)?;
         Ok(Self {
-            embed_tokens: Embedding::load(src, &format!("{root}.embed_tokens"), cfg.vocab_size, h)?,
-            // transformers casts √hidden to the weight dtype; f32 here.
-            embed_scale: (h as f64).sqrt(),
+            embed_tokens,
+            embed_scale,
             layers,
-            norm: norm(format!("{root}.norm"))?,
+            norm: RmsNorm::load(
+                src,
+                &format!("{root}.norm"),
+                cfg.hidden_size,
+                cfg.rms_norm_eps,
+                NormKind::Scale,
+            )?,
             final_logit_softcapping: cfg.final_logit_softcapping.unwrap_or(0.0),
             vocab_size: cfg.vocab_size,
         })
@@ -170,28 +222,9 @@ impl<B: Backend> CausalLm<B> for Gemma4<B> {
         let mut h = self.embed_tokens.forward(ids) * self.embed_scale;
         Trace::record(&mut trace, &h, None, true);
         for (layer, kv) in self.layers.iter().zip(cache.layers.iter_mut()) {
-            let residual = h.clone();
-            let x = layer.input_layernorm.forward(h);
-            let x = layer.self_attn.forward(x, kv);
-            h = residual + layer.post_attention_layernorm.forward(x);
-
-            let residual = h.clone();
-            let x = layer.mlp.forward(layer.pre_feedforward_layernorm.forward(h));
-            let (x, routing) = match &layer.moe {
-                None => (x, None),
-                Some(moe) => {
-                    let [b, t, d] = residual.dims();
-                    // The router and experts read the residual itself, not the MLP's input.
-                    let flat = residual.clone().reshape([b * t, d]);
-                    let routing = moe.router.forward(flat.clone());
-                    let y = moe.experts.forward(moe.pre_feedforward_layernorm_2.forward(flat), &routing);
-                    let y = moe.post_feedforward_layernorm_2.forward(y.reshape([b, t, d]));
-                    (moe.post_feedforward_layernorm_1.forward(x) + y, Some(routing))
-                }
-            };
-            h = residual + layer.post_feedforward_layernorm.forward(x);
-            h = h * layer.layer_scalar.val().reshape([1, 1, 1]);
-            Trace::record(&mut trace, &h, routing, false);
+            let (next, tap) = layer.forward(h, kv);
+            h = next;
+            Trace::record(&mut trace, &h, tap.map(|t| t.routing), false);
         }
         let logits = self.embed_tokens.attend(self.norm.forward(h));
         if self.final_logit_softcapping > 0.0 {

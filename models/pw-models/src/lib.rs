@@ -11,13 +11,15 @@ pub mod generate;
 pub mod mixtral;
 pub mod quantized;
 pub mod qwen2_moe;
+pub mod stream;
 
 pub use common::{
-    AnyModel, CausalLm, ExpertBank, HfSource, LoadedModel, ModelCache, ModelError, PagedOptions, Trace,
-    is_quantized_dir,
+    AnyModel, CausalLm, ExpertBank, HfSource, LoadedModel, ModelCache, ModelError, MoeTap, PagedOptions,
+    Trace, is_quantized_dir,
 };
 pub use gemma4::Gemma4;
 pub use generate::{Sampler, SamplingConfig, generate};
 pub use mixtral::Mixtral;
 pub use quantized::{PwSource, expert_block_name};
 pub use qwen2_moe::Qwen2Moe;
+pub use stream::{LayerStream, StreamLayer};

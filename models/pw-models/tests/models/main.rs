@@ -5,3 +5,4 @@
 
 mod eval;
 mod models;
+mod stream;
