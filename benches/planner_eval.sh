@@ -33,7 +33,7 @@ for IMP in fisher streamed; do
     "$PW" quantize --model "$MODEL" --out "$DIR" --importance "$IMP" > "$WORK/quantize-$IMP.json"
   fi
   if [ ! -f "$DIR/residual_head.json" ]; then
-    "$TARGET/release/examples/train_residual_head" --model "$MODEL" --out "$DIR" > "$WORK/head-$IMP.json"
+    "$TARGET/release/examples/train_residual_head" --model "$MODEL" --out "$DIR" --prompts 240 > "$WORK/head-$IMP.json"
   fi
 done
 
@@ -59,6 +59,19 @@ for PCT in 25 30 40 50; do
       echo "{\"budget_pct\":$PCT,\"policy\":\"$NAME_PREFIX$POLICY\",\"budget_bytes\":$BUDGET,\"infeasible\":true,\"error\":\"$ERR\"}" | tee -a "$ROWS"
     fi
   done
+done
+# At 25 % the hot experts' 5-bit floor does not fit: the planner rows again with every floor at
+# 3 bits (`--routing-config`), named `floor3:…`.
+FLOOR3=$WORK/routing-floor3.json
+echo '{"half_life_steps":64.0,"hot_share":2.0,"cold_share":0.5,"hot_floor_bits":3,"warm_floor_bits":3,"cold_floor_bits":3,"hot_multiplier":2.0,"warm_multiplier":1.0,"cold_multiplier":0.5}' > "$FLOOR3"
+PCT=25
+BUDGET=$((FP16_BYTES * PCT / 100))
+for POLICY in planner planner,text-residual planner,no-residual planner,absolute-routing streamed:planner; do
+  DIR=$Q; NAME_PREFIX="floor3:"
+  case "$POLICY" in streamed:*) DIR=$QS; NAME_PREFIX="floor3:streamed:"; POLICY=${POLICY#streamed:};; esac
+  LINE=$(ev --model "$DIR" --expert-budget-bytes "$BUDGET" --policy "$POLICY" --routing-config "$FLOOR3")
+  LINE=${LINE/\"policy\":\"/\"policy\":\"$NAME_PREFIX}
+  echo "{\"budget_pct\":$PCT,${LINE#\{}" | tee -a "$ROWS"
 done
 "$TARGET/release/examples/planner_eval_plot" --rows "$ROWS" --png "$OUT/$NAME.png" --json "$OUT/$NAME.json" \
   --md "$OUT/$NAME.table.md" --title "$(basename "$MODEL"): held-out ppl vs expert bytes ($MAX_TOKENS tokens)"

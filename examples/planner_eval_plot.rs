@@ -166,7 +166,8 @@ fn plot(args: &Args, rows: &[Value], policies: &[String], fp16_ppl: f64, fp16_by
         RGBColor(0, 150, 150),
         RGBColor(128, 128, 128),
     ];
-    for ((name, pts), colour) in series.iter().zip(colours) {
+    for (n, (name, pts)) in series.iter().enumerate() {
+        let colour = colours[n % colours.len()];
         if pts.is_empty() {
             continue;
         }

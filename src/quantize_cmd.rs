@@ -97,6 +97,9 @@ fn quantize_on<B: Backend>(args: &QuantizeArgs, device: &B::Device) -> Result<()
         ..QuantizeConfig::default()
     };
     let mut current: Option<(Stage, ProgressBar)> = None;
+    // Wall seconds per stage, in the order they ran.
+    let mut seconds: Vec<(&'static str, f64)> = Vec::new();
+    let mut since = std::time::Instant::now();
     let report = quantize_model::<Autodiff<B>>(&args.model, &args.out, &ids, &cfg, device, |p| {
         if current.as_ref().map(|c| c.0) != Some(p.stage) {
             if let Some((_, pb)) = current.take() {
@@ -109,6 +112,11 @@ fn quantize_on<B: Backend>(args: &QuantizeArgs, device: &B::Device) -> Result<()
                 Stage::Quantizing => "quantizing",
                 Stage::Copying => "copying",
             };
+            if let Some(last) = seconds.last_mut() {
+                last.1 = since.elapsed().as_secs_f64();
+            }
+            since = std::time::Instant::now();
+            seconds.push((what, 0.0));
             current = Some((p.stage, bar(p.total, what)));
         }
         if let Some((_, pb)) = &current {
@@ -119,6 +127,11 @@ fn quantize_on<B: Backend>(args: &QuantizeArgs, device: &B::Device) -> Result<()
     if let Some((_, pb)) = current {
         pb.finish();
     }
+    if let Some(last) = seconds.last_mut() {
+        last.1 = since.elapsed().as_secs_f64();
+    }
+    let seconds: serde_json::Map<String, serde_json::Value> =
+        seconds.into_iter().map(|(k, v)| (k.to_string(), ((v * 10.0).round() / 10.0).into())).collect();
     let m = &report.manifest;
     println!(
         "{}",
@@ -130,6 +143,7 @@ fn quantize_on<B: Backend>(args: &QuantizeArgs, device: &B::Device) -> Result<()
             "calib_tokens": report.tokens,
             "calib_loss": report.calib_loss,
             "importance": report.importance.name(),
+            "seconds": seconds,
             "memory_needed": { "fisher": report.memory.fisher, "streamed": report.memory.streamed },
             "memory_available": match importance {
                 ImportanceMethod::Auto { memory_bytes } => Some(memory_bytes),

@@ -21,11 +21,11 @@ use pw_format::{
 };
 use pw_hf::ModelConfig;
 use pw_models::eval::token_windows;
-use pw_models::{CausalLm, HfSource, LoadedModel, expert_block_name, is_quantized_dir};
+use pw_models::{CausalLm, HfSource, LoadedModel, expert_block_name, is_quantized_dir, layer_of};
 use pw_nn::{ExpertLayout, GatedMlpConfig};
 use pw_quant::{MAX_BITS, MIN_BITS};
 
-use crate::streamed::streamed_importance;
+use crate::streamed::{WINDOW_BATCH, streamed_importance};
 use crate::{CalibError, FisherPass};
 
 /// Files copied beside the manifest when the model directory has them (`config.json` is
@@ -122,7 +122,7 @@ pub fn memory_needs(model_dir: &Path, cfg: &QuantizeConfig) -> Result<MemoryNeed
         if name.contains(".experts.") {
             experts += n;
         }
-        if let Some(l) = layer_index(name) {
+        if let Some(l) = layer_of(name) {
             if per_layer.len() <= l {
                 per_layer.resize(l + 1, 0);
             }
@@ -142,19 +142,9 @@ pub fn memory_needs(model_dir: &Path, cfg: &QuantizeConfig) -> Result<MemoryNeed
     let fisher_activations = ctx * (layers * 64 * hidden + 4 * vocab);
     let fisher = 4 * (2 * all + 2 * experts + fisher_activations);
     let largest_layer = per_layer.iter().copied().max().unwrap_or(0);
-    let streamed = 4 * (largest_layer + vocab * hidden + 2 * tokens * hidden + ctx * 8 * 64 * hidden);
+    let batch = WINDOW_BATCH as u64;
+    let streamed = 4 * (largest_layer + vocab * hidden + 2 * tokens * hidden + ctx * batch * 64 * hidden);
     Ok(MemoryNeeds { fisher, streamed })
-}
-
-/// The decoder layer a tensor name belongs to (`….layers.N.…`).
-fn layer_index(name: &str) -> Option<usize> {
-    let mut parts = name.split('.');
-    while let Some(p) = parts.next() {
-        if p == "layers" {
-            return parts.next()?.parse().ok();
-        }
-    }
-    None
 }
 
 /// Phase of [`quantize_model`].

@@ -20,7 +20,7 @@ use pw_nn::{DenseExperts, ExpertLayout, Experts, GatedMlpConfig, KvCache};
 use crate::CalibError;
 
 /// Calibration windows of one length run through a layer together at most this many at a time.
-const WINDOW_BATCH: usize = 8;
+pub(crate) const WINDOW_BATCH: usize = 8;
 
 /// One MoE layer's layer-streamed importance.
 #[derive(Debug, Clone)]
@@ -61,14 +61,14 @@ pub fn streamed_importance<B: Backend>(
             _ => batches.push(vec![w]),
         }
     }
-    let mut hidden = batches
+    let ids = batches
         .iter()
         .map(|b| {
             let ids: Vec<i64> = b.iter().flat_map(|w| w.iter().map(|&t| t as i64)).collect();
-            let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [b.len(), b[0].len()]), device);
-            stream.embed(ids)
+            Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [b.len(), b[0].len()]), device)
         })
-        .collect::<Result<Vec<_>, _>>()?;
+        .collect();
+    let mut hidden = stream.embed(ids)?;
     let layers = stream.num_layers();
     let mut out = Vec::new();
     for l in 0..layers {

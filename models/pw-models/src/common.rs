@@ -140,8 +140,8 @@ pub struct ExpertBank<B: Backend> {
     pub experts: Experts<B>,
 }
 
-/// The decoder layer named in a tensor prefix such as `model.layers.3.mlp.experts`.
-fn layer_of(prefix: &str) -> Option<usize> {
+/// The decoder layer named in a tensor name or prefix such as `model.layers.3.mlp.experts`.
+pub fn layer_of(prefix: &str) -> Option<usize> {
     let mut parts = prefix.split('.');
     while let Some(p) = parts.next() {
         if p == "layers" {

@@ -15,7 +15,7 @@ pub mod stream;
 
 pub use common::{
     AnyModel, CausalLm, ExpertBank, HfSource, LoadedModel, ModelCache, ModelError, MoeTap, PagedOptions,
-    Trace, is_quantized_dir,
+    Trace, is_quantized_dir, layer_of,
 };
 pub use gemma4::Gemma4;
 pub use generate::{Sampler, SamplingConfig, generate};

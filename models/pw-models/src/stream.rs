@@ -73,20 +73,33 @@ impl<'c, B: Backend> LayerStream<'c, B> {
         }
     }
 
-    /// The model's first hidden state of `ids` (the embedding table is read for this call and
-    /// dropped after it).
+    /// The model's first hidden state of each batch of `ids` (the embedding table is read once
+    /// for the call and dropped after it).
     ///
     /// # Shapes
-    /// - `ids`: `[batch, seq]`
-    /// - output: `[batch, seq, hidden]`
-    pub fn embed(&self, ids: Tensor<B, 2, Int>) -> Result<Tensor<B, 3>, ModelError> {
+    /// - `ids`: per batch `[batch, seq]`
+    /// - output: per batch `[batch, seq, hidden]`
+    pub fn embed(&self, ids: Vec<Tensor<B, 2, Int>>) -> Result<Vec<Tensor<B, 3>>, ModelError> {
         let src = &self.src;
-        let h = match &self.config {
-            ModelConfig::Mixtral(c) => Mixtral::load_embedding(c, src).map(|e| e.forward(ids)),
-            ModelConfig::Qwen2Moe(c) => Qwen2Moe::load_embedding(c, src).map(|e| e.forward(ids)),
-            ModelConfig::Gemma4(c) => Gemma4::load_embedding(c, src).map(|(e, scale)| e.forward(ids) * scale),
+        let wrap = |source| ModelError::Load { dir: self.dir.clone(), source };
+        let (table, scale) = match &self.config {
+            ModelConfig::Mixtral(c) => (Mixtral::load_embedding(c, src).map_err(wrap)?, None),
+            ModelConfig::Qwen2Moe(c) => (Qwen2Moe::load_embedding(c, src).map_err(wrap)?, None),
+            ModelConfig::Gemma4(c) => {
+                let (table, scale) = Gemma4::load_embedding(c, src).map_err(wrap)?;
+                (table, Some(scale))
+            }
         };
-        h.map_err(|source| ModelError::Load { dir: self.dir.clone(), source })
+        Ok(ids
+            .into_iter()
+            .map(|ids| {
+                let h = table.forward(ids);
+                match scale {
+                    Some(s) => h * s,
+                    None => h,
+                }
+            })
+            .collect())
     }
 
     /// Reads decoder layer `i`, with its expert bank when it has one (the bank shares the
