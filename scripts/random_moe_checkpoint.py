@@ -3,6 +3,7 @@
 measuring `pagedweight quantize` at scale (issue 29) where the real weights cannot be fetched.
 
     python3 scripts/random_moe_checkpoint.py --shape qwen1.5-moe-a2.7b --out DIR [--layers N]
+        [--torch-device cuda]
 
 Shapes follow the published configs (`--layers` keeps the first N decoder layers at full width,
 to measure per layer on a machine too small for the whole model). Tensors are written one
@@ -70,8 +71,25 @@ SHAPES = {
 }
 
 
+class TorchRng:
+    """Draws the Gaussians with torch on a device (`--torch-device cuda`): numpy's generator
+    takes minutes for the 14 B values of a full-size shape, the GPU a second."""
+
+    def __init__(self, device, seed):
+        import torch
+
+        self.torch, self.device = torch, device
+        self.gen = torch.Generator(device=device).manual_seed(seed)
+
+    def bf16(self, shape, std):
+        t = self.torch.randn(shape, generator=self.gen, device=self.device) * std
+        return t.to(self.torch.bfloat16).view(self.torch.int16).cpu().numpy().view(np.uint16)
+
+
 def bf16(rng, shape, std):
     """Gaussian values rounded to bf16, stored as numpy uint16 viewed by safetensors as BF16."""
+    if isinstance(rng, TorchRng):
+        return rng.bf16(shape, std)
     x = (rng.standard_normal(shape, dtype=np.float32) * std).view(np.uint32)
     # Round to nearest even on the upper 16 bits.
     x = ((x + 0x7FFF + ((x >> 16) & 1)) >> 16).astype(np.uint16)
@@ -142,6 +160,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--layers", type=int)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--torch-device", help="draw the weights with torch on this device (e.g. cuda)")
     here = os.path.dirname(os.path.abspath(__file__))
     ap.add_argument("--tokenizer-from", default=os.path.join(here, "..", "assets", "tiny-qwen2-moe"))
     a = ap.parse_args()
@@ -149,7 +168,7 @@ def main():
     if a.layers:
         cfg["num_hidden_layers"] = a.layers
     os.makedirs(a.out, exist_ok=True)
-    rng = np.random.default_rng(a.seed)
+    rng = TorchRng(a.torch_device, a.seed) if a.torch_device else np.random.default_rng(a.seed)
     h, v = cfg["hidden_size"], cfg["vocab_size"]
     n = cfg["num_hidden_layers"]
     index = {}

@@ -104,7 +104,14 @@ pub struct ServeArgs {
     /// none (the cache is sized as max batch × context).
     #[arg(long)]
     pub gpu_memory_gb: Option<f64>,
-    /// Planner options (with --fast --gpu-memory-gb).
+    /// On the Burn reference path, with a PagedWeight checkpoint (`pagedweight quantize`): host
+    /// memory in GB (1e9 bytes) for the expert pages and the KV cache together (the dense
+    /// weights come on top); the planner lowers and raises pages as on the fast path. Default:
+    /// the experts at --bits plus the KV cache of every batch slot at the full context.
+    #[arg(long, conflicts_with = "gpu_memory_gb")]
+    pub memory_gb: Option<f64>,
+    /// Planner options (with --fast --gpu-memory-gb, or a PagedWeight checkpoint on the
+    /// reference path).
     #[command(flatten)]
     pub planner: PlannerArgs,
     /// Require `Authorization: Bearer KEY` on /v1/* (401 otherwise).
@@ -412,6 +419,47 @@ fn fast_model(
     Ok((m, format!("wgpu (fast path, {what})"), cap, max_batch))
 }
 
+/// The Burn reference model over a PagedWeight checkpoint: its experts are pages under
+/// `--memory-gb` (host bytes on ndarray) that the planner manages between steps. Returns the
+/// model, its description, the KV bytes the engine may reserve and the max batch.
+fn paged_reference_model<B: Backend>(
+    args: &ServeArgs,
+    dir: &Path,
+    device: &B::Device,
+    device_name: &str,
+    max_context: usize,
+) -> Result<(Box<dyn StepModel>, String, u64, usize)>
+where
+    B::Device: Send,
+{
+    let budget = match args.memory_gb {
+        Some(gb) if !(gb.is_finite() && gb > 0.0) => bail!("--memory-gb must be a positive number, got {gb}"),
+        Some(gb) => Some((gb * 1e9) as u64),
+        None => None,
+    };
+    let max_batch = resolve_max_batch(args.max_batch, budget.is_some());
+    let config = pw_hf::ModelConfig::from_dir(dir)?;
+    let kv = pw_serve::KvLayout::from_config(&config, size_of::<B::FloatElem>() as u64);
+    let kv_budget_bytes =
+        args.kv_budget_bytes.unwrap_or(kv.bytes_for(max_context).saturating_mul(max_batch.max(1) as u64));
+    let memory = args.planner.memory(budget);
+    let (m, cap) = BurnStepModel::<B, AnyModel<B>>::load_paged(
+        dir,
+        device,
+        args.bits,
+        &memory,
+        max_batch,
+        kv_budget_bytes,
+    )
+    .context("loading the model")?;
+    let what = match (budget, args.planner.policy) {
+        (None, _) => "paged experts".to_string(),
+        (Some(b), Policy::Pinned) => format!("paged experts pinned, {b} bytes for experts + KV"),
+        (Some(b), Policy::Planner) => format!("paged experts, planner on, {b} bytes for experts + KV"),
+    };
+    Ok((Box::new(m), format!("{device_name} (reference path, {what})"), cap, max_batch))
+}
+
 /// Free and total bytes of CUDA device 0.
 #[cfg(feature = "cuda")]
 pub fn cuda_memory() -> Result<(u64, u64)> {
@@ -470,11 +518,25 @@ where
             "--gpu-memory-gb pages the experts of the fast decode path, which does not serve here (see above)"
         );
     }
+    if args.memory_gb.is_some() && fast_on_cuda.is_some() {
+        bail!("--memory-gb sizes the reference path's paged experts; the fast path takes --gpu-memory-gb");
+    }
     let (model, device_name, fast_kv, max_batch): (Box<dyn StepModel>, String, Option<u64>, usize) =
         if let Some(on_cuda) = fast_on_cuda {
             let (m, name, cap, max_batch) = fast_model(args, dir, max_context, on_cuda)?;
             (m, name, Some(cap), max_batch)
+        } else if pw_models::is_quantized_dir(dir) {
+            let (m, name, cap, max_batch) =
+                paged_reference_model::<B>(args, dir, device, device_name, max_context)?;
+            (m, name, Some(cap), max_batch)
         } else {
+            if args.memory_gb.is_some() {
+                bail!(
+                    "{}: --memory-gb pages the experts of a PagedWeight checkpoint, and this is a Hugging Face \
+                     one (`pagedweight quantize --model DIR --out PW_DIR` writes one)",
+                    dir.display()
+                );
+            }
             let m = BurnStepModel::<B, AnyModel<B>>::load(dir, device).context("loading the model")?;
             (Box::new(m), device_name.to_string(), None, resolve_max_batch(args.max_batch, false))
         };

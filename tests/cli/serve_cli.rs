@@ -142,6 +142,33 @@ fn fast_path_serves_a_pagedweight_checkpoint() {
     assert!(!err.contains("uniform importance"), "{err}");
     let err = serve(dir.path());
     assert!(err.contains("uniform importance") && err.contains("pagedweight quantize"), "{err}");
+
+    // Issue 28: the reference path (the CPU fallback) serves the checkpoint's experts as pages;
+    // `--once` ends with their memory line, and a budget that cannot hold them is refused.
+    let cpu = |extra: &[&str]| {
+        Command::new(bin())
+            .args(["serve", "--device", "cpu", "--model", q.to_str().unwrap(), "--once", "w7 w8 w9"])
+            .args(["--max-tokens", "4"])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let o = cpu(&[]);
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(o.status.success() && err.contains("reference path, paged experts"), "{err}");
+    let out = String::from_utf8(o.stdout).unwrap();
+    let mem = out.lines().find(|l| l.starts_with("-- memory:")).unwrap_or_else(|| panic!("{out}"));
+    assert!(mem.contains("mean 8.00 bits"), "{mem}");
+    let o = cpu(&["--memory-gb", "0.000001"]);
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(!o.status.success() && err.contains("cannot hold the experts even at 3 bits"), "{err}");
+    let o = Command::new(bin())
+        .args(["serve", "--device", "cpu", "--model", dir.path().to_str().unwrap(), "--memory-gb", "1"])
+        .args(["--once", "w7"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(!o.status.success() && err.contains("pagedweight quantize"), "{err}");
 }
 
 /// Issue 32, 2: a context of 10^12 tokens, from config.json or `--max-context`, is refused at

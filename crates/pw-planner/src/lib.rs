@@ -11,6 +11,9 @@
 //! - [`RoutingStats`]: decayed per-(layer, expert) selection frequency and routing mass,
 //!   updated once per step from flat device-side counts; hot/warm/cold buckets with floors and
 //!   damage multipliers.
+//! - [`Placement`]: which GPU of a host holds each expert (balanced by routing share per layer
+//!   and committed bytes), [`plan_per_gpu`] with a target per GPU, and [`Placement::relieve`]
+//!   to hand an expert from a GPU short of memory to one with room.
 //! - [`ResidualHead`]: a Burn module mapping [`residual_features`] of the prompt to
 //!   per-(layer, kind) sensitivity multipliers, trained with [`train_residual_head`].
 //!
@@ -37,6 +40,7 @@ mod error;
 mod head;
 mod hook;
 mod memory;
+mod placement;
 mod plan;
 mod routing;
 mod snapshot;
@@ -49,6 +53,7 @@ pub use head::{
 };
 pub use hook::Planner;
 pub use memory::{KvPressureConfig, MemoryTarget, kv_block_bytes};
+pub use placement::{ExpertMove, Placement, plan_per_gpu};
 pub use plan::{Plan, PlannerConfig, ResidualFactors, estimated_damage, floors, page_damage, plan};
 pub use pw_format::BlockKind;
 pub use routing::{Bucket, MIN_CALIBRATION_SHARE, RoutingConfig, RoutingStats, accumulate_choices};

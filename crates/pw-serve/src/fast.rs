@@ -19,7 +19,7 @@ use pw_planner::{
 };
 
 use crate::model::{DecodeSlot, PrefillOutcome, PrefillSlot, SeqId, SeqOutcome, StepError, StepModel};
-use crate::paged::PagedMemory;
+use crate::paged::{MemoryPlan, PagedMemory};
 use crate::{KvLayout, MemoryOptions, MemoryState, ServeError, WeightPolicy};
 
 /// The largest of the kernels' token buckets: the warm-up compiles a step at each one up to it
@@ -136,6 +136,7 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
         let block_bytes = cfg.kv_geometry(BLOCK, size_of::<KV>(), o.max_context).block_bytes() as u64;
         let plan = MemoryPlan::new(
             &o.memory,
+            cfg.experts,
             block_bytes,
             o.max_batch,
             o.kv_budget_bytes,
@@ -191,6 +192,7 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
         let pages = (cfg.sparse.iter().filter(|&&s| s).count() * cfg.experts) as u64;
         let plan = MemoryPlan::new(
             &o.memory,
+            cfg.experts,
             block_bytes,
             o.max_batch,
             o.kv_budget_bytes,
@@ -240,8 +242,8 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
     }
 
     /// KV bytes the engine may reserve for running sequences (its admission budget): with a
-    /// memory budget, what is left beside the experts at the lowest bits the policy allows,
-    /// less the planner's free-block reserve and one partly filled block per sequence.
+    /// memory budget, what is left beside the most expert bytes the policy's floors can hold
+    /// (pinned: the initial bits; planner: [`MemoryOptions::floor_bytes`]), less the planner's free-block reserve and one partly filled block per sequence.
     pub fn kv_capacity_bytes(&self) -> u64 {
         self.kv_capacity
     }
@@ -396,14 +398,6 @@ fn check_context<R: Runtime>(
     Ok(())
 }
 
-/// Budget, initial bits and cache size of a load.
-struct MemoryPlan {
-    budget: u64,
-    initial_bits: u8,
-    kv_blocks: usize,
-    kv_capacity: u64,
-}
-
 /// The engine's view of the paged cache's bytes per token. One block id addresses the same
 /// slots in every layer's pools, so a sliding-window layer keeps its old blocks for the life of
 /// the sequence: the accounting counts every layer in full, or admission would promise more
@@ -418,57 +412,6 @@ fn pool_layout(cfg: &DecodeConfig, elem_bytes: usize) -> KvLayout {
         })
         .collect();
     KvLayout { layers }
-}
-
-impl MemoryPlan {
-    /// `expert_bytes(b)`: expert bytes with every page at `b` bits.
-    fn new(
-        m: &MemoryOptions,
-        block_bytes: u64,
-        max_batch: usize,
-        kv_budget_bytes: u64,
-        expert_bytes: impl Fn(u8) -> u64,
-        bits: u8,
-    ) -> Result<Self, String> {
-        let slack = (max_batch.max(1) as u64).saturating_mul(block_bytes);
-        let Some(budget) = m.budget_bytes else {
-            // No limit: the cache is sized from the engine's KV budget, the weights stay put.
-            let kv_blocks = (kv_budget_bytes.div_ceil(block_bytes) as usize).saturating_add(max_batch.max(1));
-            let budget = expert_bytes(bits).saturating_add((kv_blocks as u64).saturating_mul(block_bytes));
-            return Ok(Self { budget, initial_bits: bits, kv_blocks, kv_capacity: kv_budget_bytes });
-        };
-        let reserve = match m.policy {
-            WeightPolicy::Pinned => 0,
-            WeightPolicy::Planner => (m.threshold_blocks + 1) * block_bytes,
-        };
-        // Start at the highest width (at most `bits`) that leaves the planner its free-block
-        // reserve, or (pinned) room for one block per batch slot.
-        let start_room = match m.policy {
-            WeightPolicy::Pinned => slack,
-            WeightPolicy::Planner => reserve,
-        };
-        let initial_bits = (3..=bits)
-            .rev()
-            .find(|&b| expert_bytes(b) + start_room <= budget)
-            .ok_or_else(|| {
-                format!(
-                    "a memory budget of {budget} bytes cannot hold the experts even at 3 bits ({} bytes)                      plus {} bytes of KV cache",
-                    expert_bytes(3),
-                    start_room
-                )
-            })?;
-        let floor = match m.policy {
-            WeightPolicy::Pinned => initial_bits,
-            WeightPolicy::Planner => m.floor_bits().min(initial_bits),
-        };
-        let kv_room = budget.saturating_sub(expert_bytes(floor));
-        let kv_capacity = kv_room.saturating_sub(reserve + slack);
-        if kv_capacity == 0 {
-            return Err(format!("a memory budget of {budget} bytes leaves no room for the KV cache"));
-        }
-        let kv_blocks = (kv_room / block_bytes) as usize + 1;
-        Ok(Self { budget, initial_bits, kv_blocks, kv_capacity })
-    }
 }
 
 fn sample(sampler: &mut pw_models::Sampler, seq: SeqId, logits: &[f32]) -> SeqOutcome {

@@ -7,9 +7,10 @@ use std::path::Path;
 use burn::module::Module;
 use burn::tensor::backend::Backend;
 use pw_models::generate::{ids_tensor, last_logits};
-use pw_models::{AnyModel, CausalLm, ModelCache, Sampler};
+use pw_models::{AnyModel, CausalLm, LoadedModel, ModelCache, PagedOptions, Sampler};
 
-use crate::{KvLayout, ServeError};
+use crate::paged::{MemoryPlan, PagedMemory, TablePages};
+use crate::{KvLayout, MemoryOptions, MemoryState, PageTableView, ServeError};
 
 /// Identifies one sequence inside a [`StepModel`] (its KV cache / block table).
 pub type SeqId = u64;
@@ -113,6 +114,18 @@ pub trait StepModel: Send {
     }
 }
 
+/// Tokens per KV block in the reference path's accounting: its caches grow by the token, the
+/// budget counts them in blocks as the fast path's paged cache does.
+const BLOCK_TOKENS: u64 = 16;
+
+/// The memory side of a Burn model whose experts are pages: the pages and the KV caches lease
+/// from one budget, and the planner lowers and raises pages between steps as on the fast path.
+struct BurnPaged {
+    pages: TablePages,
+    mem: PagedMemory,
+    block_bytes: u64,
+}
+
 /// [`StepModel`] over a Burn [`CausalLm`]: every sequence runs its own forward with its own
 /// [`ModelCache`] (the reference path; numerically identical to [`pw_models::generate`]).
 pub struct BurnStepModel<B: Backend, M> {
@@ -121,12 +134,35 @@ pub struct BurnStepModel<B: Backend, M> {
     caches: HashMap<SeqId, ModelCache<B>>,
     kv: KvLayout,
     weight_bytes: u64,
+    paged: Option<BurnPaged>,
 }
 
 impl<B: Backend, M: CausalLm<B>> BurnStepModel<B, M> {
     /// Wraps `model` on `device`; `kv` must describe its caches.
     pub fn new(model: M, device: B::Device, kv: KvLayout, weight_bytes: u64) -> Self {
-        Self { model, device, caches: HashMap::new(), kv, weight_bytes }
+        Self { model, device, caches: HashMap::new(), kv, weight_bytes, paged: None }
+    }
+
+    /// KV blocks a sequence of `tokens` tokens holds (paged experts only).
+    fn blocks_for(kv: &KvLayout, block_bytes: u64, tokens: usize) -> u64 {
+        kv.bytes_for(tokens).div_ceil(block_bytes)
+    }
+
+    /// KV blocks the live sequences hold (0 without paged experts).
+    fn used_blocks(&self) -> u64 {
+        let Some(p) = &self.paged else { return 0 };
+        self.caches.values().map(|c| Self::blocks_for(&self.kv, p.block_bytes, c.seen())).sum()
+    }
+
+    /// With paged experts: leases, under the budget, the blocks in use plus those that
+    /// appending `(held, extra)` tokens to each listed sequence takes, the planner making room
+    /// first when there is none. A shortage is [`StepError::OutOfMemory`] with nothing run.
+    fn reserve(&mut self, appends: &[(usize, usize)]) -> Result<(), StepError> {
+        let used = self.used_blocks();
+        let Some(p) = &mut self.paged else { return Ok(()) };
+        let blocks = |t: usize| Self::blocks_for(&self.kv, p.block_bytes, t);
+        let extra: u64 = appends.iter().map(|&(held, n)| blocks(held + n) - blocks(held)).sum();
+        p.mem.reserve(&mut p.pages, used + extra)
     }
 
     /// Appends `ids` to `seq`'s cache (a new cache when `fresh`) and, if `sampler` is given,
@@ -167,6 +203,61 @@ impl<B: Backend> BurnStepModel<B, AnyModel<B>> {
         let elem = size_of::<B::FloatElem>() as u64;
         Ok(Self::new(model, device.clone(), KvLayout::from_config(&config, elem), params as u64 * elem))
     }
+
+    /// Loads the PagedWeight checkpoint in `dir` (what `pagedweight quantize` writes) with its
+    /// experts as pages on `device` (host arenas on ndarray), committed at `bits` or the highest
+    /// width that fits. The pages and the KV caches share `memory`'s budget (none: the experts
+    /// plus `kv_budget_bytes` of cache), and under the planner policy the planner lowers and
+    /// raises pages between steps with the checkpoint's sensitivities and calibration routing,
+    /// as on the fast path. Returns the model and the KV bytes the engine may reserve.
+    pub fn load_paged(
+        dir: &Path,
+        device: &B::Device,
+        bits: u8,
+        memory: &MemoryOptions,
+        max_batch: usize,
+        kv_budget_bytes: u64,
+    ) -> Result<(Self, u64), ServeError> {
+        let model_err = |e: String| ServeError::Model(format!("{}: {e}", dir.display()));
+        let config = pw_hf::ModelConfig::from_dir(dir).map_err(|e| model_err(e.to_string()))?;
+        let ckpt = pw_format::Checkpoint::open(dir).map_err(|e| model_err(e.to_string()))?;
+        let blocks = &ckpt.manifest().blocks;
+        let layers = blocks.iter().map(|b| b.layer + 1).max().unwrap_or(0);
+        let experts = blocks.iter().map(|b| b.expert + 1).max().unwrap_or(0);
+        let expert_bytes = |bits: u8| -> u64 {
+            blocks
+                .iter()
+                .map(|b| {
+                    let (p, l) = b.bytes_at(bits.clamp(b.min_bits, b.max_bits));
+                    (p + l) as u64
+                })
+                .sum()
+        };
+        let elem = size_of::<B::FloatElem>() as u64;
+        let kv = KvLayout::from_config(&config, elem);
+        let block_bytes = kv.bytes_per_token() * BLOCK_TOKENS;
+        let memory = MemoryOptions { calibration_routing: ckpt.manifest().routing.clone(), ..memory.clone() };
+        let plan =
+            MemoryPlan::new(&memory, experts, block_bytes, max_batch, kv_budget_bytes, expert_bytes, bits)
+                .map_err(model_err)?;
+        let opts = PagedOptions { bits: Some(plan.initial_bits), weight_budget: Some(plan.budget) };
+        let loaded = LoadedModel::<B>::load_paged(dir, opts, device).map_err(|e| model_err(e.to_string()))?;
+        let table = loaded.pages.ok_or_else(|| model_err("the checkpoint has no expert pages".into()))?;
+        let step_err = |e: StepError| model_err(e.to_string());
+        let pages = TablePages::new(table.clone(), layers, experts).map_err(step_err)?;
+        let mem =
+            PagedMemory::new(table.accountant(), block_bytes, layers, experts, memory).map_err(step_err)?;
+        let dense = match &loaded.model {
+            AnyModel::Mixtral(m) => m.num_params(),
+            AnyModel::Qwen2Moe(m) => m.num_params(),
+            AnyModel::Gemma4(m) => m.num_params(),
+        } as u64
+            * elem;
+        let mut me = Self::new(loaded.model, device.clone(), kv, dense);
+        me.paged = Some(BurnPaged { pages, mem, block_bytes });
+        me.boundary(0).map_err(step_err)?;
+        Ok((me, plan.kv_capacity))
+    }
 }
 
 impl<B: Backend, M: CausalLm<B> + Send> StepModel for BurnStepModel<B, M>
@@ -182,10 +273,12 @@ where
     }
 
     fn weight_bytes(&self) -> u64 {
-        self.weight_bytes
+        self.weight_bytes + self.paged.as_ref().map_or(0, |p| p.pages.committed_bytes())
     }
 
     fn prefill(&mut self, batch: &mut [PrefillSlot<'_>]) -> Result<Vec<PrefillOutcome>, StepError> {
+        let appends: Vec<(usize, usize)> = batch.iter().map(|s| (s.start, s.tokens.len())).collect();
+        self.reserve(&appends)?;
         Ok(batch
             .iter_mut()
             .map(|s| {
@@ -196,6 +289,9 @@ where
     }
 
     fn decode(&mut self, batch: &mut [DecodeSlot<'_>]) -> Result<Vec<SeqOutcome>, StepError> {
+        let appends: Vec<(usize, usize)> =
+            batch.iter().filter_map(|s| self.caches.get(&s.seq).map(|c| (c.seen(), 1))).collect();
+        self.reserve(&appends)?;
         Ok(batch
             .iter_mut()
             .map(|s| {
@@ -216,6 +312,9 @@ where
     }
 
     fn kv_bytes_held(&self) -> u64 {
+        if let Some(p) = &self.paged {
+            return self.used_blocks() * p.block_bytes;
+        }
         self.caches
             .values()
             .map(|c| {
@@ -226,5 +325,16 @@ where
                     .sum::<u64>()
             })
             .sum()
+    }
+
+    fn boundary(&mut self, demand_kv_bytes: u64) -> Result<Option<MemoryState>, StepError> {
+        let used = self.used_blocks();
+        let Some(p) = &mut self.paged else { return Ok(None) };
+        let demand = demand_kv_bytes.div_ceil(p.block_bytes);
+        p.mem.boundary(&mut p.pages, used, demand).map(Some)
+    }
+
+    fn page_table(&self) -> Result<Option<PageTableView>, StepError> {
+        self.paged.as_ref().map(|p| p.mem.view(&p.pages)).transpose()
     }
 }

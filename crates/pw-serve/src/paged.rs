@@ -1,5 +1,6 @@
-//! The memory side of the fast path: one budget ([`Accountant`]) for the experts' pages and the
-//! KV cache, and the planner between steps.
+//! The memory side of a model with paged experts (the fast path's decoder, or a Burn model's
+//! page table on the reference path): one budget ([`Accountant`]) for the experts' pages and
+//! the KV cache, and the planner between steps.
 //!
 //! - KV blocks are leased from the budget as sequences grow (before the step that needs them)
 //!   and given back when sequences end.
@@ -13,8 +14,9 @@
 //!   boundary first: between two decode launches is as safe as between two engine steps.
 
 use cubecl::prelude::*;
-use pw_decode::{Decoder, ExpertPage};
-use pw_pages::{Accountant, Lease, Use};
+use pw_decode::{Decoder, ExpertCommit, ExpertPage, RoutingCounts};
+use pw_linear::PageTable;
+use pw_pages::{Accountant, Lease, PageId as Slot, Use};
 use pw_planner::{
     KvPressureConfig, MemoryTarget, PageId, PageState, Planner, PlannerConfig, ResidualFactors,
     RoutingConfig, Snapshot, page_damage, plan,
@@ -33,7 +35,7 @@ pub enum WeightPolicy {
     Planner,
 }
 
-/// Memory options of the fast path.
+/// Memory options of a model with paged experts.
 #[derive(Debug, Clone, PartialEq)]
 pub struct MemoryOptions {
     /// Device bytes for the experts and the KV cache together (`None`: no limit; the KV cache
@@ -76,17 +78,246 @@ impl Default for MemoryOptions {
 }
 
 impl MemoryOptions {
-    /// The lowest bit-width the planner may leave a page at, for capacity planning: the global
-    /// floor and, with routing on, the hot experts' floor (any expert may turn hot).
-    pub fn floor_bits(&self) -> u8 {
-        let mut f = self.planner.floor_bits.max(3);
-        if self.planner.use_routing {
-            f = f
-                .max(self.routing.hot_floor_bits)
-                .max(self.routing.warm_floor_bits)
-                .max(self.routing.cold_floor_bits);
+    /// The most expert bytes the planner's floors can hold, with `experts` experts per sparse
+    /// layer and `expert_bytes(b)` the experts' bytes with every page at `b` bits. With routing
+    /// on, an expert is hot when its share is at least `hot_share` and the shares of a layer sum
+    /// to its expert count, so at most `⌊experts / hot_share⌋` of them are hot at once: that
+    /// fraction at the hot floor and the rest at the higher of the warm and cold floors bounds
+    /// the floors' bytes whichever experts turn hot. Without routing, every page at the global
+    /// floor.
+    pub fn floor_bytes(&self, experts: usize, expert_bytes: impl Fn(u8) -> u64) -> u64 {
+        let global = self.planner.floor_bits.max(3);
+        if !self.planner.use_routing || experts == 0 {
+            return expert_bytes(global.min(8));
         }
-        f.min(8)
+        let r = &self.routing;
+        let hot = r.hot_floor_bits.max(global).min(8);
+        let rest = r.warm_floor_bits.max(r.cold_floor_bits).max(global).min(8);
+        if hot <= rest {
+            return expert_bytes(rest);
+        }
+        let most_hot = if r.hot_share > 0.0 {
+            ((experts as f64 / r.hot_share).floor() as usize).min(experts)
+        } else {
+            experts
+        };
+        let (h, n) = (most_hot as u128, experts as u128);
+        let mixed = (h * expert_bytes(hot) as u128 + (n - h) * expert_bytes(rest) as u128).div_ceil(n);
+        mixed as u64
+    }
+}
+
+/// The expert pages a [`PagedMemory`] plans over: the fast path's decoder, or the page table of
+/// a Burn model's paged experts (the reference path).
+pub(crate) trait ExpertStore {
+    /// Every page in a fixed order; [`ExpertStore::set_desired`] takes indices into it.
+    fn pages(&self) -> Vec<ExpertPage>;
+    /// Asks for `bits` on page `index`; committed at the next [`ExpertStore::commit`].
+    fn set_desired(&mut self, index: usize, bits: u8) -> Result<(), StepError>;
+    /// The page table's safe point: lowerings commit at once, finished raisings commit, new
+    /// raisings start.
+    fn commit(&mut self) -> Result<ExpertCommit, StepError>;
+    /// Committed bytes per bit-width (index = bits, 0..=8).
+    fn bytes_by_bits(&self) -> [u64; 9];
+    /// The routing counted since the last call (`None` where the store counts none).
+    fn take_routing(&mut self) -> Result<Option<RoutingCounts>, StepError>;
+    /// Whether the next step counts its routing.
+    fn arm_routing(&mut self, armed: bool);
+    /// Decoder layers and experts per sparse layer.
+    fn shape(&self) -> (usize, usize);
+}
+
+impl<R: Runtime, KV: Float + CubeElement> ExpertStore for Decoder<R, KV> {
+    fn pages(&self) -> Vec<ExpertPage> {
+        self.experts().pages()
+    }
+
+    fn set_desired(&mut self, index: usize, bits: u8) -> Result<(), StepError> {
+        self.experts_mut().set_desired(index, bits).map_err(err)
+    }
+
+    fn commit(&mut self) -> Result<ExpertCommit, StepError> {
+        self.experts_mut().boundary().map_err(err)
+    }
+
+    fn bytes_by_bits(&self) -> [u64; 9] {
+        self.experts().bytes_by_bits()
+    }
+
+    fn take_routing(&mut self) -> Result<Option<RoutingCounts>, StepError> {
+        self.take_route_stats().map_err(err)
+    }
+
+    fn arm_routing(&mut self, armed: bool) {
+        self.route_stats_mut().armed = armed;
+    }
+
+    fn shape(&self) -> (usize, usize) {
+        (self.config().layers, self.config().experts)
+    }
+}
+
+/// The experts of a Burn model loaded with [`LoadedModel::load_paged`](pw_models::LoadedModel::load_paged):
+/// one [`PageTable`] for every layer, on the model's device (host arenas on ndarray). It
+/// counts no routing, so the planner weighs experts by their calibration shares.
+pub(crate) struct TablePages {
+    table: PageTable,
+    /// Every page with what does not change (key, range, bytes and sensitivity per width);
+    /// the bits are read from the table.
+    fixed: Vec<ExpertPage>,
+    layers: usize,
+    experts: usize,
+}
+
+impl TablePages {
+    /// The pages of `table`, a model of `layers` decoder layers with `experts` per sparse layer.
+    pub(crate) fn new(table: PageTable, layers: usize, experts: usize) -> Result<Self, StepError> {
+        let fixed = (0..table.len())
+            .map(|i| {
+                let (info, b) = (table.info(Slot(i)).map_err(err)?, table.parent(Slot(i)).map_err(err)?);
+                Ok(ExpertPage {
+                    layer: info.key.layer,
+                    expert: info.key.expert,
+                    kind: info.key.kind,
+                    desired: info.desired,
+                    committed: info.committed,
+                    min_bits: b.min_bits,
+                    max_bits: b.max_bits,
+                    bytes: (b.min_bits..=b.max_bits)
+                        .map(|x| {
+                            let (p, l) = b.bytes_at(x);
+                            (p + l) as u64
+                        })
+                        .collect(),
+                    sensitivity: b.sensitivity.clone(),
+                    raising_to: None,
+                })
+            })
+            .collect::<Result<_, StepError>>()?;
+        Ok(Self { table, fixed, layers, experts })
+    }
+
+    /// Committed bytes of every expert page.
+    pub(crate) fn committed_bytes(&self) -> u64 {
+        self.bytes_by_bits().iter().sum()
+    }
+}
+
+impl ExpertStore for TablePages {
+    fn pages(&self) -> Vec<ExpertPage> {
+        self.fixed
+            .iter()
+            .enumerate()
+            .filter_map(|(i, p)| {
+                let info = self.table.info(Slot(i)).ok()?;
+                let desired = if info.desired == 0 { info.committed } else { info.desired };
+                Some(ExpertPage {
+                    desired,
+                    committed: info.committed,
+                    raising_to: info.raising_to,
+                    ..p.clone()
+                })
+            })
+            .collect()
+    }
+
+    fn set_desired(&mut self, index: usize, bits: u8) -> Result<(), StepError> {
+        self.table.set_desired(Slot(index), bits).map_err(err)
+    }
+
+    fn commit(&mut self) -> Result<ExpertCommit, StepError> {
+        let r = self.table.boundary().map_err(err)?;
+        Ok(ExpertCommit {
+            lowered: r.lowered.len(),
+            raised: r.raised.len(),
+            started: r.started.len(),
+            deferred: r.deferred.len(),
+            published: r.published as usize,
+            relocations: r.relocating.len() + r.relocated.len(),
+        })
+    }
+
+    fn bytes_by_bits(&self) -> [u64; 9] {
+        let mut out = [0u64; 9];
+        for i in 0..self.table.len() {
+            if let Ok(info) = self.table.info(Slot(i)) {
+                out[info.committed.min(8) as usize] += info.gpu_bytes as u64;
+            }
+        }
+        out
+    }
+
+    fn take_routing(&mut self) -> Result<Option<RoutingCounts>, StepError> {
+        Ok(None)
+    }
+
+    fn arm_routing(&mut self, _armed: bool) {}
+
+    fn shape(&self) -> (usize, usize) {
+        (self.layers, self.experts)
+    }
+}
+
+/// Budget, initial bits and cache size of a load.
+pub(crate) struct MemoryPlan {
+    /// Bytes for the experts and the KV cache.
+    pub(crate) budget: u64,
+    /// The width every page starts at.
+    pub(crate) initial_bits: u8,
+    /// KV blocks of the cache.
+    pub(crate) kv_blocks: usize,
+    /// KV bytes the engine may reserve.
+    pub(crate) kv_capacity: u64,
+}
+
+impl MemoryPlan {
+    /// `expert_bytes(b)`: expert bytes with every page at `b` bits; `experts` per sparse layer.
+    pub(crate) fn new(
+        m: &MemoryOptions,
+        experts: usize,
+        block_bytes: u64,
+        max_batch: usize,
+        kv_budget_bytes: u64,
+        expert_bytes: impl Fn(u8) -> u64,
+        bits: u8,
+    ) -> Result<Self, String> {
+        let slack = (max_batch.max(1) as u64).saturating_mul(block_bytes);
+        let Some(budget) = m.budget_bytes else {
+            // No limit: the cache is sized from the engine's KV budget, the weights stay put.
+            let kv_blocks = (kv_budget_bytes.div_ceil(block_bytes) as usize).saturating_add(max_batch.max(1));
+            let budget = expert_bytes(bits).saturating_add((kv_blocks as u64).saturating_mul(block_bytes));
+            return Ok(Self { budget, initial_bits: bits, kv_blocks, kv_capacity: kv_budget_bytes });
+        };
+        let reserve = match m.policy {
+            WeightPolicy::Pinned => 0,
+            WeightPolicy::Planner => (m.threshold_blocks + 1) * block_bytes,
+        };
+        // Start at the highest width (at most `bits`) that leaves the planner its free-block
+        // reserve, or (pinned) room for one block per batch slot.
+        let start_room = match m.policy {
+            WeightPolicy::Pinned => slack,
+            WeightPolicy::Planner => reserve,
+        };
+        let initial_bits =
+            (3..=bits).rev().find(|&b| expert_bytes(b) + start_room <= budget).ok_or_else(|| {
+                format!(
+                    "a memory budget of {budget} bytes cannot hold the experts even at 3 bits ({} bytes) \
+                     plus {} bytes of KV cache",
+                    expert_bytes(3),
+                    start_room
+                )
+            })?;
+        let floor_bytes = match m.policy {
+            WeightPolicy::Pinned => expert_bytes(initial_bits),
+            WeightPolicy::Planner => m.floor_bytes(experts, &expert_bytes).min(expert_bytes(initial_bits)),
+        };
+        let kv_room = budget.saturating_sub(floor_bytes);
+        let kv_capacity = kv_room.saturating_sub(reserve + slack);
+        if kv_capacity == 0 {
+            return Err(format!("a memory budget of {budget} bytes leaves no room for the KV cache"));
+        }
+        let kv_blocks = (kv_room / block_bytes) as usize + 1;
+        Ok(Self { budget, initial_bits, kv_blocks, kv_capacity })
     }
 }
 
@@ -163,11 +394,7 @@ impl PagedMemory {
 
     /// Makes the KV lease cover `blocks` blocks, running the planner first if the budget has
     /// no room.
-    pub(crate) fn reserve<R: Runtime, KV: Float + CubeElement>(
-        &mut self,
-        dec: &mut Decoder<R, KV>,
-        blocks: u64,
-    ) -> Result<(), StepError> {
+    pub(crate) fn reserve(&mut self, store: &mut impl ExpertStore, blocks: u64) -> Result<(), StepError> {
         let want = blocks * self.block_bytes;
         if want <= self.kv.bytes() {
             return Ok(());
@@ -187,7 +414,7 @@ impl PagedMemory {
         if self.planner.is_some() {
             // Plan as if the missing blocks were already taken.
             let missing = (want - self.kv.bytes()).div_ceil(self.block_bytes);
-            self.boundary(dec, blocks, missing)?;
+            self.boundary(store, blocks, missing)?;
             if grow(&self.accountant, &mut self.kv) {
                 return Ok(());
             }
@@ -215,9 +442,9 @@ impl PagedMemory {
     /// The boundary: the planner (if any) and the page table's commit. `used_blocks`: KV
     /// blocks the live sequences hold; `missing`: blocks the next steps will lease (counted as
     /// taken, so the planner makes room for them before they are asked for).
-    pub(crate) fn boundary<R: Runtime, KV: Float + CubeElement>(
+    pub(crate) fn boundary(
         &mut self,
-        dec: &mut Decoder<R, KV>,
+        store: &mut impl ExpertStore,
         used_blocks: u64,
         missing: u64,
     ) -> Result<MemoryState, StepError> {
@@ -225,10 +452,10 @@ impl PagedMemory {
         self.boundaries += 1;
         let mut changed = 0usize;
         if let Some(p) = self.planner.as_mut() {
-            if let Some(rc) = dec.take_route_stats().map_err(err)? {
+            if let Some(rc) = store.take_routing()? {
                 p.observe(rc.tokens.min(u32::MAX as u64) as u32, &rc.counts, &rc.mass).map_err(err)?;
             }
-            let pages = dec.experts().pages();
+            let pages = store.pages();
             let snapshot = Snapshot { pages: pages.iter().map(page_state).collect() };
             let free = (self.accountant.free() / self.block_bytes).saturating_sub(missing);
             let mut target = p.kv.target(free, snapshot.pending_bytes());
@@ -242,7 +469,7 @@ impl PagedMemory {
                     plan(&snapshot, Some(&p.routing), p.residual.as_ref(), target, &p.config).map_err(err)?;
                 for (i, (page, &d)) in snapshot.pages.iter().zip(&plan.desired).enumerate() {
                     if page.desired != d {
-                        dec.experts_mut().set_desired(i, d).map_err(err)?;
+                        store.set_desired(i, d)?;
                         changed += 1;
                     }
                 }
@@ -273,13 +500,13 @@ impl PagedMemory {
                 }
             }
             // Record the routing of the next step when it is a sampled one.
-            dec.route_stats_mut().armed = self.boundaries.is_multiple_of(self.options.routing_every.max(1));
+            store.arm_routing(self.boundaries.is_multiple_of(self.options.routing_every.max(1)));
         }
-        let commit = dec.experts_mut().boundary().map_err(err)?;
+        let commit = store.commit()?;
         self.state.page_moves_down_total += commit.lowered as u64;
         self.state.page_moves_up_total += commit.raised as u64;
         self.state.deferred_total += commit.deferred as u64;
-        self.state.weight_bytes_by_bits = dec.experts().bytes_by_bits();
+        self.state.weight_bytes_by_bits = store.bytes_by_bits();
         self.state.settled = changed == 0 && commit.lowered + commit.raised + commit.started == 0;
         self.state.kv_blocks_used = used_blocks;
         self.state.kv_blocks_free = self.free_blocks();
@@ -289,11 +516,8 @@ impl PagedMemory {
 
     /// Every page's state and the memory split as the last boundary left them, with the
     /// planner's routing shares and damage estimates (see [`PageTableView`]).
-    pub(crate) fn view<R: Runtime, KV: Float + CubeElement>(
-        &self,
-        dec: &Decoder<R, KV>,
-    ) -> Result<PageTableView, StepError> {
-        let pages = dec.experts().pages();
+    pub(crate) fn view(&self, store: &impl ExpertStore) -> Result<PageTableView, StepError> {
+        let pages = store.pages();
         // Per page, from the planner: routing share, calibration share (when known), damage.
         let planned: Vec<(f64, Option<f64>, f64)> = match &self.planner {
             Some(p) => {
@@ -341,12 +565,12 @@ impl PagedMemory {
                 damage: planned.get(i).map(|x| x.2),
             })
             .collect();
-        let cfg = dec.config();
+        let (layers, experts) = store.shape();
         Ok(PageTableView {
             policy: if self.planner.is_some() { "planner" } else { "pinned" },
             boundary: self.boundaries,
-            layers: cfg.layers,
-            experts: cfg.experts,
+            layers,
+            experts,
             budget_bytes: self.accountant.usage().budget,
             expert_bytes: self.state.weight_bytes(),
             block_bytes: self.block_bytes,
@@ -356,5 +580,33 @@ impl PagedMemory {
             last_decision: self.last_decision.clone(),
             pages: views,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn floor_bytes_bound_the_hot_experts_by_their_share() {
+        let bytes = |b: u8| b as u64 * 100;
+        let m = MemoryOptions::default();
+        // 60 experts, hot at share >= 2: at most 30 hot at 5 bits, 30 at 3.
+        assert_eq!(m.floor_bytes(60, bytes), 400);
+        // 8 experts: at most 4 hot.
+        assert_eq!(m.floor_bytes(8, bytes), 400);
+        // 7 experts: at most 3 hot, the rest rounded up.
+        assert_eq!(m.floor_bytes(7, bytes), (3 * 500 + 4 * 300u64).div_ceil(7));
+        let mut any_hot = MemoryOptions::default();
+        any_hot.routing.hot_share = 0.5;
+        assert_eq!(any_hot.floor_bytes(60, bytes), 500);
+        let mut no_routing = MemoryOptions::default();
+        no_routing.planner.use_routing = false;
+        assert_eq!(no_routing.floor_bytes(60, bytes), 300);
+        no_routing.planner.floor_bits = 6;
+        assert_eq!(no_routing.floor_bytes(60, bytes), 600);
+        let mut high_rest = MemoryOptions::default();
+        high_rest.routing.warm_floor_bits = 6;
+        assert_eq!(high_rest.floor_bytes(60, bytes), 600);
     }
 }

@@ -5,5 +5,6 @@
 
 mod golden;
 mod head;
+mod placement;
 mod plan;
 mod routing_memory;

@@ -15,7 +15,7 @@ use pw_testkit::{asset, wgpu_client};
 
 use crate::common;
 
-fn slot<'a>(
+pub(crate) fn slot<'a>(
     seq: u64,
     start: usize,
     tokens: &'a [u32],
@@ -25,7 +25,7 @@ fn slot<'a>(
     PrefillSlot { seq, start, tokens, sample, sampler }
 }
 
-fn alone(model: &mut dyn StepModel, seq: u64, prompt: &[u32], n: usize) -> Vec<u32> {
+pub(crate) fn alone(model: &mut dyn StepModel, seq: u64, prompt: &[u32], n: usize) -> Vec<u32> {
     let mut s = Sampler::new(SamplingConfig { temperature: 0.0, ..Default::default() });
     let tokens = |o: Vec<pw_serve::SeqOutcome>| o.into_iter().map(Result::unwrap).collect::<Vec<u32>>();
     let first = model.prefill(&mut [slot(seq, 0, prompt, true, &mut s)]).unwrap();
@@ -205,7 +205,7 @@ fn a_sequence_at_the_context_end_fails_alone() {
 }
 
 /// 32 greedy requests: prompts of 3..42 tokens below `vocab`, and their output lengths (4..12).
-fn mixed_requests(vocab: u32) -> Vec<(Vec<u32>, usize)> {
+pub(crate) fn mixed_requests(vocab: u32) -> Vec<(Vec<u32>, usize)> {
     (0..32u32)
         .map(|i| {
             let len = 3 + (i * 37 % 40) as usize;
@@ -216,7 +216,7 @@ fn mixed_requests(vocab: u32) -> Vec<(Vec<u32>, usize)> {
 }
 
 /// Preempt admission under `kv_budget_bytes`, 16 sequences and 32 tokens per step, context 128.
-fn pressure_config(kv_budget_bytes: u64) -> EngineConfig {
+pub(crate) fn pressure_config(kv_budget_bytes: u64) -> EngineConfig {
     EngineConfig {
         admission: pw_serve::Admission::Preempt,
         kv_budget_bytes,
@@ -229,7 +229,10 @@ fn pressure_config(kv_budget_bytes: u64) -> EngineConfig {
 }
 
 /// Submits `requests` (greedy, `ignore_eos`) and returns their streams in order.
-fn submit_all(h: &pw_serve::EngineHandle, requests: &[(Vec<u32>, usize)]) -> Vec<pw_serve::RequestStream> {
+pub(crate) fn submit_all(
+    h: &pw_serve::EngineHandle,
+    requests: &[(Vec<u32>, usize)],
+) -> Vec<pw_serve::RequestStream> {
     requests
         .iter()
         .map(|(p, n)| {

@@ -7,4 +7,5 @@ mod common;
 mod detok;
 mod engine;
 mod fast;
+mod reference;
 mod server;
