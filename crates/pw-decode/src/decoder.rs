@@ -4,13 +4,13 @@
 //! family's forward pass (`crate::mixtral`, `crate::qwen2_moe`, `crate::gemma4`) and reads
 //! back the logits (or, sampling greedily on the device, only the new ids) once.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::marker::PhantomData;
 
 use cubecl::prelude::*;
-use kernels_cubecl::MmaMode;
 use kernels_cubecl::argmax;
 use kernels_cubecl::{DeviceArray, GemmConfig, RESIDUAL_STATS, read_f32, read_f32_prefix, read_u32};
+use kernels_cubecl::{GroupedKernel, MmaMode};
 use pw_kv::{BlockTables, DevicePools, SeqId};
 
 use crate::DecodeError;
@@ -18,7 +18,7 @@ use crate::builder::DecoderBuilder;
 use crate::config::{DecodeConfig, Family};
 use crate::paged::PagedExperts;
 use crate::route_stats::RouteStats;
-use crate::stages::{ExpertAct, Fwd, ResidualSegments, Scratch, Tuning};
+use crate::stages::{ExpertAct, Fwd, ROUTED_STEP_TOKENS, ResidualSegments, Scratch, Tuning};
 use crate::weights::DenseWeights;
 
 /// A MoE model of one of the three families on a CubeCL device, decoding batches of
@@ -172,6 +172,33 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
     /// [`DecoderBuilder::max_logit_rows`]): a larger batch runs in steps of this many.
     pub fn max_logit_rows(&self) -> usize {
         self.logit_rows
+    }
+
+    /// Step sizes (tokens) that together compile every kernel variant a step of up to
+    /// [`Self::max_step_tokens`] tokens can take: the token buckets up to
+    /// [`kernels_cubecl::MAX_TOKENS`], the smallest step of each grouped-GEMM variant (its
+    /// kernel and token groups follow the tokens per expert), both sets of routing tables and
+    /// the largest step. A server runs steps of these sizes before its first request, so that
+    /// no request waits on a compilation.
+    pub fn warm_up_steps(&self) -> Vec<usize> {
+        let (k, e) = (self.cfg.top_k, self.cfg.experts);
+        let mut sizes: Vec<usize> =
+            (0..).map(|i| 1 << i).take_while(|&b| b <= kernels_cubecl::MAX_TOKENS).collect();
+        let mut seen = HashSet::new();
+        for t in 1..=self.max_step {
+            if self.tuning.grouped.grouped(&self.client, t * k, e) {
+                let mean = kernels_cubecl::mean_tokens(t * k, e);
+                let kernel = GroupedKernel::choose(&self.client, mean);
+                if seen.insert((kernel, kernel.token_groups(mean))) {
+                    sizes.push(t);
+                }
+            }
+        }
+        sizes.extend([ROUTED_STEP_TOKENS, ROUTED_STEP_TOKENS + 1, self.max_step]);
+        sizes.retain(|&t| t <= self.max_step);
+        sizes.sort_unstable();
+        sizes.dedup();
+        sizes
     }
 
     /// Kernel launches of the last step (all chunks).

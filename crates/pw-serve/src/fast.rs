@@ -22,9 +22,6 @@ use crate::model::{DecodeSlot, PrefillOutcome, PrefillSlot, SeqId, SeqOutcome, S
 use crate::paged::{MemoryPlan, PagedMemory};
 use crate::{KvLayout, MemoryOptions, MemoryState, ServeError, WeightPolicy};
 
-/// The largest of the kernels' token buckets: the warm-up compiles a step at each one up to it
-/// (larger steps take the same kernels in tiles of it).
-const STEP_BATCH: usize = kernels_cubecl::MAX_TOKENS;
 /// Tokens per KV block.
 const BLOCK: usize = 16;
 
@@ -294,13 +291,18 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
         ResidualFactors::new(layers, sum.into_iter().map(|v| v / n as f64).collect()).ok()
     }
 
-    /// Runs one step at every token bucket up to `max_batch`, then a prompt of a whole step, so
-    /// each kernel variant is compiled (NVRTC / SPIR-V) before the first requests, which would
-    /// otherwise wait for it.
+    /// Runs, before the first request, a decode step of fresh sequences and a prompt at each of
+    /// [`Decoder::warm_up_steps`] (where the batch cap and the KV room allow), then one decode
+    /// step of the longest prompt (attention over a long context splits it), so that every
+    /// kernel variant serving can reach is compiled (NVRTC / SPIR-V) before the requests that
+    /// would otherwise wait for it.
     fn warm_up(&mut self, max_batch: usize) -> Result<(), StepError> {
-        let mut b = 1;
-        while b <= max_batch.clamp(1, STEP_BATCH) {
-            let seqs: Vec<SeqId> = (0..b as u64).map(|i| u64::MAX - i).collect();
+        let room = (self.kv_capacity / self.block_bytes.max(1)) as usize * BLOCK;
+        let longest = self.dec.kv_tables().max_tokens().min(room).saturating_sub(1);
+        let batch = max_batch.clamp(1, self.dec.max_logit_rows());
+        let mut sizes = self.dec.warm_up_steps();
+        for &t in sizes.iter().filter(|&&t| t <= batch && t * BLOCK <= room) {
+            let seqs: Vec<SeqId> = (0..t as u64).map(|i| u64::MAX - i).collect();
             for &s in &seqs {
                 self.dec.add_sequence(s).map_err(|e| StepError::failed(e.to_string()))?;
             }
@@ -310,21 +312,25 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
                 let _ = self.dec.free_sequence(s);
             }
             res?;
-            b *= 2;
         }
-        // A prompt of a whole step, where the admission budget holds one: the kernels of
-        // steps past the largest bucket (the routing in a cube of its own, the grouped expert
-        // GEMM) compile here rather than in the first long prompt's time to first token.
-        let room = (self.kv_capacity / self.block_bytes.max(1)) as usize * BLOCK;
-        let max = self.dec.kv_tables().max_tokens();
-        let tokens = self.dec.max_step_tokens().min(room).min(max);
-        if tokens > STEP_BATCH {
+        // The largest step the KV room allows, where it is less than a whole step.
+        sizes.retain(|&t| t <= longest);
+        if longest > 0 && sizes.last() != Some(&longest) && longest < self.dec.max_step_tokens() {
+            sizes.push(longest);
+        }
+        let mut long = None;
+        for &t in &sizes {
+            if let Some(seq) = long.take() {
+                let _ = self.dec.free_sequence(seq);
+            }
             let seq = u64::MAX;
-            let prompt = vec![0u32; tokens];
             self.dec.add_sequence(seq).map_err(|e| StepError::failed(e.to_string()))?;
-            let res = self.lease(std::iter::once((seq, tokens))).and_then(|()| {
-                self.dec.prefill(&[(seq, &prompt)]).map_err(|e| StepError::failed(e.to_string()))
-            });
+            long = Some(seq);
+            self.lease(std::iter::once((seq, t)))?;
+            self.dec.prefill(&[(seq, &vec![0u32; t])]).map_err(|e| StepError::failed(e.to_string()))?;
+        }
+        if let Some(seq) = long {
+            let res = self.step(&[(seq, 0)]);
             let _ = self.dec.free_sequence(seq);
             res?;
         }

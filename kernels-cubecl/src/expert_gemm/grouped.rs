@@ -217,7 +217,7 @@ pub fn grouped_mma_supported<R: Runtime>(client: &ComputeClient<R>) -> bool {
 }
 
 /// The kernel of a grouped launch.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum GroupedKernel {
     /// The plain kernel (any device, `x` in f32).
     Plain,
@@ -238,6 +238,18 @@ impl GroupedKernel {
             Self::Staged
         } else {
             Self::Mma
+        }
+    }
+
+    /// Token groups of 8 per pass (per warp for [`Self::Staged`]) for experts of `mean_tokens`
+    /// tokens on average; 0 for [`Self::Plain`]. A compile-time value: each one is a kernel of
+    /// its own.
+    pub fn token_groups(self, mean_tokens: usize) -> usize {
+        let mean = mean_tokens.max(1);
+        match self {
+            Self::Plain => 0,
+            Self::Mma => (2 * mean).div_ceil(8).clamp(1, GROUPED_MAX_TOKEN_GROUPS),
+            Self::Staged => mean.div_ceil(8 * STAGED_WARPS).clamp(1, STAGED_MAX_WARP_GROUPS),
         }
     }
 }
@@ -305,17 +317,11 @@ pub fn ap_gemm_grouped_with<R: Runtime>(
     };
     let gate = g.epilogue.code();
     let tiles = if gate == 0 { g.rows.div_ceil(16) } else { g.rows / 16 };
-    let mean = mean_tokens.max(1);
-    let (cubes, warps, passes) = match kernel {
-        GroupedKernel::Plain => (g.out_cols().div_ceil(SIMT_UNITS), 0, 0),
-        GroupedKernel::Mma => {
-            (tiles.div_ceil(MMA_WARPS), MMA_WARPS, (2 * mean).div_ceil(8).clamp(1, GROUPED_MAX_TOKEN_GROUPS))
-        }
-        GroupedKernel::Staged => (
-            tiles.div_ceil(STAGED_WARPS),
-            STAGED_WARPS,
-            mean.div_ceil(8 * STAGED_WARPS).clamp(1, STAGED_MAX_WARP_GROUPS),
-        ),
+    let passes = kernel.token_groups(mean_tokens);
+    let (cubes, warps) = match kernel {
+        GroupedKernel::Plain => (g.out_cols().div_ceil(SIMT_UNITS), 0),
+        GroupedKernel::Mma => (tiles.div_ceil(MMA_WARPS), MMA_WARPS),
+        GroupedKernel::Staged => (tiles.div_ceil(STAGED_WARPS), STAGED_WARPS),
     };
     let count = CubeCount::Static(cubes as u32, g.experts as u32, 1);
     if kernel == GroupedKernel::Plain {
@@ -707,15 +713,7 @@ pub fn grouped_mma_kernel(
             let tok = min(p0 + 8usize * q + g, count - 1usize);
             x_row[q] = (first + tok) * comptime![grouped_x_row(k) / 8];
         }
-        // The step loop specialised for 3 and 4 bits (the planes unrolled exactly), else
-        // unrolled over 8 planes with the unused ones skipped.
-        if bits == 3usize {
-            word_steps(planes, &lut, x, &x_row, &mut acc, wv, n, k, token_groups, 3usize, true);
-        } else if bits == 4usize {
-            word_steps(planes, &lut, x, &x_row, &mut acc, wv, n, k, token_groups, 4usize, true);
-        } else {
-            word_steps(planes, &lut, x, &x_row, &mut acc, wv, n, k, token_groups, 8usize, false);
-        }
+        word_steps_of_width(planes, &lut, x, &x_row, &mut acc, wv, bits, n, k, token_groups, 3usize);
         // C fragment: Σ over chains h of acc[per_group·q + 2h][i] is (row lo, token
         // 8q + 2c + i), of acc[per_group·q + 2h + 1][i] (row hi, …).
         #[unroll]
@@ -749,6 +747,82 @@ struct WordView {
     l_hi: usize,
     c: usize,
     bits: usize,
+}
+
+/// The widest bit-width whose step loop the grouped kernels unroll exactly (the hot and warm
+/// floors the planner lowers to); wider blocks take the 8-plane loop with the unused planes
+/// skipped.
+const EXACT_MAX_BITS: usize = 6;
+
+/// [`word_steps`] with the planes unrolled exactly for `bits` (3..=[`EXACT_MAX_BITS`]): one
+/// uniform branch per width from `b` on, else the 8-plane loop.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn word_steps_of_width(
+    planes: &Array<u32>,
+    lut: &SharedMemory<f16>,
+    x: &Array<W8>,
+    x_row: &Array<usize>,
+    acc: &mut Array<Acc>,
+    wv: WordView,
+    bits: usize,
+    #[comptime] n: usize,
+    #[comptime] k: usize,
+    #[comptime] token_groups: usize,
+    #[comptime] b: usize,
+) {
+    if comptime![b <= EXACT_MAX_BITS] {
+        if bits == comptime![b] {
+            word_steps(planes, lut, x, x_row, acc, wv, n, k, token_groups, b, true);
+        } else {
+            word_steps_of_width(planes, lut, x, x_row, acc, wv, bits, n, k, token_groups, comptime![b + 1]);
+        }
+    } else {
+        word_steps(planes, lut, x, x_row, acc, wv, n, k, token_groups, 8usize, false);
+    }
+}
+
+/// [`staged_steps`] with the planes unrolled exactly for `bits`, as [`word_steps_of_width`].
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn staged_steps_of_width(
+    planes: &Array<u32>,
+    lut: &SharedMemory<f16>,
+    stage: &mut SharedMemory<W8>,
+    x: &Array<W8>,
+    x_row: &Array<usize>,
+    acc: &mut Array<Acc>,
+    wv: WordView,
+    sv: StageView,
+    bits: usize,
+    #[comptime] n: usize,
+    #[comptime] k: usize,
+    #[comptime] warp_groups: usize,
+    #[comptime] b: usize,
+) {
+    if comptime![b <= EXACT_MAX_BITS] {
+        if bits == comptime![b] {
+            staged_steps(planes, lut, stage, x, x_row, acc, wv, sv, n, k, warp_groups, b, true);
+        } else {
+            staged_steps_of_width(
+                planes,
+                lut,
+                stage,
+                x,
+                x_row,
+                acc,
+                wv,
+                sv,
+                bits,
+                n,
+                k,
+                warp_groups,
+                comptime![b + 1],
+            );
+        }
+    } else {
+        staged_steps(planes, lut, stage, x, x_row, acc, wv, sv, n, k, warp_groups, 8usize, false);
+    }
 }
 
 /// Whether plane `p` is read: always where the planes were unrolled to exactly the bits
@@ -961,55 +1035,21 @@ pub fn grouped_staged_kernel(
             x_row[q] = (first + tok) * comptime![grouped_x_row(k) / 8];
         }
         let sv = StageView { warp, lane, active: t0 < count };
-        if bits == 3usize {
-            staged_steps(
-                planes,
-                &lut,
-                &mut stage,
-                x,
-                &x_row,
-                &mut acc,
-                wv,
-                sv,
-                n,
-                k,
-                warp_groups,
-                3usize,
-                true,
-            );
-        } else if bits == 4usize {
-            staged_steps(
-                planes,
-                &lut,
-                &mut stage,
-                x,
-                &x_row,
-                &mut acc,
-                wv,
-                sv,
-                n,
-                k,
-                warp_groups,
-                4usize,
-                true,
-            );
-        } else {
-            staged_steps(
-                planes,
-                &lut,
-                &mut stage,
-                x,
-                &x_row,
-                &mut acc,
-                wv,
-                sv,
-                n,
-                k,
-                warp_groups,
-                8usize,
-                false,
-            );
-        }
+        staged_steps_of_width(
+            planes,
+            &lut,
+            &mut stage,
+            x,
+            &x_row,
+            &mut acc,
+            wv,
+            sv,
+            bits,
+            n,
+            k,
+            warp_groups,
+            3usize,
+        );
         // The next pass's first step rewrites the buffer the last step read.
         sync_cube();
         #[unroll]
