@@ -345,14 +345,7 @@ fn thirty_two_requests_under_a_planned_budget(dir: &Path) {
     for (i, (s, (_, n))) in streams.into_iter().zip(&requests).enumerate() {
         assert_eq!(s.collect_blocking().unwrap().tokens.len(), *n, "request {i}");
     }
-    let m = common::wait_metrics(&h, |m| m.active_sequences == 0 && m.requests_finished_total == 32);
-    assert_eq!((m.requests_failed_total, m.queue_length), (0, 0), "{m:?}");
-    assert_eq!((m.kv_bytes_used, m.kv_bytes_reserved), (0, 0), "{m:?}");
-    let mem = m.memory.expect("paged memory state");
-    assert!(
-        mem.page_moves_down_total > 0 && mem.planner_lower_total > 0,
-        "the planner lowered pages: {mem:?}"
-    );
+    common::all_served_after_lowering(&h, 32);
     // Idle: the view agrees with the metrics' memory state once both have settled.
     let idle = loop {
         let v = h.blocking_page_table().unwrap().unwrap();

@@ -100,14 +100,7 @@ fn thirty_two_requests_with_paged_experts(name: &str) {
     for (i, (s, (_, n))) in submit_all(&h, &requests).into_iter().zip(&requests).enumerate() {
         assert_eq!(s.collect_blocking().unwrap().tokens.len(), *n, "request {i}");
     }
-    let m = common::wait_metrics(&h, |m| m.active_sequences == 0 && m.requests_finished_total == 32);
-    assert_eq!((m.requests_failed_total, m.queue_length), (0, 0), "{m:?}");
-    assert_eq!((m.kv_bytes_used, m.kv_bytes_reserved), (0, 0), "{m:?}");
-    let mem = m.memory.expect("paged memory state");
-    assert!(
-        mem.page_moves_down_total > 0 && mem.planner_lower_total > 0,
-        "the planner lowered pages: {mem:?}"
-    );
+    common::all_served_after_lowering(&h, 32);
     let v = h.blocking_page_table().unwrap().expect("paged experts have a page table");
     assert_eq!((v.policy, v.kv_blocks_used), ("planner", 0));
     assert_eq!(v.pages.iter().map(|p| p.bytes).sum::<u64>(), v.expert_bytes);

@@ -213,6 +213,20 @@ pub fn reference(model: &AnyModel<B>, prompt: &[u32], max_tokens: usize, eos: bo
     pw_models::generate(model, prompt, &mut s, &Default::default(), |_| true)
 }
 
+/// Waits until all `n` requests have finished, then checks that none failed, the queue and the
+/// KV cache are empty, and the planner lowered pages on the way; returns the metrics.
+pub fn all_served_after_lowering(h: &pw_serve::EngineHandle, n: u64) -> pw_serve::MetricsSnapshot {
+    let m = wait_metrics(h, |m| m.active_sequences == 0 && m.requests_finished_total == n);
+    assert_eq!((m.requests_failed_total, m.queue_length), (0, 0), "{m:?}");
+    assert_eq!((m.kv_bytes_used, m.kv_bytes_reserved), (0, 0), "{m:?}");
+    let mem = m.memory.as_ref().expect("paged memory state");
+    assert!(
+        mem.page_moves_down_total > 0 && mem.planner_lower_total > 0,
+        "the planner lowered pages: {mem:?}"
+    );
+    m
+}
+
 /// Polls the engine's metrics until `ok` holds (the engine updates them after it has sent a
 /// request's last event), failing after 10 s.
 pub fn wait_metrics(
