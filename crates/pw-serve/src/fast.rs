@@ -291,11 +291,10 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
         ResidualFactors::new(layers, sum.into_iter().map(|v| v / n as f64).collect()).ok()
     }
 
-    /// Runs, before the first request, a decode step of fresh sequences and a prompt at each of
-    /// [`Decoder::warm_up_steps`] (where the batch cap and the KV room allow), then one decode
-    /// step of the longest prompt (attention over a long context splits it), so that every
-    /// kernel variant serving can reach is compiled (NVRTC / SPIR-V) before the requests that
-    /// would otherwise wait for it.
+    /// Runs, before the first request, a decode step of fresh sequences and a prompt (then one
+    /// decode over its context) at each of [`Decoder::warm_up_steps`] where the batch cap and
+    /// the memory budget allow, so that every kernel variant serving can reach is compiled
+    /// (NVRTC / SPIR-V) before the requests that would otherwise wait for it.
     fn warm_up(&mut self, max_batch: usize) -> Result<(), StepError> {
         let room = (self.kv_capacity / self.block_bytes.max(1)) as usize * BLOCK;
         let longest = self.dec.kv_tables().max_tokens().min(room).saturating_sub(1);
@@ -311,28 +310,30 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
             for &s in &seqs {
                 let _ = self.dec.free_sequence(s);
             }
-            res?;
+            // A batch the budget cannot hold now is left out: serving cannot run it either
+            // until the planner frees memory.
+            if let Err(e @ StepError::Failed(_)) = res {
+                return Err(e);
+            }
         }
         // The largest step the KV room allows, where it is less than a whole step.
         sizes.retain(|&t| t <= longest);
         if longest > 0 && sizes.last() != Some(&longest) && longest < self.dec.max_step_tokens() {
             sizes.push(longest);
         }
-        let mut long = None;
+        // Each prompt, then one decode over its context (whose attention splits it when long).
+        let seq = u64::MAX;
         for &t in &sizes {
-            if let Some(seq) = long.take() {
-                let _ = self.dec.free_sequence(seq);
-            }
-            let seq = u64::MAX;
             self.dec.add_sequence(seq).map_err(|e| StepError::failed(e.to_string()))?;
-            long = Some(seq);
-            self.lease(std::iter::once((seq, t)))?;
-            self.dec.prefill(&[(seq, &vec![0u32; t])]).map_err(|e| StepError::failed(e.to_string()))?;
-        }
-        if let Some(seq) = long {
-            let res = self.step(&[(seq, 0)]);
+            let res = self.lease(std::iter::once((seq, t))).and_then(|()| {
+                self.dec.prefill(&[(seq, &vec![0u32; t])]).map_err(|e| StepError::failed(e.to_string()))?;
+                self.step(&[(seq, 0)]).map(drop)
+            });
             let _ = self.dec.free_sequence(seq);
-            res?;
+            match res {
+                Err(StepError::OutOfMemory(_)) => break,
+                res => res?,
+            }
         }
         Ok(())
     }
