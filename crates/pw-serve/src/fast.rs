@@ -291,51 +291,92 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
         ResidualFactors::new(layers, sum.into_iter().map(|v| v / n as f64).collect()).ok()
     }
 
-    /// Runs, before the first request, a decode step of fresh sequences and a prompt (then one
-    /// decode over its context) at each of [`Decoder::warm_up_steps`] where the batch cap and
-    /// the memory budget allow, so that every kernel variant serving can reach is compiled
-    /// (NVRTC / SPIR-V) before the requests that would otherwise wait for it.
+    /// Runs, before the first request, steps at each of [`Decoder::warm_up_steps`] where the
+    /// batch cap and the memory budget allow, so that every kernel variant serving can reach is
+    /// compiled (NVRTC / SPIR-V) before the requests that would otherwise wait for it: a decode
+    /// step of that many fresh sequences, as many one-token prompts ending in one step (the LM
+    /// head over their rows), and a prompt of that length followed by one decode over its
+    /// context (whose attention splits when long). Under the planner, which samples the routing
+    /// on some steps, everything runs a second time with the routing statistics on; what the
+    /// warm-up routed is then dropped.
     fn warm_up(&mut self, max_batch: usize) -> Result<(), StepError> {
         let room = (self.kv_capacity / self.block_bytes.max(1)) as usize * BLOCK;
         let longest = self.dec.kv_tables().max_tokens().min(room).saturating_sub(1);
         let batch = max_batch.clamp(1, self.dec.max_logit_rows());
-        let mut sizes = self.dec.warm_up_steps();
-        for &t in sizes.iter().filter(|&&t| t <= batch && t * BLOCK <= room) {
-            let seqs: Vec<SeqId> = (0..t as u64).map(|i| u64::MAX - i).collect();
-            for &s in &seqs {
-                self.dec.add_sequence(s).map_err(|e| StepError::failed(e.to_string()))?;
-            }
-            let step: Vec<(SeqId, u32)> = seqs.iter().map(|&s| (s, 0)).collect();
-            let res = self.step(&step);
-            for &s in &seqs {
-                let _ = self.dec.free_sequence(s);
-            }
-            // A batch the budget cannot hold now is left out: serving cannot run it either
-            // until the planner frees memory.
-            if let Err(e @ StepError::Failed(_)) = res {
-                return Err(e);
-            }
-        }
+        let sizes = self.dec.warm_up_steps();
+        let batches: Vec<usize> =
+            sizes.iter().copied().filter(|&t| t <= batch && t * BLOCK <= room).collect();
+        let mut prompts: Vec<usize> = sizes.iter().copied().filter(|&t| t <= longest).collect();
         // The largest step the KV room allows, where it is less than a whole step.
-        sizes.retain(|&t| t <= longest);
-        if longest > 0 && sizes.last() != Some(&longest) && longest < self.dec.max_step_tokens() {
-            sizes.push(longest);
+        if longest > 0 && prompts.last() != Some(&longest) && longest < self.dec.max_step_tokens() {
+            prompts.push(longest);
         }
-        // Each prompt, then one decode over its context (whose attention splits it when long).
-        let seq = u64::MAX;
-        for &t in &sizes {
-            self.dec.add_sequence(seq).map_err(|e| StepError::failed(e.to_string()))?;
-            let res = self.lease(std::iter::once((seq, t))).and_then(|()| {
-                self.dec.prefill(&[(seq, &vec![0u32; t])]).map_err(|e| StepError::failed(e.to_string()))?;
-                self.step(&[(seq, 0)]).map(drop)
-            });
-            let _ = self.dec.free_sequence(seq);
-            match res {
-                Err(StepError::OutOfMemory(_)) => break,
-                res => res?,
+        let passes = if self.mem.samples_routing() { 2 } else { 1 };
+        for pass in 0..passes {
+            self.dec.route_stats_mut().armed = pass == 1;
+            for &t in &batches {
+                self.warm_up_batch(t)?;
+            }
+            for &t in &prompts {
+                if !self.warm_up_prompt(t)? {
+                    break;
+                }
             }
         }
+        self.dec.route_stats_mut().armed = false;
+        self.dec.take_route_stats().map_err(|e| StepError::failed(e.to_string()))?;
         Ok(())
+    }
+
+    /// A decode step of `t` fresh sequences, then `t` one-token prompts ending in one step. A
+    /// batch the budget cannot hold now is left out: serving cannot run it either until the
+    /// planner frees memory.
+    fn warm_up_batch(&mut self, t: usize) -> Result<(), StepError> {
+        let seqs: Vec<SeqId> = (0..t as u64).map(|i| u64::MAX - i).collect();
+        let add = |me: &mut Self| -> Result<(), StepError> {
+            for &s in &seqs {
+                me.dec.add_sequence(s).map_err(|e| StepError::failed(e.to_string()))?;
+            }
+            Ok(())
+        };
+        let free = |me: &mut Self| {
+            for &s in &seqs {
+                let _ = me.dec.free_sequence(s);
+            }
+        };
+        add(self)?;
+        let step: Vec<(SeqId, u32)> = seqs.iter().map(|&s| (s, 0)).collect();
+        let res = self.step(&step).map(drop);
+        free(self);
+        add(self)?;
+        let prompt = [0u32];
+        let res = res.and_then(|()| {
+            self.lease(seqs.iter().map(|&s| (s, 1)))?;
+            let chunks: Vec<(SeqId, &[u32])> = seqs.iter().map(|&s| (s, &prompt[..])).collect();
+            self.dec.prefill(&chunks).map(drop).map_err(|e| StepError::failed(e.to_string()))
+        });
+        free(self);
+        match res {
+            Err(e @ StepError::Failed(_)) => Err(e),
+            _ => Ok(()),
+        }
+    }
+
+    /// A prompt of `t` tokens, then one decode over its context; false when the budget cannot
+    /// hold it now (nor, then, a longer one).
+    fn warm_up_prompt(&mut self, t: usize) -> Result<bool, StepError> {
+        let seq = u64::MAX;
+        self.dec.add_sequence(seq).map_err(|e| StepError::failed(e.to_string()))?;
+        let res = self.lease(std::iter::once((seq, t))).and_then(|()| {
+            self.dec.prefill(&[(seq, &vec![0u32; t])]).map_err(|e| StepError::failed(e.to_string()))?;
+            self.step(&[(seq, 0)]).map(drop)
+        });
+        let _ = self.dec.free_sequence(seq);
+        match res {
+            Ok(()) => Ok(true),
+            Err(StepError::OutOfMemory(_)) => Ok(false),
+            Err(e) => Err(e),
+        }
     }
 
     /// Reserves, under the memory budget, the KV blocks in use plus those that appending

@@ -379,6 +379,12 @@ impl PagedMemory {
         Ok(Self { accountant, kv, block_bytes, planner, options, boundaries: 0, state, last_decision: None })
     }
 
+    /// Whether the planner samples the routing on some steps (the routing kernels then run
+    /// with their statistics).
+    pub(crate) fn samples_routing(&self) -> bool {
+        self.planner.is_some()
+    }
+
     /// Free KV blocks the budget allows now.
     fn free_blocks(&self) -> u64 {
         self.accountant.free() / self.block_bytes

@@ -10,7 +10,7 @@ use std::time::Duration;
 use cubecl::config::{CubeClRuntimeConfig, RuntimeConfig};
 use cubecl::wgpu::WgpuRuntime;
 use pw_models::{Sampler, SamplingConfig};
-use pw_serve::{DecodeSlot, FastStepModel, PrefillSlot, StepModel};
+use pw_serve::{DecodeSlot, FastOptions, FastStepModel, MemoryOptions, PrefillSlot, StepModel, WeightPolicy};
 use pw_testkit::{asset, wgpu_client};
 
 /// The kernels compiled so far, by name (one log line each), once the log stops growing.
@@ -37,30 +37,59 @@ fn after_warm_up_serving_compiles_no_kernel() {
     CubeClRuntimeConfig::set(serde_json::from_value(config).unwrap());
 
     let client = wgpu_client();
+    let model_dir = asset("tiny-qwen2-moe");
+    // The planner under a budget with room to spare: it samples the routing (the routing
+    // kernels with their statistics) every other step.
     let max_batch = 8;
-    let mut model = FastStepModel::<WgpuRuntime, f32>::load(
-        &client,
-        &asset("tiny-qwen2-moe"),
-        6,
-        1 << 22,
+    let memory = MemoryOptions {
+        budget_bytes: Some(64 << 20),
+        policy: WeightPolicy::Planner,
+        routing_every: 2,
+        ..Default::default()
+    };
+    let options = FastOptions {
+        bits: 6,
+        kv_budget_bytes: 0,
         max_batch,
-        256,
-    )
-    .unwrap();
+        max_context: 256,
+        memory,
+        residual_head: false,
+        max_step_tokens: pw_decode::DEFAULT_MAX_STEP_TOKENS,
+    };
+    let mut model = FastStepModel::<WgpuRuntime, f32>::load_with(&client, &model_dir, &options).unwrap();
     let warm = compiled(&log);
     assert!(!warm.is_empty(), "the warm-up compiled nothing: is the compilation log on?");
 
-    // Prompts of 1..=200 tokens, each followed by decode steps of every live sequence, so the
-    // decode batches grow to the cap over contexts of up to ~200 positions.
-    let mut sampler = Sampler::new(SamplingConfig { temperature: 0.0, ..Default::default() });
+    // Prompts of 1..=200 tokens, alone and several ending in one step, each followed by decode
+    // steps of every live sequence, so the decode batches grow to the cap over contexts of up
+    // to ~200 positions; a boundary between steps, as the engine runs them.
+    let sampler = Sampler::new(SamplingConfig { temperature: 0.0, ..Default::default() });
     let mut live: Vec<(u64, u32)> = Vec::new();
-    for (i, n) in [1usize, 3, 5, 9, 17, 31, 33, 64, 100, 150, 200].into_iter().enumerate() {
-        let seq = i as u64;
-        let prompt: Vec<u32> = (0..n as u32).map(|t| 3 + t % 50).collect();
-        let slot = PrefillSlot { seq, start: 0, tokens: &prompt, sample: true, sampler: &mut sampler };
-        let first = model.prefill(&mut [slot]).unwrap().remove(0).unwrap().unwrap();
-        live.push((seq, first));
-        if live.len() > max_batch {
+    let groups: [&[usize]; 8] = [&[1], &[3, 5], &[9], &[17, 1, 2], &[31, 33], &[64], &[100, 150], &[200]];
+    let mut seq = 0u64;
+    for lens in groups {
+        let prompts: Vec<Vec<u32>> =
+            lens.iter().map(|&n| (0..n as u32).map(|t| 3 + t % 50).collect()).collect();
+        let mut samplers: Vec<Sampler> = prompts.iter().map(|_| sampler.clone()).collect();
+        let mut slots: Vec<PrefillSlot<'_>> = prompts
+            .iter()
+            .zip(&mut samplers)
+            .enumerate()
+            .map(|(i, (tokens, sampler))| PrefillSlot {
+                seq: seq + i as u64,
+                start: 0,
+                tokens,
+                sample: true,
+                sampler,
+            })
+            .collect();
+        let firsts = model.prefill(&mut slots).unwrap();
+        for (i, first) in firsts.into_iter().enumerate() {
+            live.push((seq + i as u64, first.unwrap().unwrap()));
+        }
+        seq += lens.len() as u64;
+        model.boundary(0).unwrap();
+        while live.len() > max_batch {
             model.release(live.remove(0).0);
         }
         for _ in 0..3 {
@@ -74,6 +103,7 @@ fn after_warm_up_serving_compiles_no_kernel() {
             for (l, t) in live.iter_mut().zip(next) {
                 l.1 = t.unwrap();
             }
+            model.boundary(0).unwrap();
         }
     }
     for (seq, _) in live {
