@@ -333,29 +333,15 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
     /// planner frees memory.
     fn warm_up_batch(&mut self, t: usize) -> Result<(), StepError> {
         let seqs: Vec<SeqId> = (0..t as u64).map(|i| u64::MAX - i).collect();
-        let add = |me: &mut Self| -> Result<(), StepError> {
-            for &s in &seqs {
-                me.dec.add_sequence(s).map_err(|e| StepError::failed(e.to_string()))?;
-            }
-            Ok(())
-        };
-        let free = |me: &mut Self| {
-            for &s in &seqs {
-                let _ = me.dec.free_sequence(s);
-            }
-        };
-        add(self)?;
         let step: Vec<(SeqId, u32)> = seqs.iter().map(|&s| (s, 0)).collect();
-        let res = self.step(&step).map(drop);
-        free(self);
-        add(self)?;
         let prompt = [0u32];
-        let res = res.and_then(|()| {
-            self.lease(seqs.iter().map(|&s| (s, 1)))?;
-            let chunks: Vec<(SeqId, &[u32])> = seqs.iter().map(|&s| (s, &prompt[..])).collect();
-            self.dec.prefill(&chunks).map(drop).map_err(|e| StepError::failed(e.to_string()))
+        let chunks: Vec<(SeqId, &[u32])> = seqs.iter().map(|&s| (s, &prompt[..])).collect();
+        let res = self.with_fresh(&seqs, |me| me.step(&step).map(drop)).and_then(|()| {
+            self.with_fresh(&seqs, |me| {
+                me.lease(seqs.iter().map(|&s| (s, 1)))?;
+                me.dec.prefill(&chunks).map(drop).map_err(|e| StepError::failed(e.to_string()))
+            })
         });
-        free(self);
         match res {
             Err(e @ StepError::Failed(_)) => Err(e),
             _ => Ok(()),
@@ -366,17 +352,31 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
     /// hold it now (nor, then, a longer one).
     fn warm_up_prompt(&mut self, t: usize) -> Result<bool, StepError> {
         let seq = u64::MAX;
-        self.dec.add_sequence(seq).map_err(|e| StepError::failed(e.to_string()))?;
-        let res = self.lease(std::iter::once((seq, t))).and_then(|()| {
-            self.dec.prefill(&[(seq, &vec![0u32; t])]).map_err(|e| StepError::failed(e.to_string()))?;
-            self.step(&[(seq, 0)]).map(drop)
+        let res = self.with_fresh(&[seq], |me| {
+            me.lease(std::iter::once((seq, t)))?;
+            me.dec.prefill(&[(seq, &vec![0u32; t])]).map_err(|e| StepError::failed(e.to_string()))?;
+            me.step(&[(seq, 0)]).map(drop)
         });
-        let _ = self.dec.free_sequence(seq);
         match res {
             Ok(()) => Ok(true),
             Err(StepError::OutOfMemory(_)) => Ok(false),
             Err(e) => Err(e),
         }
+    }
+
+    /// Runs `f` with `seqs` added to the decoder as fresh sequences, and frees them after
+    /// whatever `f` returned.
+    fn with_fresh<T>(
+        &mut self,
+        seqs: &[SeqId],
+        f: impl FnOnce(&mut Self) -> Result<T, StepError>,
+    ) -> Result<T, StepError> {
+        let added = seqs.iter().try_for_each(|&s| self.dec.add_sequence(s));
+        let res = added.map_err(|e| StepError::failed(e.to_string())).and_then(|()| f(self));
+        for &s in seqs {
+            let _ = self.dec.free_sequence(s);
+        }
+        res
     }
 
     /// Reserves, under the memory budget, the KV blocks in use plus those that appending
