@@ -104,10 +104,12 @@ pub struct ServeArgs {
     /// none (the cache is sized as max batch × context).
     #[arg(long)]
     pub gpu_memory_gb: Option<f64>,
-    /// On the Burn reference path, with a PagedWeight checkpoint (`pagedweight quantize`): host
-    /// memory in GB (1e9 bytes) for the expert pages and the KV cache together (the dense
-    /// weights come on top); the planner lowers and raises pages as on the fast path. Default:
-    /// the experts at --bits plus the KV cache of every batch slot at the full context.
+    /// On the Burn reference path: host memory in GB (1e9 bytes) for the expert pages and the
+    /// KV cache together (the dense weights come on top); the planner lowers and raises pages
+    /// as on the fast path. A PagedWeight checkpoint (`pagedweight quantize`) always has paged
+    /// experts (default budget: the experts at --bits plus the KV cache of every batch slot at
+    /// the full context); a Hugging Face directory gets them with this option, its experts
+    /// quantized at load.
     #[arg(long, conflicts_with = "gpu_memory_gb")]
     pub memory_gb: Option<f64>,
     /// Planner options (with --fast --gpu-memory-gb, or a PagedWeight checkpoint on the
@@ -358,12 +360,7 @@ fn fast_model(
         bail!("--fast runs CubeCL kernels: use --device cuda, wgpu or auto");
     }
     if !pw_models::is_quantized_dir(dir) {
-        eprintln!(
-            "{}: a Hugging Face checkpoint: its experts are quantized at load with uniform importance, so the \
-             planner's sensitivities are proxies (`pagedweight quantize --model DIR --out PW_DIR` writes \
-             calibrated ones, and `serve --model PW_DIR` serves them)",
-            dir.display()
-        );
+        say_proxies(dir);
     }
     let device_memory = if on_cuda { Some(cuda_memory()?) } else { None };
     let total = memory_budget_bytes(args.gpu_memory_gb, device_memory)?;
@@ -417,6 +414,17 @@ fn fast_model(
     let client = cubecl::wgpu::WgpuRuntime::client(&cubecl::wgpu::WgpuDevice::DefaultDevice);
     let (m, cap) = pw_serve::load_fast(&client, dir, &options)?;
     Ok((m, format!("wgpu (fast path, {what})"), cap, max_batch))
+}
+
+/// Says that the Hugging Face checkpoint in `dir` has its experts quantized at load, so the
+/// planner's sensitivities are proxies, and how to get calibrated ones.
+fn say_proxies(dir: &Path) {
+    eprintln!(
+        "{}: a Hugging Face checkpoint: its experts are quantized at load with uniform importance, so the \
+         planner's sensitivities are proxies (`pagedweight quantize --model DIR --out PW_DIR` writes \
+         calibrated ones, and `serve --model PW_DIR` serves them)",
+        dir.display()
+    );
 }
 
 /// The Burn reference model over a PagedWeight checkpoint: its experts are pages under
@@ -521,6 +529,7 @@ where
     if args.memory_gb.is_some() && fast_on_cuda.is_some() {
         bail!("--memory-gb sizes the reference path's paged experts; the fast path takes --gpu-memory-gb");
     }
+    let mut _scratch = None;
     let (model, device_name, fast_kv, max_batch): (Box<dyn StepModel>, String, Option<u64>, usize) =
         if let Some(on_cuda) = fast_on_cuda {
             let (m, name, cap, max_batch) = fast_model(args, dir, max_context, on_cuda)?;
@@ -529,14 +538,18 @@ where
             let (m, name, cap, max_batch) =
                 paged_reference_model::<B>(args, dir, device, device_name, max_context)?;
             (m, name, Some(cap), max_batch)
+        } else if args.memory_gb.is_some() {
+            // Paged experts under a budget for a Hugging Face directory: its experts quantized
+            // into a PagedWeight checkpoint in a directory that lives as long as the server.
+            say_proxies(dir);
+            let tmp = tempfile::tempdir().context("a directory for the quantized experts")?;
+            pw_decode::write_quantized_hf(dir, tmp.path())
+                .with_context(|| format!("{}: quantizing the experts", dir.display()))?;
+            let (m, name, cap, max_batch) =
+                paged_reference_model::<B>(args, tmp.path(), device, device_name, max_context)?;
+            _scratch = Some(tmp);
+            (m, name, Some(cap), max_batch)
         } else {
-            if args.memory_gb.is_some() {
-                bail!(
-                    "{}: --memory-gb pages the experts of a PagedWeight checkpoint, and this is a Hugging Face \
-                     one (`pagedweight quantize --model DIR --out PW_DIR` writes one)",
-                    dir.display()
-                );
-            }
             let m = BurnStepModel::<B, AnyModel<B>>::load(dir, device).context("loading the model")?;
             (Box::new(m), device_name.to_string(), None, resolve_max_batch(args.max_batch, false))
         };

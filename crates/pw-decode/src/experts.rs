@@ -107,19 +107,24 @@ impl ExpertBlocks {
 }
 
 impl ExpertBlocks {
-    /// Writes these blocks (named `layers.{l}.experts.{e}.{gate_up,down}`) and every tensor of
-    /// the Hugging Face checkpoint `hf` but its experts into `w`: a PagedWeight checkpoint of
-    /// blocks quantized elsewhere (e.g. by [`Self::quantize_hf`]).
+    /// Writes these blocks and every tensor of the Hugging Face checkpoint `hf` (of the model
+    /// `cfg` describes) but its experts into `w`: a PagedWeight checkpoint of blocks quantized
+    /// elsewhere (e.g. by [`Self::quantize_hf`]). Blocks are named and sourced as `pagedweight
+    /// quantize` names them (`{bank prefix}.{e}.{gate_up,down}`, from the expert tensors they
+    /// replace), so the Burn models load the checkpoint too.
     pub fn write_checkpoint(
         &self,
         hf: &Checkpoint,
+        cfg: &DecodeConfig,
         w: &mut pw_format::CheckpointWriter,
     ) -> Result<(), DecodeError> {
         for (l, layer) in self.blocks.iter().enumerate() {
             for (e, (gu, dn)) in layer.iter().enumerate() {
-                for (kind, block) in [(BlockKind::GateUp, gu), (BlockKind::Down, dn)] {
-                    let name = format!("layers.{l}.experts.{e}.{}", kind.name());
-                    let meta = pw_format::BlockMeta { name, layer: l, expert: e, kind, sources: vec![] };
+                let (prefix, gu_src, dn_src) = expert_sources(hf, l, e, cfg);
+                for (kind, block, sources) in [(BlockKind::GateUp, gu, gu_src), (BlockKind::Down, dn, dn_src)]
+                {
+                    let name = format!("{prefix}.{e}.{}", kind.name());
+                    let meta = pw_format::BlockMeta { name, layer: l, expert: e, kind, sources };
                     w.add_block(meta, block)?;
                 }
             }
@@ -160,6 +165,41 @@ pub(crate) fn expert_keys(cfg: &DecodeConfig, root: &str, l: usize) -> (String, 
         Family::Gemma4 => {
             (format!("{p}.experts"), ["gate_proj", "up_proj", "down_proj"], format!("{p}.experts"))
         }
+    }
+}
+
+/// Quantizes the experts of the Hugging Face checkpoint in `dir` with uniform importance
+/// ([`ExpertBlocks::quantize_hf`], 3..8 bits) and writes them, its other tensors and its
+/// `config.json` as a PagedWeight checkpoint in `out`: paged experts for a directory `pagedweight
+/// quantize` has not calibrated (the planner's sensitivities are then the quantizer's proxies).
+pub fn write_quantized_hf(dir: &Path, out: &Path) -> Result<(), DecodeError> {
+    let hf = Checkpoint::open(dir)?;
+    let cfg = DecodeConfig::from_model(&pw_hf::ModelConfig::from_dir(dir)?)?;
+    let blocks = ExpertBlocks::quantize_hf(&hf, &cfg, 8)?;
+    let mut w = pw_format::CheckpointWriter::create(out)?;
+    blocks.write_checkpoint(&hf, &cfg, &mut w)?;
+    w.copy_file(&dir.join("config.json"))?;
+    w.finish()?;
+    Ok(())
+}
+
+/// The bank prefix of layer `l` and the tensors expert `e`'s gate_up and down blocks come from:
+/// per-expert tensors where the checkpoint has them, else the layer's fused ones (as
+/// `pw_nn::ExpertLayout::expert_sources` names them).
+fn expert_sources(
+    ckpt: &Checkpoint,
+    l: usize,
+    e: usize,
+    cfg: &DecodeConfig,
+) -> (String, Vec<String>, Vec<String>) {
+    let (per, [g, u, d], fused) = expert_keys(cfg, crate::root(ckpt), l);
+    if ckpt.contains(&format!("{per}.{e}.{g}.weight")) {
+        let gu = vec![format!("{per}.{e}.{g}.weight"), format!("{per}.{e}.{u}.weight")];
+        let dn = vec![format!("{per}.{e}.{d}.weight")];
+        (per, gu, dn)
+    } else {
+        let (gu, dn) = (vec![format!("{fused}.gate_up_proj")], vec![format!("{fused}.down_proj")]);
+        (fused, gu, dn)
     }
 }
 

@@ -41,7 +41,7 @@ mod weights;
 pub use builder::{DEFAULT_MAX_LOGIT_ROWS, DEFAULT_MAX_STEP_TOKENS, DecoderBuilder};
 pub use config::{AttnLayer, DecodeConfig, Family};
 pub use decoder::Decoder;
-pub use experts::{ExpertBlocks, expert_weights};
+pub use experts::{ExpertBlocks, expert_weights, write_quantized_hf};
 pub use paged::{ExpertCommit, ExpertMover, ExpertPage, PagedExperts, synthetic_block, synthetic_luts};
 pub use route_stats::{RouteStats, RoutingCounts, route_stats_reference};
 pub use stages::ExpertAct;

@@ -334,7 +334,7 @@ fn pagedweight_checkpoint_serves_its_blocks() {
     let out = tempfile::tempdir().unwrap();
     // Small shards, so the dense tensors span several files.
     let mut w = CheckpointWriter::create(out.path()).unwrap().with_shard_bytes(1 << 20);
-    experts.write_checkpoint(&hf, &mut w).unwrap();
+    experts.write_checkpoint(&hf, &cfg, &mut w).unwrap();
     w.copy_file(&dir.join("config.json")).unwrap();
     w.finish().unwrap();
     let pw = pw_format::Checkpoint::open(out.path()).unwrap();

@@ -408,7 +408,7 @@ fn the_checkpoints_calibration_routing_reaches_the_planner() {
     let experts = pw_decode::ExpertBlocks::quantize_hf(&hf, &cfg, 8).unwrap();
     let out = tempfile::tempdir().unwrap();
     let mut w = CheckpointWriter::create(out.path()).unwrap();
-    experts.write_checkpoint(&hf, &mut w).unwrap();
+    experts.write_checkpoint(&hf, &cfg, &mut w).unwrap();
     w.copy_file(&dir.join("config.json")).unwrap();
     // Planted: expert e of layer l had share (1 + l + e) / mean.
     let planted = |l: usize, e: usize| (1 + l + e) as f64;

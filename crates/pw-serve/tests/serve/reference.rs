@@ -71,6 +71,37 @@ fn paged_experts_at_8_bits_generate_what_the_dequantized_model_does() {
     assert_eq!(v.expert_bytes, sizes(pw.path(), 8).0);
 }
 
+/// A Hugging Face directory's experts quantized at load (`pw_decode::write_quantized_hf`, what
+/// `serve --device cpu --memory-gb` does) load as pages on the reference path for every family
+/// and expert layout (per-expert and fused tensors) and generate, at 8 bits, the tokens of the
+/// same checkpoint dequantized into a plain Burn model.
+#[test]
+fn experts_quantized_at_load_serve_as_pages_for_every_family() {
+    for name in ["mixtral", "mixtral_fused", "qwen2_moe", "gemma4"] {
+        let out = tempfile::tempdir().unwrap();
+        pw_decode::write_quantized_hf(&pw_testkit::fixture(name), out.path()).unwrap();
+        let memory = MemoryOptions { policy: WeightPolicy::Pinned, ..Default::default() };
+        let (mut paged, _) = BurnStepModel::<B, AnyModel<B>>::load_paged(
+            out.path(),
+            &Default::default(),
+            8,
+            &memory,
+            4,
+            1 << 20,
+        )
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let loaded = LoadedModel::<B>::load(out.path(), Some(8), &Default::default()).unwrap();
+        let kv = paged.kv_layout().clone();
+        let mut dense = BurnStepModel::<B, AnyModel<B>>::new(loaded.model, Default::default(), kv, 0);
+        for (i, (p, n)) in mixed_requests(paged.vocab_size() as u32).iter().take(2).enumerate() {
+            let seq = i as u64;
+            assert_eq!(alone(&mut paged, seq, p, *n), alone(&mut dense, seq, p, *n), "{name}, request {i}");
+        }
+        let v = paged.page_table().unwrap().expect("paged experts have a page table");
+        assert!(!v.pages.is_empty() && v.pages.iter().all(|p| p.committed_bits == 8), "{name}");
+    }
+}
+
 /// 32 concurrent requests with the experts and the KV cache under one budget that holds the
 /// 8-bit experts beside 16 KV blocks: the planner lowers pages while they run, every request
 /// completes with all its tokens, none fails, and the cache is empty afterwards.
