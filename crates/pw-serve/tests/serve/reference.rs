@@ -5,7 +5,7 @@ use std::path::Path;
 
 use burn_ndarray::NdArray;
 use pw_models::{AnyModel, LoadedModel};
-use pw_serve::{BurnStepModel, Engine, MemoryOptions, StepModel, UsageRecorder, WeightPolicy};
+use pw_serve::{BurnStepModel, Engine, MemoryOptions, PageTableView, StepModel, UsageRecorder, WeightPolicy};
 
 use crate::common;
 use crate::fast::{alone, mixed_requests, pressure_config, submit_all};
@@ -49,25 +49,34 @@ fn sizes(dir: &Path, bits: u8) -> (u64, u64) {
     (experts, 16 * kv.bytes_per_token())
 }
 
+/// Serves the PagedWeight checkpoint in `dir` with paged experts at 8 bits and no budget, and
+/// checks that the first `requests` of the mixed requests get the tokens of the same checkpoint
+/// dequantized at 8 bits into a plain Burn model, with every page committed at 8 bits; returns
+/// the page-table view.
+fn paged_at_8_bits_match_the_dequantized_model(dir: &Path, requests: usize, what: &str) -> PageTableView {
+    let memory = MemoryOptions { policy: WeightPolicy::Pinned, ..Default::default() };
+    let (mut paged, _) =
+        BurnStepModel::<B, AnyModel<B>>::load_paged(dir, &Default::default(), 8, &memory, 4, 1 << 20)
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+    let loaded = LoadedModel::<B>::load(dir, Some(8), &Default::default()).unwrap();
+    let kv = paged.kv_layout().clone();
+    let mut dense = BurnStepModel::<B, AnyModel<B>>::new(loaded.model, Default::default(), kv, 0);
+    for (i, (p, n)) in mixed_requests(paged.vocab_size() as u32).iter().take(requests).enumerate() {
+        let seq = i as u64;
+        assert_eq!(alone(&mut paged, seq, p, *n), alone(&mut dense, seq, p, *n), "{what}, request {i}");
+    }
+    let v = paged.page_table().unwrap().expect("paged experts have a page table");
+    assert!(!v.pages.is_empty() && v.pages.iter().all(|p| p.committed_bits == 8), "{what}");
+    v
+}
+
 /// Without a budget the paged experts stay at 8 bits and generate the tokens of the same
 /// checkpoint dequantized at 8 bits into a plain Burn model; the page table is in the view.
 #[test]
 fn paged_experts_at_8_bits_generate_what_the_dequantized_model_does() {
     let pw = pw_checkpoint("mixtral");
-    let memory = MemoryOptions { policy: WeightPolicy::Pinned, ..Default::default() };
-    let (mut paged, _) =
-        BurnStepModel::<B, AnyModel<B>>::load_paged(pw.path(), &Default::default(), 8, &memory, 4, 1 << 20)
-            .unwrap();
-    let loaded = LoadedModel::<B>::load(pw.path(), Some(8), &Default::default()).unwrap();
-    let kv = paged.kv_layout().clone();
-    let mut dense = BurnStepModel::<B, AnyModel<B>>::new(loaded.model, Default::default(), kv, 0);
-    for (i, (p, n)) in mixed_requests(paged.vocab_size() as u32).iter().take(4).enumerate() {
-        let seq = i as u64;
-        assert_eq!(alone(&mut paged, seq, p, *n), alone(&mut dense, seq, p, *n), "request {i}");
-    }
-    let v = paged.page_table().unwrap().expect("paged experts have a page table");
+    let v = paged_at_8_bits_match_the_dequantized_model(pw.path(), 4, "mixtral");
     assert_eq!((v.policy, v.mean_bits), ("pinned", 8.0));
-    assert!(!v.pages.is_empty() && v.pages.iter().all(|p| p.committed_bits == 8));
     assert_eq!(v.expert_bytes, sizes(pw.path(), 8).0);
 }
 
@@ -80,25 +89,7 @@ fn experts_quantized_at_load_serve_as_pages_for_every_family() {
     for name in ["mixtral", "mixtral_fused", "qwen2_moe", "gemma4"] {
         let out = tempfile::tempdir().unwrap();
         pw_decode::write_quantized_hf(&pw_testkit::fixture(name), out.path()).unwrap();
-        let memory = MemoryOptions { policy: WeightPolicy::Pinned, ..Default::default() };
-        let (mut paged, _) = BurnStepModel::<B, AnyModel<B>>::load_paged(
-            out.path(),
-            &Default::default(),
-            8,
-            &memory,
-            4,
-            1 << 20,
-        )
-        .unwrap_or_else(|e| panic!("{name}: {e}"));
-        let loaded = LoadedModel::<B>::load(out.path(), Some(8), &Default::default()).unwrap();
-        let kv = paged.kv_layout().clone();
-        let mut dense = BurnStepModel::<B, AnyModel<B>>::new(loaded.model, Default::default(), kv, 0);
-        for (i, (p, n)) in mixed_requests(paged.vocab_size() as u32).iter().take(2).enumerate() {
-            let seq = i as u64;
-            assert_eq!(alone(&mut paged, seq, p, *n), alone(&mut dense, seq, p, *n), "{name}, request {i}");
-        }
-        let v = paged.page_table().unwrap().expect("paged experts have a page table");
-        assert!(!v.pages.is_empty() && v.pages.iter().all(|p| p.committed_bits == 8), "{name}");
+        paged_at_8_bits_match_the_dequantized_model(out.path(), 2, name);
     }
 }
 
