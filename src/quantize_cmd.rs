@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result, bail};
 use burn::backend::Autodiff;
 use burn::tensor::backend::Backend;
-use indicatif::ProgressBar;
+use indicatif::{MultiProgress, ProgressBar};
 use pw_calib::{ImportanceMethod, QuantizeConfig, Stage, quantize_model};
 
 use crate::eval_cmd::{bar, tokenize_text_file};
@@ -96,42 +96,32 @@ fn quantize_on<B: Backend>(args: &QuantizeArgs, device: &B::Device) -> Result<()
         importance,
         ..QuantizeConfig::default()
     };
-    let mut current: Option<(Stage, ProgressBar)> = None;
-    // Wall seconds per stage, in the order they ran.
-    let mut seconds: Vec<(&'static str, f64)> = Vec::new();
-    let mut since = std::time::Instant::now();
+    // One bar per stage: with the streamed importance, quantizing runs beside the layer pass.
+    let bars = MultiProgress::new();
+    let mut stages: Vec<(Stage, ProgressBar, f64)> = Vec::new();
+    let start = std::time::Instant::now();
     let report = quantize_model::<Autodiff<B>>(&args.model, &args.out, &ids, &cfg, device, |p| {
-        if current.as_ref().map(|c| c.0) != Some(p.stage) {
-            if let Some((_, pb)) = current.take() {
-                pb.finish();
+        let i = match stages.iter().position(|s| s.0 == p.stage) {
+            Some(i) => i,
+            None => {
+                stages.push((p.stage, bars.add(bar(p.total, stage_name(p.stage))), 0.0));
+                stages.len() - 1
             }
-            let what = match p.stage {
-                Stage::Loading => "loading",
-                Stage::Gradients => "gradients",
-                Stage::Moments => "layers (streamed importance)",
-                Stage::Quantizing => "quantizing",
-                Stage::Copying => "copying",
-            };
-            if let Some(last) = seconds.last_mut() {
-                last.1 = since.elapsed().as_secs_f64();
-            }
-            since = std::time::Instant::now();
-            seconds.push((what, 0.0));
-            current = Some((p.stage, bar(p.total, what)));
-        }
-        if let Some((_, pb)) = &current {
-            pb.set_position(p.done as u64);
-        }
+        };
+        let (_, pb, end) = &mut stages[i];
+        pb.set_position(p.done as u64);
+        *end = start.elapsed().as_secs_f64();
     })
     .with_context(|| format!("quantizing {} into {}", args.model.display(), args.out.display()))?;
-    if let Some((_, pb)) = current {
-        pb.finish();
-    }
-    if let Some(last) = seconds.last_mut() {
-        last.1 = since.elapsed().as_secs_f64();
-    }
-    let seconds: serde_json::Map<String, serde_json::Value> =
-        seconds.into_iter().map(|(k, v)| (k.to_string(), ((v * 10.0).round() / 10.0).into())).collect();
+    let round = |s: f64| serde_json::Value::from((s * 10.0).round() / 10.0);
+    // When each stage's last unit finished, in seconds from the start.
+    let ended: serde_json::Map<String, serde_json::Value> = stages
+        .into_iter()
+        .map(|(stage, pb, end)| {
+            pb.finish();
+            (stage_name(stage).to_string(), round(end))
+        })
+        .collect();
     let m = &report.manifest;
     println!(
         "{}",
@@ -143,7 +133,8 @@ fn quantize_on<B: Backend>(args: &QuantizeArgs, device: &B::Device) -> Result<()
             "calib_tokens": report.tokens,
             "calib_loss": report.calib_loss,
             "importance": report.importance.name(),
-            "seconds": seconds,
+            "stage_ended_s": ended,
+            "wall_s": round(start.elapsed().as_secs_f64()),
             "memory_needed": { "fisher": report.memory.fisher, "streamed": report.memory.streamed },
             "memory_available": match importance {
                 ImportanceMethod::Auto { memory_bytes } => Some(memory_bytes),
@@ -152,6 +143,16 @@ fn quantize_on<B: Backend>(args: &QuantizeArgs, device: &B::Device) -> Result<()
         })
     );
     Ok(())
+}
+
+fn stage_name(stage: Stage) -> &'static str {
+    match stage {
+        Stage::Loading => "loading",
+        Stage::Gradients => "gradients",
+        Stage::Moments => "layers (streamed importance)",
+        Stage::Quantizing => "quantizing",
+        Stage::Copying => "copying",
+    }
 }
 
 /// What `--importance auto` may use: `--memory-gb`, else the CUDA device's free memory, else the

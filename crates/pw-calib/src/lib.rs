@@ -23,4 +23,4 @@ pub use quantize::{
     ImportanceMethod, MemoryNeeds, Progress, QuantizeConfig, QuantizeReport, Stage, memory_needs,
     quantize_model,
 };
-pub use streamed::{StreamedBank, streamed_importance};
+pub use streamed::{StreamedBank, streamed_importance, streamed_importance_each};

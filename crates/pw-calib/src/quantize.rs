@@ -14,10 +14,11 @@
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
+use std::sync::{Mutex, PoisonError, mpsc};
 
-use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use pw_format::{
-    ApBlock, BlockKind, BlockMeta, CheckpointWriter, DEFAULT_SHARD_BYTES, LayerRouting, Manifest,
+    ApBlock, BlockKind, BlockMeta, CheckpointWriter, DEFAULT_SHARD_BYTES, FormatError, LayerRouting, Manifest,
 };
 use pw_hf::ModelConfig;
 use pw_models::eval::token_windows;
@@ -25,7 +26,9 @@ use pw_models::{CausalLm, HfSource, LoadedModel, expert_block_name, is_quantized
 use pw_nn::{ExpertLayout, GatedMlpConfig};
 use pw_quant::{MAX_BITS, MIN_BITS};
 
-use crate::streamed::{WINDOW_BATCH, streamed_importance};
+use rayon::prelude::*;
+
+use crate::streamed::{StreamedBank, WINDOW_BATCH, streamed_importance_each};
 use crate::{CalibError, FisherPass};
 
 /// Files copied beside the manifest when the model directory has them (`config.json` is
@@ -223,17 +226,18 @@ impl ExpertImportance {
 
 /// Quantizes the Hugging Face MoE checkpoint in `model_dir` into a PagedWeight checkpoint in
 /// `out_dir`, with importance from `calib_ids` (the calibration text's token ids, tokenized
-/// without special tokens). The importance pass runs on `B` on `device`; `progress` is called as
-/// each unit of work finishes. A run interrupted after it closed output shards resumes where
-/// they end when rerun with the same inputs and settings (the importance pass is redone, the
-/// blocks already written are not).
+/// without special tokens). The importance pass runs on `B` on `device`; with the streamed
+/// importance each layer's experts are quantized on the host while the pass runs the next
+/// layers. `progress` is called as each unit of work finishes (from either thread). A run
+/// interrupted after it closed output shards resumes where they end when rerun with the same
+/// inputs and settings (the importance pass is redone, the blocks already written are not).
 pub fn quantize_model<B: AutodiffBackend>(
     model_dir: &Path,
     out_dir: &Path,
     calib_ids: &[u32],
     cfg: &QuantizeConfig,
     device: &B::Device,
-    mut progress: impl FnMut(Progress),
+    progress: impl FnMut(Progress) + Send,
 ) -> Result<QuantizeReport, CalibError> {
     check_config(cfg)?;
     if is_quantized_dir(model_dir) {
@@ -254,84 +258,68 @@ pub fn quantize_model<B: AutodiffBackend>(
         m => m,
     };
     let windows = token_windows(ids, cfg.ctx);
-    let (banks, calib_loss) = match method {
-        ImportanceMethod::Fisher => fisher_banks::<B>(model_dir, &windows, device, &mut progress)?,
-        _ => {
-            let vocab = ModelConfig::from_dir(model_dir)?.vocab_size();
-            if let Some(&id) = ids.iter().find(|&&i| i as usize >= vocab) {
-                return Err(CalibError::TokenOutOfRange { id, vocab });
-            }
-            let banks =
-                streamed_importance::<B::InnerBackend>(model_dir, &windows, device, |done, total| {
-                    progress(Progress { stage: Stage::Moments, done, total })
-                })?;
-            let banks = banks
-                .into_iter()
-                .map(|b| CalibratedBank {
-                    layer: b.layer,
-                    layout: b.layout,
-                    cfg: b.cfg,
-                    mass_share: mass_share(&b.routing_mass),
-                    importance: ExpertImportance::Columns { gate_up: b.gate_up, down: b.down },
-                })
-                .collect();
-            (banks, None)
-        }
-    };
+    let config = ModelConfig::from_dir(model_dir)?;
     let hf = pw_hf::Checkpoint::open(model_dir)?;
-
     let key = run_key(model_dir, ids, cfg, method);
     let mut writer = CheckpointWriter::resume(out_dir, &key)?.with_shard_bytes(cfg.shard_bytes);
     writer.set_model_type(model_type(model_dir)?);
+    let mut out = BankWriter {
+        model_dir,
+        cfg,
+        writer,
+        total: 2 * config.routed_experts().iter().sum::<usize>(),
+        done: 0,
+        routing: Vec::new(),
+        expert_tensors: HashSet::new(),
+    };
+    let progress = Mutex::new(progress);
+    let report = |p: Progress| (progress.lock().unwrap_or_else(PoisonError::into_inner))(p);
+    let src = HfSource::<B::InnerBackend>::new(&hf, device);
+
+    let calib_loss = match method {
+        ImportanceMethod::Fisher => {
+            let (banks, loss) = fisher_banks::<B>(model_dir, &windows, device, &mut |p| report(p))?;
+            for bank in banks {
+                out.bank(&src, bank, &report)?;
+            }
+            loss
+        }
+        _ => {
+            let vocab = config.vocab_size();
+            if let Some(&id) = ids.iter().find(|&&i| i as usize >= vocab) {
+                return Err(CalibError::TokenOutOfRange { id, vocab });
+            }
+            // The pass runs here, the quantizer on a thread of its own, one layer behind it.
+            std::thread::scope(|s| {
+                let (tx, rx) = mpsc::channel::<CalibratedBank>();
+                let (out, src, report) = (&mut out, &src, &report);
+                let worker = s.spawn(move || rx.into_iter().try_for_each(|bank| out.bank(src, bank, report)));
+                let pass = streamed_importance_each::<B::InnerBackend>(
+                    model_dir,
+                    &windows,
+                    device,
+                    |done, total| report(Progress { stage: Stage::Moments, done, total }),
+                    |bank| tx.send(calibrated(bank)).is_ok(),
+                );
+                drop(tx);
+                worker.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic))?;
+                pass.map(|_| ())
+            })?;
+            None
+        }
+    };
+
+    let BankWriter { mut writer, routing, expert_tensors, .. } = out;
     // What the planner's online routing is compared with: the importance already weighs each
     // expert by this use.
-    writer.set_routing(
-        banks.iter().map(|b| LayerRouting { layer: b.layer, mass_share: b.mass_share.clone() }).collect(),
-    );
-    let total_blocks: usize = banks.iter().map(|b| 2 * b.mass_share.len()).sum();
-    let mut done = 0;
-    let src = HfSource::<B::InnerBackend>::new(&hf, device);
-    let mut expert_tensors = HashSet::new();
-    for bank in &banks {
-        let num_experts = bank.mass_share.len();
-        let (h, i) = (bank.cfg.hidden, bank.cfg.intermediate);
-        expert_tensors.extend(bank.layout.tensor_names(num_experts));
-        let written = |e: usize, kind| writer.has_block(&expert_block_name(bank.layout.prefix(), e, kind));
-        if (0..num_experts).all(|e| written(e, BlockKind::GateUp) && written(e, BlockKind::Down)) {
-            done += 2 * num_experts;
-            progress(Progress { stage: Stage::Quantizing, done, total: total_blocks });
-            continue;
-        }
-        let wrap = |source| pw_models::ModelError::Load { dir: model_dir.display().to_string(), source };
-        let rows = bank.layout.read_rows(&src, num_experts, bank.cfg).map_err(wrap)?;
-        for e in 0..num_experts {
-            let (gu_src, dn_src) = bank.layout.expert_sources(e);
-            let parts = [
-                (BlockKind::GateUp, &rows.gate_up[e], 2 * i, h, gu_src),
-                (BlockKind::Down, &rows.down[e], h, i, dn_src),
-            ];
-            for (kind, w, r, c, sources) in parts {
-                let name = expert_block_name(bank.layout.prefix(), e, kind);
-                done += 1;
-                if writer.has_block(&name) {
-                    continue;
-                }
-                let importance = bank.importance.block(e, kind, r);
-                let block = ApBlock::quantize(&name, w, Some(&importance), r, c, cfg.min_bits, cfg.max_bits)?;
-                let meta = BlockMeta { name, layer: bank.layer, expert: e, kind, sources };
-                writer.add_block(meta, &block)?;
-                progress(Progress { stage: Stage::Quantizing, done, total: total_blocks });
-            }
-        }
-    }
-
+    writer.set_routing(routing);
     let dense: Vec<&str> = hf.names().filter(|n| !expert_tensors.contains(*n)).collect();
     for (n, name) in dense.iter().enumerate() {
         if !writer.has_dense(name) {
             let (dtype, shape, bytes) = hf.raw(name)?;
             writer.add_dense(name, dtype, shape.to_vec(), bytes.to_vec())?;
         }
-        progress(Progress { stage: Stage::Copying, done: n + 1, total: dense.len() });
+        report(Progress { stage: Stage::Copying, done: n + 1, total: dense.len() });
     }
     for f in SIDE_FILES {
         let p = model_dir.join(f);
@@ -348,6 +336,88 @@ pub fn quantize_model<B: AutodiffBackend>(
         importance: method,
         memory,
     })
+}
+
+/// The layer-streamed importance of a bank as the quantizer takes it.
+fn calibrated(b: StreamedBank) -> CalibratedBank {
+    CalibratedBank {
+        layer: b.layer,
+        layout: b.layout,
+        cfg: b.cfg,
+        mass_share: mass_share(&b.routing_mass),
+        importance: ExpertImportance::Columns { gate_up: b.gate_up, down: b.down },
+    }
+}
+
+/// The output checkpoint as banks are quantized into it, one after another in layer order.
+struct BankWriter<'a> {
+    model_dir: &'a Path,
+    cfg: &'a QuantizeConfig,
+    writer: CheckpointWriter,
+    /// Expert blocks of the model.
+    total: usize,
+    /// Blocks written or kept so far.
+    done: usize,
+    routing: Vec<LayerRouting>,
+    /// The source tensors the blocks replace.
+    expert_tensors: HashSet<String>,
+}
+
+impl BankWriter<'_> {
+    /// Quantizes `bank`'s blocks that an earlier run did not write, its experts in parallel,
+    /// and writes them in expert order.
+    fn bank<B: Backend>(
+        &mut self,
+        src: &HfSource<B>,
+        bank: CalibratedBank,
+        report: &impl Fn(Progress),
+    ) -> Result<(), CalibError> {
+        let num_experts = bank.mass_share.len();
+        let (h, i) = (bank.cfg.hidden, bank.cfg.intermediate);
+        self.expert_tensors.extend(bank.layout.tensor_names(num_experts));
+        self.routing.push(LayerRouting { layer: bank.layer, mass_share: bank.mass_share.clone() });
+        let prefix = bank.layout.prefix();
+        let todo: Vec<(usize, BlockKind)> = (0..num_experts)
+            .flat_map(|e| [(e, BlockKind::GateUp), (e, BlockKind::Down)])
+            .filter(|&(e, kind)| !self.writer.has_block(&expert_block_name(prefix, e, kind)))
+            .collect();
+        if todo.is_empty() {
+            self.done += 2 * num_experts;
+            report(Progress { stage: Stage::Quantizing, done: self.done, total: self.total });
+            return Ok(());
+        }
+        let wrap = |source| pw_models::ModelError::Load { dir: self.model_dir.display().to_string(), source };
+        let rows = bank.layout.read_rows(src, num_experts, bank.cfg).map_err(wrap)?;
+        let (min_bits, max_bits) = (self.cfg.min_bits, self.cfg.max_bits);
+        let blocks: Vec<Result<ApBlock, FormatError>> = todo
+            .par_iter()
+            .map(|&(e, kind)| {
+                let (w, r, c) = match kind {
+                    BlockKind::GateUp => (&rows.gate_up[e], 2 * i, h),
+                    BlockKind::Down => (&rows.down[e], h, i),
+                };
+                let importance = bank.importance.block(e, kind, r);
+                let name = expert_block_name(prefix, e, kind);
+                ApBlock::quantize(&name, w, Some(&importance), r, c, min_bits, max_bits)
+            })
+            .collect();
+        drop(rows);
+        let mut blocks = todo.into_iter().zip(blocks).peekable();
+        for e in 0..num_experts {
+            let (gu_src, dn_src) = bank.layout.expert_sources(e);
+            for (kind, sources) in [(BlockKind::GateUp, gu_src), (BlockKind::Down, dn_src)] {
+                self.done += 1;
+                let Some(((_, _), block)) = blocks.next_if(|&((te, tk), _)| (te, tk) == (e, kind)) else {
+                    continue;
+                };
+                let name = expert_block_name(prefix, e, kind);
+                let meta = BlockMeta { name, layer: bank.layer, expert: e, kind, sources };
+                self.writer.add_block(meta, &block?)?;
+                report(Progress { stage: Stage::Quantizing, done: self.done, total: self.total });
+            }
+        }
+        Ok(())
+    }
 }
 
 /// The Fisher pass: the whole model on the autodiff backend; the model is dropped before the

@@ -48,9 +48,30 @@ pub fn streamed_importance<B: Backend>(
     model_dir: &Path,
     windows: &[&[u32]],
     device: &B::Device,
-    mut progress: impl FnMut(usize, usize),
+    progress: impl FnMut(usize, usize),
 ) -> Result<Vec<StreamedBank>, CalibError> {
+    let mut out = Vec::new();
+    streamed_importance_each::<B>(model_dir, windows, device, progress, |bank| {
+        out.push(bank);
+        true
+    })?;
+    Ok(out)
+}
+
+/// [`streamed_importance`] handing each MoE layer's bank to `on_bank` as soon as its layer is
+/// done, so the caller can quantize a layer while the pass runs the next ones. The pass stops
+/// after a bank for which `on_bank` returns false. Returns the banks handed over.
+pub fn streamed_importance_each<B: Backend>(
+    model_dir: &Path,
+    windows: &[&[u32]],
+    device: &B::Device,
+    mut progress: impl FnMut(usize, usize),
+    mut on_bank: impl FnMut(StreamedBank) -> bool,
+) -> Result<usize, CalibError> {
     let config = ModelConfig::from_dir(model_dir)?;
+    if config.routed_experts().iter().all(|&e| e == 0) {
+        return Err(CalibError::NoExperts { dir: model_dir.to_path_buf() });
+    }
     let ckpt = Checkpoint::open(model_dir)?;
     let stream = LayerStream::<B>::new(config, &ckpt, device);
     // Consecutive windows of one length share a batch.
@@ -70,7 +91,7 @@ pub fn streamed_importance<B: Backend>(
         .collect();
     let mut hidden = stream.embed(ids)?;
     let layers = stream.num_layers();
-    let mut out = Vec::new();
+    let mut handed = 0;
     for l in 0..layers {
         let (layer, bank) = stream.layer(l)?;
         let mut acc = bank.as_ref().map(|b| Accumulator::new(b.num_experts));
@@ -84,15 +105,18 @@ pub fn streamed_importance<B: Backend>(
                 acc.add(experts, tap.input, &tap.routing, batch[0].len())?;
             }
         }
-        if let (Some(acc), Some(bank)) = (acc, bank) {
-            out.push(acc.finish(bank.layer, bank.layout, bank.cfg));
-        }
         progress(l + 1, layers);
+        if let (Some(acc), Some(bank)) = (acc, bank) {
+            handed += 1;
+            if !on_bank(acc.finish(bank.layer, bank.layout, bank.cfg)) {
+                break;
+            }
+        }
     }
-    if out.is_empty() {
+    if handed == 0 {
         return Err(CalibError::NoExperts { dir: model_dir.to_path_buf() });
     }
-    Ok(out)
+    Ok(handed)
 }
 
 /// One layer's sums, on the device until the layer is done.

@@ -58,14 +58,18 @@ fn quantize_and_check_with(name: &str, importance: ImportanceMethod) {
     let dir = fixture(name);
     let out = tempfile::tempdir().unwrap();
     let ids = calib_ids(200, 96, 1);
-    let mut stages = Vec::new();
+    let mut events = Vec::new();
     let cfg = QuantizeConfig { importance, ..small_config() };
-    let report = quantize_model::<Ad>(&dir, out.path(), &ids, &cfg, &Default::default(), |p| {
-        if stages.last() != Some(&p.stage) {
+    let report =
+        quantize_model::<Ad>(&dir, out.path(), &ids, &cfg, &Default::default(), |p| events.push(p)).unwrap();
+    // Stages in the order they start (with the streamed importance, quantizing overlaps the
+    // layer pass); copying comes after everything else.
+    let mut stages = Vec::new();
+    for p in &events {
+        if !stages.contains(&p.stage) {
             stages.push(p.stage);
         }
-    })
-    .unwrap();
+    }
     let want_stages = match importance {
         ImportanceMethod::Fisher => {
             [Stage::Loading, Stage::Gradients, Stage::Quantizing, Stage::Copying].to_vec()
@@ -73,6 +77,16 @@ fn quantize_and_check_with(name: &str, importance: ImportanceMethod) {
         _ => [Stage::Moments, Stage::Quantizing, Stage::Copying].to_vec(),
     };
     assert_eq!(stages, want_stages, "{name}");
+    let copying = events.iter().position(|p| p.stage == Stage::Copying).unwrap();
+    assert!(events[copying..].iter().all(|p| p.stage == Stage::Copying), "{name}: {events:?}");
+    let quantizing: Vec<_> = events.iter().filter(|p| p.stage == Stage::Quantizing).collect();
+    assert!(quantizing.windows(2).all(|w| w[0].done < w[1].done), "{name}: {events:?}");
+    let last = quantizing.last().unwrap();
+    assert_eq!(
+        (last.done, last.total),
+        (report.manifest.blocks.len(), report.manifest.blocks.len()),
+        "{name}"
+    );
     assert_eq!(report.importance, importance, "{name}");
     assert_eq!(report.calib_loss.is_some(), importance == ImportanceMethod::Fisher, "{name}");
     // 96 calibration tokens in windows of 16.

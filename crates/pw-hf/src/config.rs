@@ -258,6 +258,15 @@ impl ModelConfig {
         }
     }
 
+    /// Routed experts of each decoder layer (0 for a layer with a dense MLP only).
+    pub fn routed_experts(&self) -> Vec<usize> {
+        match self {
+            Self::Mixtral(c) => vec![c.num_local_experts; c.num_hidden_layers],
+            Self::Qwen2Moe(c) => c.sparse_layers.iter().map(|&s| if s { c.num_experts } else { 0 }).collect(),
+            Self::Gemma4(c) => vec![if c.enable_moe_block { c.num_experts } else { 0 }; c.layers.len()],
+        }
+    }
+
     /// End-of-sequence ids declared in config.json.
     pub fn eos_token_ids(&self) -> &[u32] {
         match self {
