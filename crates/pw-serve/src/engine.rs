@@ -7,13 +7,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::thread::JoinHandle;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use pw_models::{Sampler, SamplingConfig};
 use tokenizers::Tokenizer;
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
-use crate::schedule::{Candidate, Running, StepLimits, StepPlan, plan_step};
+use crate::schedule::{ArrivalReserve, Candidate, Running, StepLimits, StepPlan, plan_step};
 use crate::{
     BoundaryHook, BoundaryState, DecodeSlot, IncrementalDetokenizer, KvLayout, Metrics, PrefillOutcome,
     PrefillSlot, ServeError, StepError, StepModel, StopText,
@@ -483,6 +483,7 @@ impl Engine {
             oom_strikes: 0,
             batch_cap: usize::MAX,
             cap_free_blocks: None,
+            arrivals: ArrivalReserve::new(ARRIVAL_WINDOW),
             seed_base: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64),
         };
         let thread = std::thread::Builder::new()
@@ -551,7 +552,16 @@ struct Active {
 const OOM_RETRIES: u32 = 256;
 
 /// Pause between boundaries of an idle engine whose memory has not settled.
-const IDLE_BOUNDARY: std::time::Duration = std::time::Duration::from_millis(1);
+const IDLE_BOUNDARY: Duration = Duration::from_millis(1);
+
+/// How long after the last submitted request the planner keeps KV memory for the next one
+/// ([`ArrivalReserve`]).
+const ARRIVAL_WINDOW: Duration = Duration::from_secs(2);
+
+/// Tokens ahead whose KV growth the planner counts for every running sequence (at most to its
+/// `max_tokens`): a decode step takes a block now and then, and pages lowered for each block
+/// as it comes would go back up and down with every sequence that ends.
+const GROWTH_HORIZON: usize = 64;
 
 /// The state owned by the engine thread.
 struct Worker {
@@ -579,6 +589,8 @@ struct Worker {
     batch_cap: usize,
     /// Free KV blocks the model reported when `batch_cap` was last lowered.
     cap_free_blocks: Option<u64>,
+    /// KV memory kept for the next request while requests keep arriving.
+    arrivals: ArrivalReserve,
 }
 
 /// What happened to a sequence after its new token.
@@ -694,21 +706,14 @@ impl Worker {
     fn run(&mut self) {
         loop {
             if self.active.is_empty() && self.waiting.is_empty() && self.preempted.is_empty() {
-                if self.settled {
-                    // Idle: block until work arrives (or every handle is gone).
-                    match self.rx.recv() {
-                        Ok(Msg::Submit(p)) => self.waiting.push_back(p),
-                        Ok(Msg::PageTable(reply)) => {
-                            self.answer_page_table(reply);
-                            continue;
-                        }
-                        Ok(Msg::Shutdown) | Err(_) => return,
-                    }
-                } else {
-                    // Idle but the model's memory is still moving (pages going back up now
-                    // that the cache is empty): keep calling boundaries until it settles.
-                    match self.rx.recv_timeout(IDLE_BOUNDARY) {
-                        Ok(Msg::Submit(p)) => self.waiting.push_back(p),
+                // Idle but the model's memory is still moving (pages going back up now that the
+                // cache is empty): keep calling boundaries until it settles. Memory held for
+                // the next request goes back when its reserve ends: a boundary then.
+                let wait =
+                    if self.settled { self.arrivals.ends_in(Instant::now()) } else { Some(IDLE_BOUNDARY) };
+                if let Some(wait) = wait {
+                    match self.rx.recv_timeout(wait) {
+                        Ok(Msg::Submit(p)) => self.enqueue(p),
                         Ok(Msg::PageTable(reply)) => {
                             self.answer_page_table(reply);
                             continue;
@@ -719,11 +724,21 @@ impl Worker {
                             continue;
                         }
                     }
+                } else {
+                    // Idle: block until work arrives (or every handle is gone).
+                    match self.rx.recv() {
+                        Ok(Msg::Submit(p)) => self.enqueue(p),
+                        Ok(Msg::PageTable(reply)) => {
+                            self.answer_page_table(reply);
+                            continue;
+                        }
+                        Ok(Msg::Shutdown) | Err(_) => return,
+                    }
                 }
             }
             loop {
                 match self.rx.try_recv() {
-                    Ok(Msg::Submit(p)) => self.waiting.push_back(p),
+                    Ok(Msg::Submit(p)) => self.enqueue(p),
                     Ok(Msg::PageTable(reply)) => self.answer_page_table(reply),
                     Ok(Msg::Shutdown) => return,
                     Err(mpsc::TryRecvError::Empty) => break,
@@ -742,6 +757,14 @@ impl Worker {
             let tokens = self.step(plan);
             self.boundary(tokens);
         }
+    }
+
+    /// Queues a submitted request and notes what its KV will need (the next steps' growth
+    /// included) for [`Self::kv_demand`].
+    fn enqueue(&mut self, p: Pending) {
+        let len = p.req.prompt.len() + p.req.params.max_tokens.min(GROWTH_HORIZON);
+        self.arrivals.note(p.submitted, self.kv_layout.bytes_for(len.min(self.config.max_context)));
+        self.waiting.push_back(p);
     }
 
     /// Frees requests whose receiver is gone: queued ones leave the queue, running ones free
@@ -1066,15 +1089,20 @@ impl Worker {
         self.preempted.insert(at, a);
     }
 
-    /// KV bytes the next steps will add: the running sequences' growth through their next
-    /// token, and the prompts of the candidates the batch has room for (at most what
-    /// admission could still reserve).
+    /// KV bytes the next steps will add: the running sequences' growth over the next
+    /// [`GROWTH_HORIZON`] tokens (at most to their `max_tokens`), and the prompts of the
+    /// candidates the batch has room for (at most what admission could still reserve) or, while
+    /// requests keep arriving, the largest recent one ([`ArrivalReserve`]), whichever is more.
     fn kv_demand(&self) -> u64 {
         let kv = &self.kv_layout;
         let growth: u64 = self
             .active
             .iter()
-            .map(|a| kv.bytes_for(a.tokens.len() + 1).saturating_sub(kv.bytes_for(a.computed)))
+            .map(|a| {
+                let end = (a.prompt_len + a.params.max_tokens).min(self.config.max_context);
+                let ahead = (a.tokens.len() + GROWTH_HORIZON).min(end).max(a.tokens.len() + 1);
+                kv.bytes_for(ahead).saturating_sub(kv.bytes_for(a.computed))
+            })
             .sum();
         let room = self.config.max_batch.saturating_sub(self.active.len());
         let queued: u64 = self
@@ -1085,7 +1113,8 @@ impl Worker {
             .take(room)
             .map(|n| kv.bytes_for(n))
             .sum();
-        growth + queued.min(self.config.kv_budget_bytes.saturating_sub(self.reserved))
+        let next = if room == 0 { 0 } else { self.arrivals.bytes(Instant::now()) };
+        growth + queued.max(next).min(self.config.kv_budget_bytes.saturating_sub(self.reserved))
     }
 
     /// The model's own boundary (planner and page commits); its state goes to the metrics.

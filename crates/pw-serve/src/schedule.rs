@@ -3,6 +3,9 @@
 //! prompt get chunks of what is left (oldest first), and waiting requests join while the
 //! batch, the KV memory and the step's token budget allow.
 
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
 /// A running sequence, as the plan sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Running {
@@ -75,6 +78,43 @@ pub(crate) fn plan_step(running: &[Running], candidates: &[Candidate], limits: S
         left = left.saturating_sub(n);
     }
     StepPlan { feed, admit }
+}
+
+/// KV memory the planner keeps free for the requests a steady stream will bring next: the
+/// largest request submitted within the last `window`. While requests keep arriving, memory
+/// freed by a finished sequence stays with the cache for the next prompt instead of going back
+/// to the weights and being taken again a moment later; once none has arrived for `window`,
+/// the reserve is gone and the weights get the memory back.
+#[derive(Debug, Clone)]
+pub(crate) struct ArrivalReserve {
+    window: Duration,
+    /// Submission time and KV bytes of the recent requests, oldest first.
+    recent: VecDeque<(Instant, u64)>,
+}
+
+impl ArrivalReserve {
+    pub(crate) fn new(window: Duration) -> Self {
+        Self { window, recent: VecDeque::new() }
+    }
+
+    /// A request of `bytes` KV bytes submitted at `at`.
+    pub(crate) fn note(&mut self, at: Instant, bytes: u64) {
+        while self.recent.front().is_some_and(|&(t, _)| t + self.window <= at) {
+            self.recent.pop_front();
+        }
+        self.recent.push_back((at, bytes));
+    }
+
+    /// The bytes held back at `now`.
+    pub(crate) fn bytes(&self, now: Instant) -> u64 {
+        self.recent.iter().filter(|&&(t, _)| t + self.window > now).map(|&(_, b)| b).max().unwrap_or(0)
+    }
+
+    /// How long after `now` the reserve ends (`None`: it has).
+    pub(crate) fn ends_in(&self, now: Instant) -> Option<Duration> {
+        let end = self.recent.back()?.0 + self.window;
+        (end > now).then(|| end - now)
+    }
 }
 
 #[cfg(test)]
@@ -194,5 +234,28 @@ mod tests {
                 live.retain(|s| s.0 > 0);
             }
         }
+    }
+    #[test]
+    fn the_arrival_reserve_holds_the_largest_recent_request_until_the_stream_stops() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut r = ArrivalReserve::new(ms(2000));
+        assert_eq!((r.bytes(t0), r.ends_in(t0)), (0, None));
+        r.note(t0, 300);
+        r.note(t0 + ms(500), 100);
+        // The largest of the window, whatever came after it.
+        assert_eq!(r.bytes(t0 + ms(600)), 300);
+        // The large one has left the window; the small one holds until 2 s after it came.
+        assert_eq!(r.bytes(t0 + ms(2100)), 100);
+        assert_eq!(r.ends_in(t0 + ms(2100)), Some(ms(400)));
+        // A steady stream keeps it up.
+        r.note(t0 + ms(2400), 200);
+        assert_eq!(r.bytes(t0 + ms(2450)), 200);
+        // Silence for a whole window: nothing held, and nothing left to wait for.
+        assert_eq!(r.bytes(t0 + ms(4400)), 0);
+        assert_eq!(r.ends_in(t0 + ms(4400)), None);
+        // Old entries are dropped as new ones arrive.
+        r.note(t0 + ms(9000), 50);
+        assert_eq!(r.recent.len(), 1);
     }
 }
