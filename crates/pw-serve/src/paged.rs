@@ -13,6 +13,8 @@
 //! - A step that still finds no room (a long prompt between two boundaries) runs the same
 //!   boundary first: between two decode launches is as safe as between two engine steps.
 
+use std::time::{Duration, Instant};
+
 use cubecl::prelude::*;
 use pw_decode::{Decoder, ExpertCommit, ExpertPage, RoutingCounts};
 use pw_linear::PageTable;
@@ -56,6 +58,10 @@ pub struct MemoryOptions {
     /// Most bytes one boundary may start raising (0 = no limit), so that a give-back spreads
     /// its copies over several steps.
     pub max_raise_bytes: u64,
+    /// How long after the last lowering memory may go back to the weights: while the cache
+    /// keeps asking for room (sequences growing, prompts arriving), memory it frees for a moment
+    /// stays with it instead of being copied into pages that the next lowering drops again.
+    pub raise_after: Duration,
     /// How the calibration text was routed (from a PagedWeight checkpoint; empty: unknown):
     /// the planner's routing multiplier is then relative to it.
     pub calibration_routing: Vec<pw_format::LayerRouting>,
@@ -72,6 +78,7 @@ impl Default for MemoryOptions {
             give_back_blocks: 16,
             routing_every: 1,
             max_raise_bytes: 0,
+            raise_after: Duration::from_secs(1),
             calibration_routing: Vec::new(),
         }
     }
@@ -331,6 +338,8 @@ pub(crate) struct PagedMemory {
     boundaries: u64,
     state: MemoryState,
     last_decision: Option<PlannerDecision>,
+    /// When the planner last lowered pages (raising waits [`MemoryOptions::raise_after`]).
+    last_lowering: Option<Instant>,
 }
 
 fn page_state(p: &ExpertPage) -> PageState {
@@ -376,7 +385,17 @@ impl PagedMemory {
         };
         let state =
             MemoryState { budget_bytes: accountant.usage().budget, block_bytes, ..Default::default() };
-        Ok(Self { accountant, kv, block_bytes, planner, options, boundaries: 0, state, last_decision: None })
+        Ok(Self {
+            accountant,
+            kv,
+            block_bytes,
+            planner,
+            options,
+            boundaries: 0,
+            state,
+            last_decision: None,
+            last_lowering: None,
+        })
     }
 
     /// Whether the planner samples the routing on some steps (the routing kernels then run
@@ -457,6 +476,9 @@ impl PagedMemory {
         self.shrink_to(used_blocks);
         self.boundaries += 1;
         let mut changed = 0usize;
+        // A give-back held until the cache has stopped asking for room.
+        let mut held_back = false;
+        let now = Instant::now();
         if let Some(p) = self.planner.as_mut() {
             if let Some(rc) = store.take_routing()? {
                 p.observe(rc.tokens.min(u32::MAX as u64) as u32, &rc.counts, &rc.mass).map_err(err)?;
@@ -469,6 +491,12 @@ impl PagedMemory {
                 && self.options.max_raise_bytes > 0
             {
                 target = MemoryTarget::Spare(s.min(self.options.max_raise_bytes));
+            }
+            if matches!(target, MemoryTarget::Spare(_))
+                && self.last_lowering.is_some_and(|t| now.duration_since(t) < self.options.raise_after)
+            {
+                target = MemoryTarget::Hold;
+                held_back = true;
             }
             if target != MemoryTarget::Hold {
                 let plan =
@@ -483,6 +511,7 @@ impl PagedMemory {
                     let (name, bytes) = match target {
                         MemoryTarget::Free(b) => {
                             self.state.planner_lower_total += 1;
+                            self.last_lowering = Some(now);
                             ("free", b)
                         }
                         MemoryTarget::Spare(b) => {
@@ -513,7 +542,8 @@ impl PagedMemory {
         self.state.page_moves_up_total += commit.raised as u64;
         self.state.deferred_total += commit.deferred as u64;
         self.state.weight_bytes_by_bits = store.bytes_by_bits();
-        self.state.settled = changed == 0 && commit.lowered + commit.raised + commit.started == 0;
+        self.state.settled =
+            !held_back && changed == 0 && commit.lowered + commit.raised + commit.started == 0;
         self.state.kv_blocks_used = used_blocks;
         self.state.kv_blocks_free = self.free_blocks();
         self.state.budget_bytes = self.accountant.usage().budget;
@@ -592,6 +622,104 @@ impl PagedMemory {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Pages of 100 bytes per bit that commit whatever is asked at once.
+    struct Pages(Vec<ExpertPage>);
+
+    impl Pages {
+        fn new(n: usize, bits: u8) -> Self {
+            Self(
+                (0..n)
+                    .map(|e| ExpertPage {
+                        layer: 0,
+                        expert: e / 2,
+                        kind: if e % 2 == 0 {
+                            pw_format::BlockKind::GateUp
+                        } else {
+                            pw_format::BlockKind::Down
+                        },
+                        desired: bits,
+                        committed: bits,
+                        min_bits: 3,
+                        max_bits: 8,
+                        bytes: (3..=8).map(|b| b * 100).collect(),
+                        sensitivity: (3..=8).map(|b| 1.0 / (1u64 << b) as f64).collect(),
+                        raising_to: None,
+                    })
+                    .collect(),
+            )
+        }
+
+        fn mean_desired(&self) -> f64 {
+            self.0.iter().map(|p| p.desired as f64).sum::<f64>() / self.0.len() as f64
+        }
+    }
+
+    impl ExpertStore for Pages {
+        fn pages(&self) -> Vec<ExpertPage> {
+            self.0.clone()
+        }
+        fn set_desired(&mut self, index: usize, bits: u8) -> Result<(), StepError> {
+            self.0[index].desired = bits;
+            Ok(())
+        }
+        fn commit(&mut self) -> Result<ExpertCommit, StepError> {
+            let mut c = ExpertCommit::default();
+            for p in &mut self.0 {
+                match p.desired.cmp(&p.committed) {
+                    std::cmp::Ordering::Less => c.lowered += 1,
+                    std::cmp::Ordering::Greater => c.raised += 1,
+                    std::cmp::Ordering::Equal => {}
+                }
+                p.committed = p.desired;
+            }
+            Ok(c)
+        }
+        fn bytes_by_bits(&self) -> [u64; 9] {
+            let mut b = [0; 9];
+            for p in &self.0 {
+                b[p.committed as usize] += p.committed as u64 * 100;
+            }
+            b
+        }
+        fn take_routing(&mut self) -> Result<Option<RoutingCounts>, StepError> {
+            Ok(None)
+        }
+        fn arm_routing(&mut self, _armed: bool) {}
+        fn shape(&self) -> (usize, usize) {
+            (1, self.0.len() / 2)
+        }
+    }
+
+    /// Memory freed right after a lowering stays with the KV cache for `raise_after`; the
+    /// boundary reports itself unsettled meanwhile (so an idle engine comes back), then the
+    /// pages go up.
+    #[test]
+    fn raising_waits_until_the_cache_has_stopped_asking_for_room() {
+        let block = 100;
+        let options = MemoryOptions {
+            budget_bytes: Some(100 * block),
+            raise_after: Duration::from_millis(200),
+            ..MemoryOptions::default()
+        };
+        // The store's bytes are not leased here: the budget is all KV.
+        let mut mem = PagedMemory::new(Accountant::new(100 * block), block, 1, 8, options).unwrap();
+        let mut pages = Pages::new(16, 8);
+        mem.reserve(&mut pages, 90).unwrap();
+        // 10 free blocks, at or below the threshold: pages go down.
+        let state = mem.boundary(&mut pages, 90, 0).unwrap();
+        assert!(state.page_moves_down_total > 0);
+        let lowered = pages.mean_desired();
+        assert!(lowered < 8.0);
+        // The sequences end: 100 free blocks, but the cache asked for room a moment ago.
+        let state = mem.boundary(&mut pages, 0, 0).unwrap();
+        assert_eq!(pages.mean_desired(), lowered);
+        assert!(!state.settled);
+        std::thread::sleep(Duration::from_millis(250));
+        let state = mem.boundary(&mut pages, 0, 0).unwrap();
+        assert!(pages.mean_desired() > lowered, "{}", pages.mean_desired());
+        assert!(state.page_moves_up_total > 0);
+    }
 
     #[test]
     fn floor_bytes_bound_the_hot_experts_by_their_share() {
