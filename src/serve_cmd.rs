@@ -156,12 +156,23 @@ pub struct PlannerArgs {
     /// Most MB one boundary may start raising (0 = no limit).
     #[arg(long, default_value_t = 0.0)]
     pub max_raise_mb: f64,
+    /// Seconds after the last lowering before memory may go back to the weights.
+    #[arg(long, default_value_t = 1.0, value_parser = seconds)]
+    pub raise_after_s: f64,
     /// Ablation: plan without routing statistics (no hot/cold floors or multipliers).
     #[arg(long)]
     pub no_routing: bool,
     /// Ablation: plan without the offline sensitivity (uniform-quantizer error model).
     #[arg(long)]
     pub no_sensitivity: bool,
+}
+
+/// A duration in seconds: finite and not negative.
+fn seconds(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(x) if x.is_finite() && (0.0..=1e6).contains(&x) => Ok(x),
+        _ => Err(format!("`{s}` is not a number of seconds between 0 and 1e6")),
+    }
 }
 
 /// Who sets the experts' bit-widths.
@@ -197,6 +208,7 @@ impl PlannerArgs {
             give_back_blocks: self.give_back_blocks.max(1),
             routing_every: self.routing_every.max(1),
             max_raise_bytes: (self.max_raise_mb * 1e6) as u64,
+            raise_after: std::time::Duration::from_secs_f64(self.raise_after_s),
             // Read from the checkpoint by the loader.
             calibration_routing: Vec::new(),
         }
