@@ -73,6 +73,9 @@ pub struct BenchServeArgs {
     /// give-back at once would stall the next step.
     #[arg(long, default_value_t = 64.0)]
     pub max_raise_mb: f64,
+    /// Seconds after the planner's last lowering before pages may be raised again.
+    #[arg(long, default_value_t = 1.0)]
+    pub raise_after_s: f64,
     /// Stop a policy's run after this many seconds (requests not finished are cancelled and
     /// left out of the figures; the record says how many completed).
     #[arg(long, default_value_t = 150.0)]
@@ -271,6 +274,8 @@ where
         give_back_blocks: a.kv_threshold_blocks.max(1),
         routing_every: a.routing_every.max(1),
         max_raise_bytes: (a.max_raise_mb * 1e6) as u64,
+        raise_after: std::time::Duration::try_from_secs_f64(a.raise_after_s)
+            .context("--raise-after-s: a number of seconds, not negative")?,
         ..Default::default()
     };
     let options = FastOptions {
