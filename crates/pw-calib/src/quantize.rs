@@ -260,6 +260,21 @@ pub fn quantize_model<B: AutodiffBackend>(
     let windows = token_windows(ids, cfg.ctx);
     let config = ModelConfig::from_dir(model_dir)?;
     let hf = pw_hf::Checkpoint::open(model_dir)?;
+    let progress = Mutex::new(progress);
+    let report = |p: Progress| (progress.lock().unwrap_or_else(PoisonError::into_inner))(p);
+    // The Fisher pass needs the whole model first; the streamed one checks the ids here. Either
+    // fails before the output directory is touched.
+    let fisher = match method {
+        ImportanceMethod::Fisher => Some(fisher_banks::<B>(model_dir, &windows, device, &mut |p| report(p))?),
+        _ => {
+            let vocab = config.vocab_size();
+            if let Some(&id) = ids.iter().find(|&&i| i as usize >= vocab) {
+                return Err(CalibError::TokenOutOfRange { id, vocab });
+            }
+            None
+        }
+    };
+
     let key = run_key(model_dir, ids, cfg, method);
     let mut writer = CheckpointWriter::resume(out_dir, &key)?.with_shard_bytes(cfg.shard_bytes);
     writer.set_model_type(model_type(model_dir)?);
@@ -272,23 +287,15 @@ pub fn quantize_model<B: AutodiffBackend>(
         routing: Vec::new(),
         expert_tensors: HashSet::new(),
     };
-    let progress = Mutex::new(progress);
-    let report = |p: Progress| (progress.lock().unwrap_or_else(PoisonError::into_inner))(p);
     let src = HfSource::<B::InnerBackend>::new(&hf, device);
-
-    let calib_loss = match method {
-        ImportanceMethod::Fisher => {
-            let (banks, loss) = fisher_banks::<B>(model_dir, &windows, device, &mut |p| report(p))?;
+    let calib_loss = match fisher {
+        Some((banks, loss)) => {
             for bank in banks {
                 out.bank(&src, bank, &report)?;
             }
             loss
         }
-        _ => {
-            let vocab = config.vocab_size();
-            if let Some(&id) = ids.iter().find(|&&i| i as usize >= vocab) {
-                return Err(CalibError::TokenOutOfRange { id, vocab });
-            }
+        None => {
             // The pass runs here, the quantizer on a thread of its own, one layer behind it.
             std::thread::scope(|s| {
                 let (tx, rx) = mpsc::channel::<CalibratedBank>();
