@@ -450,6 +450,9 @@ fn bad_inputs_are_named() {
     let e = run(&dense, &out, &ids, &small_config());
     assert!(matches!(e, CalibError::NoExperts { .. }), "{e:?}");
     assert!(e.to_string().contains("dense") && e.to_string().contains("no MoE expert layers"), "{e}");
+    let streamed = QuantizeConfig { importance: ImportanceMethod::Streamed, ..small_config() };
+    let e = run(&dense, &out, &ids, &streamed);
+    assert!(matches!(e, CalibError::NoExperts { .. }), "streamed: {e:?}");
 
     let mix = fixture("mixtral");
     let e = run(&mix, &out, &ids[..1], &small_config()).to_string();
