@@ -409,20 +409,23 @@ impl BankWriter<'_> {
             })
             .collect();
         drop(rows);
-        let mut blocks = todo.into_iter().zip(blocks).peekable();
-        for e in 0..num_experts {
+        // `done` counts the bank's blocks in expert order, those an earlier run wrote included.
+        let first = self.done;
+        for ((e, kind), block) in todo.into_iter().zip(blocks) {
             let (gu_src, dn_src) = bank.layout.expert_sources(e);
-            for (kind, sources) in [(BlockKind::GateUp, gu_src), (BlockKind::Down, dn_src)] {
-                self.done += 1;
-                let Some(((_, _), block)) = blocks.next_if(|&((te, tk), _)| (te, tk) == (e, kind)) else {
-                    continue;
-                };
-                let name = expert_block_name(prefix, e, kind);
-                let meta = BlockMeta { name, layer: bank.layer, expert: e, kind, sources };
-                self.writer.add_block(meta, &block?)?;
-                report(Progress { stage: Stage::Quantizing, done: self.done, total: self.total });
-            }
+            let sources = if kind == BlockKind::GateUp { gu_src } else { dn_src };
+            let meta = BlockMeta {
+                name: expert_block_name(prefix, e, kind),
+                layer: bank.layer,
+                expert: e,
+                kind,
+                sources,
+            };
+            self.writer.add_block(meta, &block?)?;
+            self.done = first + 2 * e + usize::from(kind == BlockKind::Down) + 1;
+            report(Progress { stage: Stage::Quantizing, done: self.done, total: self.total });
         }
+        self.done = first + 2 * num_experts;
         Ok(())
     }
 }
