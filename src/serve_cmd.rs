@@ -46,6 +46,13 @@ pub struct ServeArgs {
     /// Backend.
     #[arg(long, value_enum, default_value_t = ServeDevice::Auto)]
     pub device: ServeDevice,
+    /// Where compiled CUDA kernels are kept between starts, one directory per build and GPU
+    /// model (default: `$XDG_CACHE_HOME/pagedweight/kernels`, else `~/.cache/pagedweight/kernels`).
+    #[arg(long)]
+    pub kernel_cache: Option<PathBuf>,
+    /// Compile every CUDA kernel at start, keeping none for the next start.
+    #[arg(long, conflicts_with = "kernel_cache")]
+    pub no_kernel_cache: bool,
     /// KV-cache budget in bytes: requests wait until their prompt + max_tokens fit
     /// (default: every batch slot at the full context).
     #[arg(long)]
@@ -250,6 +257,9 @@ fn resolve_max_batch(arg: Option<usize>, budgeted: bool) -> usize {
 
 /// Runs the command.
 pub fn serve_command(args: &ServeArgs) -> Result<()> {
+    if matches!(args.device, ServeDevice::Auto | ServeDevice::Cuda) && !args.no_kernel_cache {
+        keep_compiled_kernels(args.kernel_cache.as_deref());
+    }
     let supported = pw_hf::ModelConfig::from_dir(&args.model)
         .map_err(|e| e.to_string())
         .and_then(|c| pw_decode::DecodeConfig::from_model(&c).map(|_| ()).map_err(|e| e.to_string()));
@@ -280,6 +290,31 @@ pub fn serve_command(args: &ServeArgs) -> Result<()> {
         other => bail!("this binary was built without the `{other:?}` backend (enable the cargo feature)"),
     }
 }
+
+/// Keeps the CUDA kernels NVRTC compiles in this build's directory under `root` (or the user's
+/// cache directory), so the next start loads them; a cache that cannot be set up only costs the
+/// compilation, so it is reported and serving goes on.
+#[cfg(feature = "cuda")]
+fn keep_compiled_kernels(root: Option<&Path>) {
+    let root = root.map(Path::to_path_buf).or_else(|| {
+        std::env::var_os("XDG_CACHE_HOME")
+            .filter(|d| !d.is_empty())
+            .map(PathBuf::from)
+            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+            .map(|d| d.join("pagedweight").join("kernels"))
+    });
+    let Some(root) = root else {
+        eprintln!("no kernel cache: neither --kernel-cache, XDG_CACHE_HOME nor HOME is set");
+        return;
+    };
+    match kernels_cubecl::kernel_cache::persist_cuda_kernels(&root) {
+        Ok(dir) => eprintln!("compiled CUDA kernels kept in {}", dir.display()),
+        Err(e) => eprintln!("no kernel cache: {e}"),
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn keep_compiled_kernels(_root: Option<&Path>) {}
 
 /// Whether the fast path serves (`Ok(true)`), the reference model by request (`Ok(false)`), or
 /// the reference model because the fast path cannot (`Err` with the reason): `--fast` and

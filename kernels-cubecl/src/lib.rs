@@ -40,6 +40,7 @@ pub mod expert_gemm;
 pub mod fill;
 #[allow(missing_docs)]
 pub mod gemma;
+pub mod kernel_cache;
 #[allow(missing_docs)]
 pub mod norms;
 #[allow(missing_docs)]
