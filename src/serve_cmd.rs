@@ -258,7 +258,7 @@ fn resolve_max_batch(arg: Option<usize>, budgeted: bool) -> usize {
 /// Runs the command.
 pub fn serve_command(args: &ServeArgs) -> Result<()> {
     if matches!(args.device, ServeDevice::Auto | ServeDevice::Cuda) && !args.no_kernel_cache {
-        keep_compiled_kernels(args.kernel_cache.as_deref());
+        keep_compiled_kernels(args.kernel_cache.as_deref(), args.device == ServeDevice::Cuda);
     }
     let supported = pw_hf::ModelConfig::from_dir(&args.model)
         .map_err(|e| e.to_string())
@@ -293,9 +293,10 @@ pub fn serve_command(args: &ServeArgs) -> Result<()> {
 
 /// Keeps the CUDA kernels NVRTC compiles in this build's directory under `root` (or the user's
 /// cache directory), so the next start loads them; a cache that cannot be set up only costs the
-/// compilation, so it is reported and serving goes on.
+/// compilation, so it is reported (`asked`: CUDA was asked for, else only a GPU that answers is
+/// told about) and serving goes on.
 #[cfg(feature = "cuda")]
-fn keep_compiled_kernels(root: Option<&Path>) {
+fn keep_compiled_kernels(root: Option<&Path>, asked: bool) {
     let root = root.map(Path::to_path_buf).or_else(|| {
         std::env::var_os("XDG_CACHE_HOME")
             .filter(|d| !d.is_empty())
@@ -309,12 +310,13 @@ fn keep_compiled_kernels(root: Option<&Path>) {
     };
     match kernels_cubecl::kernel_cache::persist_cuda_kernels(&root) {
         Ok(dir) => eprintln!("compiled CUDA kernels kept in {}", dir.display()),
+        Err(kernels_cubecl::kernel_cache::KernelCacheError::Driver(_)) if !asked => {}
         Err(e) => eprintln!("no kernel cache: {e}"),
     }
 }
 
 #[cfg(not(feature = "cuda"))]
-fn keep_compiled_kernels(_root: Option<&Path>) {}
+fn keep_compiled_kernels(_root: Option<&Path>, _asked: bool) {}
 
 /// Whether the fast path serves (`Ok(true)`), the reference model by request (`Ok(false)`), or
 /// the reference model because the fast path cannot (`Err` with the reason): `--fast` and
