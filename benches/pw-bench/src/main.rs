@@ -25,6 +25,10 @@ const DEFAULT_MODEL: &str = "assets/tiny-mixtral";
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Keep the CUDA kernels this process compiles in this build's directory under DIR, and
+    /// load those an earlier process kept there (default: compile every kernel in every process).
+    #[arg(long, global = true)]
+    kernel_cache: Option<std::path::PathBuf>,
 }
 
 #[derive(Subcommand)]
@@ -62,7 +66,11 @@ enum Command {
 }
 
 fn main() -> Result<()> {
-    match Cli::parse().command {
+    let cli = Cli::parse();
+    if let Some(root) = &cli.kernel_cache {
+        keep_compiled_kernels(root)?;
+    }
+    match cli.command {
         Command::Kernels(args) => kernels::bench_kernels(&args),
         Command::Decode(args) => decode::bench_decode(&args),
         Command::Pages(args) => pages::bench_pages(&args),
@@ -71,4 +79,16 @@ fn main() -> Result<()> {
         #[cfg(feature = "cuda")]
         Command::SassGemv(args) => sass_gemv::sass_gemv(&args),
     }
+}
+
+#[cfg(feature = "cuda")]
+fn keep_compiled_kernels(root: &std::path::Path) -> Result<()> {
+    let dir = kernels_cubecl::kernel_cache::persist_cuda_kernels(root)?;
+    eprintln!("compiled CUDA kernels kept in {}", dir.display());
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn keep_compiled_kernels(_root: &std::path::Path) -> Result<()> {
+    anyhow::bail!("--kernel-cache: this binary was built without CUDA; rebuild with `--features cuda`")
 }

@@ -88,10 +88,6 @@ pub struct BenchServeArgs {
     /// and the step times, to compare with a run without it.
     #[arg(long, default_value_t = 0)]
     pub poll_page_table_ms: u64,
-    /// Keep the CUDA kernels each policy's process compiles in this build's directory under
-    /// DIR, so the next process (and the next run) loads them (default: compile in every process).
-    #[arg(long)]
-    pub kernel_cache: Option<std::path::PathBuf>,
     /// Internal: run only this policy in this process and write its record here (each policy
     /// of a multi-policy run gets a fresh process, so device memory the first one kept in its
     /// allocator's pools does not count against the second).
@@ -182,13 +178,7 @@ fn run_policy(a: &BenchServeArgs, policy: Policy) -> Result<Value> {
     {
         let rec = match a.device.as_str() {
             #[cfg(feature = "cuda")]
-            "cuda" => {
-                if let Some(root) = &a.kernel_cache {
-                    let dir = kernels_cubecl::kernel_cache::persist_cuda_kernels(root)?;
-                    eprintln!("compiled CUDA kernels kept in {}", dir.display());
-                }
-                run::<cubecl::cuda::CudaRuntime>(&cubecl::cuda::CudaDevice::new(0), a, policy)?
-            }
+            "cuda" => run::<cubecl::cuda::CudaRuntime>(&cubecl::cuda::CudaDevice::new(0), a, policy)?,
             #[cfg(not(feature = "cuda"))]
             "cuda" => {
                 bail!("--device cuda: this binary was built without CUDA; rebuild with `--features cuda`")
