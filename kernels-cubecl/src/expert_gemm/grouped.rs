@@ -589,9 +589,12 @@ fn tile_rows(tile: usize, #[comptime] n: usize, #[comptime] gate: u32) -> TileRo
 
 /// Loads the 16 LUT rows of the tile at `rows` into warp `warp`'s slots of `lut` and returns
 /// where lane `lane` reads: its rows `lo + g`, `hi + g` (`g = lane / 4`; past the end the last
-/// row, whose results are not stored) and word column `lane % 4`. LUT rows sit `2^bits` slots
-/// apart, so the eight rows a lookup instruction reads start on different banks at ≤ 4 bits.
-/// The caller synchronises the cube before the lookups.
+/// row, whose results are not stored) and word column `lane % 4`.
+///
+/// Up to [`LANE_LUT_MAX_BITS`] bits (from 3) every lane gets its own copy of its two rows, entry
+/// `j` in the low half of 32-bit word `32j + lane` ([`lane_lut`]): all of a lookup's 32 lanes
+/// read their own bank whatever the indices. Wider, the 16 rows are stored once, `2^bits` slots
+/// apart. The caller synchronises the cube before the lookups.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn tile_view(
@@ -607,27 +610,51 @@ fn tile_view(
     let words = comptime![k.div_ceil(32)];
     let entries = 1usize << eg.bits;
     let lbase = warp * comptime![16 * LUT_ROW];
-    // Row i < 8: lo row i, else hi row i − 8.
-    for i in range_stepped(lane, 16usize * entries, 32usize) {
-        let ri = i >> eg.bits;
-        let j = i & (entries - 1usize);
-        let mut r = rows.lo + ri;
-        if ri >= 8usize {
-            r = rows.hi + ri - 8usize;
-        }
-        lut[lbase + i] = luts[eg.lut_off + min(r, n - 1usize) * entries + j];
-    }
     let g = lane / 4usize;
     let row_lo = min(rows.lo + g, n - 1usize);
     let row_hi = min(rows.hi + g, n - 1usize);
+    let mut l_lo = lbase + g * entries;
+    let mut l_hi = lbase + (g + 8usize) * entries;
+    if lane_lut(eg.bits) {
+        // Lane-private copies: row lo's entries, then row hi's, 64 halves per entry.
+        l_lo = lbase + 2usize * lane;
+        l_hi = l_lo + 64usize * entries;
+        for j in 0..entries {
+            lut[l_lo + 64usize * j] = luts[eg.lut_off + row_lo * entries + j];
+            lut[l_hi + 64usize * j] = luts[eg.lut_off + row_hi * entries + j];
+        }
+    } else {
+        // Row i < 8: lo row i, else hi row i − 8.
+        for i in range_stepped(lane, 16usize * entries, 32usize) {
+            let ri = i >> eg.bits;
+            let j = i & (entries - 1usize);
+            let mut r = rows.lo + ri;
+            if ri >= 8usize {
+                r = rows.hi + ri - 8usize;
+            }
+            lut[lbase + i] = luts[eg.lut_off + min(r, n - 1usize) * entries + j];
+        }
+    }
     WordView {
         p_lo: eg.plane_off + row_lo * words,
         p_hi: eg.plane_off + row_hi * words,
-        l_lo: lbase + g * entries,
-        l_hi: lbase + (g + 8usize) * entries,
+        l_lo,
+        l_hi,
         c: lane % 4usize,
         bits: eg.bits,
     }
+}
+
+/// The widest bit-width whose LUTs the MMA kernels copy per lane ([`tile_view`]): two rows of
+/// `2^bits` entries in 64 halves each fill a warp's `16 · LUT_ROW` slots at 5 bits.
+const LANE_LUT_MAX_BITS: usize = 5;
+
+/// Whether blocks of `bits` get lane-private LUTs: exactly the widths whose step loops are
+/// unrolled for them up to [`LANE_LUT_MAX_BITS`] ([`word_steps_of_width`] starts at 3).
+#[cube]
+#[allow(clippy::manual_range_contains)]
+fn lane_lut(bits: usize) -> bool {
+    bits >= 3usize && bits <= comptime![LANE_LUT_MAX_BITS]
 }
 
 /// Stores one token's results of MMA rows `g` (`lo`) and `g + 8` (`hi`) of the tile at `rows`
@@ -942,7 +969,23 @@ fn decode_half(
     }
     #[unroll]
     for p in 0..planes_n {
-        if plane_on(p, wv.bits, exact) {
+        if comptime![exact] {
+            // Plane p's bit goes straight to bit d = planes_n − 1 − p of each byte: one shift
+            // and one and-or per plane and MMA, where shifting the index first costs a third op.
+            let d = comptime![planes_n - 1 - p];
+            let m = comptime![0x0101_0101u32 << d];
+            #[unroll]
+            for jj in 0..4usize {
+                let sh = comptime![4 * half + jj];
+                if comptime![sh >= d] {
+                    il[jj] |= (pa[p] >> comptime![(sh - d) as u32]) & m;
+                    ih[jj] |= (pb[p] >> comptime![(sh - d) as u32]) & m;
+                } else {
+                    il[jj] |= (pa[p] << comptime![(d - sh) as u32]) & m;
+                    ih[jj] |= (pb[p] << comptime![(d - sh) as u32]) & m;
+                }
+            }
+        } else if plane_on(p, wv.bits, exact) {
             let a = pa[p];
             let b = pb[p];
             #[unroll]
@@ -964,8 +1007,22 @@ fn decode_half(
         #[unroll]
         for b in 0..4usize {
             let sh = comptime![(8 * b) as u32];
-            v[b] = lut[wv.l_lo + ((lo >> sh) & 0xFFu32) as usize];
-            v[4usize + b] = lut[wv.l_hi + ((hi >> sh) & 0xFFu32) as usize];
+            if comptime![exact && (3..=LANE_LUT_MAX_BITS).contains(&planes_n)] {
+                // Lane-private LUTs ([`tile_view`]): entry j at 64j halves from the lane's base,
+                // byte b moved straight to bits 6.. (one shift and one mask).
+                let m = comptime![0xFFu32 << 6u32];
+                if comptime![b == 0] {
+                    v[b] = lut[wv.l_lo + ((lo << 6u32) & m) as usize];
+                    v[4usize + b] = lut[wv.l_hi + ((hi << 6u32) & m) as usize];
+                } else {
+                    let r = comptime![(8 * b - 6) as u32];
+                    v[b] = lut[wv.l_lo + ((lo >> r) & m) as usize];
+                    v[4usize + b] = lut[wv.l_hi + ((hi >> r) & m) as usize];
+                }
+            } else {
+                v[b] = lut[wv.l_lo + ((lo >> sh) & 0xFFu32) as usize];
+                v[4usize + b] = lut[wv.l_hi + ((hi >> sh) & 0xFFu32) as usize];
+            }
         }
         if w >= words {
             #[unroll]
