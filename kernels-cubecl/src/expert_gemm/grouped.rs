@@ -650,11 +650,17 @@ fn tile_view(
 const LANE_LUT_MAX_BITS: usize = 5;
 
 /// Whether blocks of `bits` get lane-private LUTs: exactly the widths whose step loops are
-/// unrolled for them up to [`LANE_LUT_MAX_BITS`] ([`word_steps_of_width`] starts at 3).
+/// unrolled for them, up to [`LANE_LUT_MAX_BITS`]. [`lane_lut`] asks the same of the committed
+/// bits at run time; the decode asks it of the width a loop was unrolled for.
+const fn lane_lut_width(bits: usize) -> bool {
+    EXACT_MIN_BITS <= bits && bits <= LANE_LUT_MAX_BITS
+}
+
+/// [`lane_lut_width`] of a block's committed bits (read from its slot words at run time).
 #[cube]
 #[allow(clippy::manual_range_contains)]
 fn lane_lut(bits: usize) -> bool {
-    bits >= 3usize && bits <= comptime![LANE_LUT_MAX_BITS]
+    bits >= comptime![EXACT_MIN_BITS] && bits <= comptime![LANE_LUT_MAX_BITS]
 }
 
 /// Stores one token's results of MMA rows `g` (`lo`) and `g + 8` (`hi`) of the tile at `rows`
@@ -740,7 +746,7 @@ pub fn grouped_mma_kernel(
             let tok = min(p0 + 8usize * q + g, count - 1usize);
             x_row[q] = (first + tok) * comptime![grouped_x_row(k) / 8];
         }
-        word_steps_of_width(planes, &lut, x, &x_row, &mut acc, wv, bits, n, k, token_groups, 3usize);
+        word_steps_of_width(planes, &lut, x, &x_row, &mut acc, wv, bits, n, k, token_groups, EXACT_MIN_BITS);
         // C fragment: Σ over chains h of acc[per_group·q + 2h][i] is (row lo, token
         // 8q + 2c + i), of acc[per_group·q + 2h + 1][i] (row hi, …).
         #[unroll]
@@ -781,7 +787,12 @@ struct WordView {
 /// skipped.
 const EXACT_MAX_BITS: usize = 6;
 
-/// [`word_steps`] with the planes unrolled exactly for `bits` (3..=[`EXACT_MAX_BITS`]): one
+/// The narrowest bit-width whose step loop the grouped kernels unroll exactly (the format's
+/// narrowest): where [`word_steps_of_width`] and [`staged_steps_of_width`] start.
+const EXACT_MIN_BITS: usize = 3;
+
+/// [`word_steps`] with the planes unrolled exactly for `bits`
+/// ([`EXACT_MIN_BITS`]..=[`EXACT_MAX_BITS`]): one
 /// uniform branch per width from `b` on, else the 8-plane loop.
 #[cube]
 #[allow(clippy::too_many_arguments)]
@@ -1007,7 +1018,7 @@ fn decode_half(
         #[unroll]
         for b in 0..4usize {
             let sh = comptime![(8 * b) as u32];
-            if comptime![exact && (3..=LANE_LUT_MAX_BITS).contains(&planes_n)] {
+            if comptime![exact && lane_lut_width(planes_n)] {
                 // Lane-private LUTs ([`tile_view`]): entry j at 64j halves from the lane's base,
                 // byte b moved straight to bits 6.. (one shift and one mask).
                 let m = comptime![0xFFu32 << 6u32];
@@ -1105,7 +1116,7 @@ pub fn grouped_staged_kernel(
             n,
             k,
             warp_groups,
-            3usize,
+            EXACT_MIN_BITS,
         );
         // The next pass's first step rewrites the buffer the last step read.
         sync_cube();
