@@ -65,6 +65,7 @@ pub use attention::decode::{
 pub use attention::prefill::{PREFILL_RUN_ROWS, paged_prefill_attention, prefill_runs};
 pub use attention::{PagedAttnShape, RowLayout};
 pub use bandwidth::{stream_read, stream_read_reference};
+pub use dense::matmul::{MATMUL_MIN_ROWS, MATMUL_MIN_TOKENS, MatmulKernel};
 pub use dense::mma::{MMA_MIN_TOKENS, MmaMode, MmaTuning, dense_mma_supported};
 pub use dense::{
     DenseGemm, dense_gemm, dense_gemm_normed, dense_gemm_normed_reference, dense_gemm_reference,

@@ -84,8 +84,10 @@ pub struct BenchDecodeArgs {
     pub expert_act: Vec<String>,
     /// Where the dense GEMMs run (comma-separated, each measured): `auto` (the default: the
     /// matrix units from `MMA_MIN_TOKENS` tokens where the device has them), `off` (the plain
-    /// kernel), `auto-w` (as `auto`, columns split until the grid holds 32 warps per SM) or
-    /// `always` (the matrix units at every batch).
+    /// kernel), `auto-w` (as `auto`, columns split until the grid holds 32 warps per SM),
+    /// `always` (the matrix units at every batch), `auto-skinny` (as `auto` without CubeK's
+    /// matmul in large steps) or `auto-KIND` (as `auto`, large steps on CubeK's matmul of that
+    /// kind: `MatmulKernel::name`).
     #[arg(long, value_delimiter = ',', default_value = "auto")]
     pub dense_mma: Vec<String>,
     /// Most tokens per routed work item (comma-separated, each measured; default
@@ -302,7 +304,17 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchDecodeArgs) -> Result<Vec<Value>
                     Ok((m.as_str(), MmaMode::Auto(MmaTuning { warps_per_sm: 32, ..MmaTuning::DEFAULT })))
                 }
                 "always" => Ok((m.as_str(), MmaMode::Always(MmaTuning::default()))),
-                _ => Err(anyhow::anyhow!("--dense-mma {m}: expected off, auto, auto-w or always")),
+                "auto-skinny" => {
+                    Ok((m.as_str(), MmaMode::Auto(MmaTuning { matmul: None, ..MmaTuning::DEFAULT })))
+                }
+                _ => match m.strip_prefix("auto-").and_then(kernels_cubecl::MatmulKernel::from_name) {
+                    Some(k) => {
+                        Ok((m.as_str(), MmaMode::Auto(MmaTuning { matmul: Some(k), ..MmaTuning::DEFAULT })))
+                    }
+                    None => Err(anyhow::anyhow!(
+                        "--dense-mma {m}: expected off, auto, auto-w, always, auto-skinny or auto-KIND"
+                    )),
+                },
             })
             .collect::<Result<Vec<_>>>()?;
         let x_halves = a

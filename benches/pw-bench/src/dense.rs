@@ -6,8 +6,8 @@ use anyhow::{Result, bail};
 use cubecl::prelude::*;
 use half::f16;
 use kernels_cubecl::{
-    DenseGemm, DeviceArray, MmaMode, MmaTuning, RowNorm, dense_gemm_normed, dense_gemm_normed_reference,
-    dense_gemm_reference, dense_mma_supported, rms_norm_reference,
+    DenseGemm, DeviceArray, MatmulKernel, MmaMode, MmaTuning, RowNorm, dense_gemm_normed,
+    dense_gemm_normed_reference, dense_gemm_reference, dense_mma_supported, rms_norm_reference,
 };
 use serde_json::{Value, json};
 
@@ -71,14 +71,17 @@ fn abs_dot(w: &[f16], x: &[f32], n: usize, k: usize, tokens: usize) -> Vec<f32> 
     scale
 }
 
-/// Checks both kernels on one shape (plain and normed input, bias, residual add); fails past
-/// [`DENSE_RTOL`]. Returns the worst relative error per kernel.
+/// Checks the kernels on one shape (plain and normed input, bias, residual add); fails past
+/// [`DENSE_RTOL`]. Returns the worst relative error of the plain kernel, the skinny matrix-unit
+/// kernel and CubeK's matmuls (every [`MatmulKernel`] that launches on the device; those that
+/// do not are listed in the fourth slot's names).
 pub(crate) fn check_dense<R: Runtime>(
     client: &ComputeClient<R>,
     n: usize,
     k: usize,
     tokens: usize,
-) -> Result<[f32; 2]> {
+    matmuls: &[MatmulKernel],
+) -> Result<([f32; 3], Vec<&'static str>)> {
     let (w, x, scale) = random_case(n, k, tokens, (n * 7 + k * 3 + tokens) as u64);
     let bias: Vec<f32> = (0..n).map(|i| (i % 7) as f32 * 0.1).collect();
     let y0: Vec<f32> = (0..tokens * n).map(|i| (i % 5) as f32).collect();
@@ -87,18 +90,30 @@ pub(crate) fn check_dense<R: Runtime>(
     let (wd, xd, bd, gd, pd) =
         (DeviceArray::from_slice(client, &w), up(&x), up(&bias), up(&gw), up(&[1e-6, 1.0]));
     let meta = DeviceArray::from_slice(client, &[tokens as u32]);
-    let mut worst = [0.0f32; 2];
+    let mut worst = [0.0f32; 3];
+    let mut failed = Vec::new();
     let always = MmaMode::Always(MmaTuning::default());
     let wide = |wide_groups| MmaMode::Always(MmaTuning { wide_groups, ..MmaTuning::default() });
     // The matrix units' slot: the worst of the default tiles and of tiles of 3 and 8 fragments
-    // (the same as the default up to 16 tokens).
-    for (slot, mma) in [(0usize, MmaMode::Off), (1, always), (1, wide(3)), (1, wide(8))] {
+    // (the same as the default up to 16 tokens); the matmul's: every kernel.
+    let mut runs = vec![(0usize, MmaMode::Off), (1, always), (1, wide(3)), (1, wide(8))];
+    runs.extend(matmuls.iter().map(|&m| (2, MmaMode::Matmul(m))));
+    for (slot, mma) in runs {
         for normed in [false, true] {
             let g = DenseGemm { n, k, bias: true, accumulate: true, mma, plain_rows: None };
             let y = up(&y0);
             let norm = normed.then_some(RowNorm { w: &gd, params: &pd });
-            dense_gemm_normed(client, g, tokens, &meta, &xd, norm, &wd, &bd, &y)?;
-            let got = kernels_cubecl::read_f32(client, &y)?;
+            let launched = dense_gemm_normed(client, g, tokens, &meta, &xd, norm, &wd, &bd, &y);
+            let got = launched.and_then(|_| kernels_cubecl::read_f32(client, &y));
+            let got = match (got, mma) {
+                (Ok(got), _) => got,
+                (Err(e), MmaMode::Matmul(m)) => {
+                    eprintln!("dense matmul {} does not run here: {e}", m.name());
+                    failed.push(m.name());
+                    break;
+                }
+                (Err(e), _) => return Err(e.into()),
+            };
             let mut want = y0.clone();
             let sc = if normed {
                 dense_gemm_normed_reference(g, &x, &gw, 1e-6, 1.0, &w, &bias, &mut want);
@@ -118,7 +133,7 @@ pub(crate) fn check_dense<R: Runtime>(
             worst[slot] = worst[slot].max(err);
         }
     }
-    Ok(worst)
+    Ok((worst, failed))
 }
 
 /// Launch shapes of the matrix-unit kernel compared at 8 tokens (name, unroll, pipeline, x
@@ -131,12 +146,13 @@ const TUNINGS: [(&str, usize, bool, bool, usize); 5] = [
     ("u2p", 2, true, true, 16),
 ];
 
-/// Times the dense GEMMs of [`DENSE_SHAPES`] at 1 to 1024 tokens (16 with `quick`) on the
-/// plain kernel and on the matrix units (default launch shape; the others of [`TUNINGS`] at 8
-/// tokens, tiles of 4 and 8 fragments past 16 tokens),
-/// weights rotated through `rotate_bytes` of copies, after checking both kernels when
-/// `check`. Records: `kernel` `dense_f16` / `dense_f16_mma`, `effective_gbps` = weight
-/// bytes / time, against `hbm` (GB/s).
+/// Times the dense GEMMs of [`DENSE_SHAPES`] (of `models`, all when empty) at `dense_tokens`
+/// (default 1 to 2048, to 16 with `quick`; LM heads to 256) on the plain kernel (to 16 tokens), on the matrix units
+/// (default launch shape; the others of [`TUNINGS`] at 8 tokens, tiles of 4 and 8 fragments
+/// past 16 tokens) and, from 64 tokens, on the CubeK matmul kernels `matmuls`, weights rotated through
+/// `rotate_bytes` of copies, after checking the kernels when `check`. Records: `kernel`
+/// `dense_f16` / `dense_f16_mma` / `dense_f16_matmul`, `effective_gbps` = weight bytes / time,
+/// against `hbm` (GB/s), `tflops`.
 pub(crate) fn dense_records<R: Runtime>(
     client: &ComputeClient<R>,
     rotate_bytes: usize,
@@ -144,6 +160,9 @@ pub(crate) fn dense_records<R: Runtime>(
     hbm: f64,
     check: bool,
     quick: bool,
+    models: &[String],
+    matmuls: &[MatmulKernel],
+    dense_tokens: &[usize],
 ) -> Result<Vec<Value>> {
     let mut records = Vec::new();
     let mma_ok = dense_mma_supported(client);
@@ -157,26 +176,42 @@ pub(crate) fn dense_records<R: Runtime>(
             (300, 2048, 93),
             (200, 1024, 301),
         ] {
-            let [plain, mma] = check_dense(client, n, k, t)?;
-            eprintln!("check {n}x{k} {t} tokens: relative error plain {plain:.1e}, mma {mma:.1e}");
+            // CubeK's kernels compile per shape: checked on the shapes past a token tile.
+            let ([plain, mma, matmul], failed) =
+                check_dense(client, n, k, t, if t > 16 { matmuls } else { &[] })?;
+            eprintln!(
+                "check {n}x{k} {t} tokens: relative error plain {plain:.1e}, mma {mma:.1e}, matmul {matmul:.1e} (not run: {failed:?})"
+            );
             records.push(json!({"check": "dense_gemm", "n": n, "k": k, "tokens": t,
-                "rel_err_plain": plain, "rel_err_mma": mma, "mma_supported": mma_ok, "budget": DENSE_RTOL}));
+                "rel_err_plain": plain, "rel_err_mma": mma, "rel_err_matmul": matmul, "matmul_not_run": failed,
+                "mma_supported": mma_ok, "budget": DENSE_RTOL}));
         }
     }
     let shapes: &[_] = if quick { &DENSE_SHAPES[3..4] } else { &DENSE_SHAPES };
-    for &(model, matrix, n, k) in shapes {
+    let wanted = |m: &str| models.is_empty() || models.iter().any(|w| w == m);
+    for &(model, matrix, n, k) in shapes.iter().filter(|s| wanted(s.0)) {
         let bytes = n * k * 2;
         let copies = (rotate_bytes / bytes).clamp(2, 64);
         let w: Vec<f16> = (0..n * k).map(|i| f16::from_f32(((i % 13) as f32 - 6.0) * 0.01)).collect();
         let ws: Vec<DeviceArray> = (0..copies).map(|_| DeviceArray::from_slice(client, &w)).collect();
-        let token_list: &[usize] = if quick { &[1, 2, 4, 8, 16] } else { &[1, 2, 4, 8, 16, 64, 256, 1024] };
-        for &tokens in token_list {
+        let token_list: &[usize] = match (dense_tokens, quick) {
+            ([], true) => &[1, 2, 4, 8, 16],
+            ([], false) => &[1, 2, 4, 8, 16, 64, 256, 1024, 2048],
+            (list, _) => list,
+        };
+        // A prompt's LM head reads its last rows only (at most a logits buffer of 256).
+        let head = matrix == "lm_head";
+        for &tokens in token_list.iter().filter(|&&t| !head || t <= 256) {
             let x = DeviceArray::from_slice(client, &vec![0.01f32; tokens * k]);
             let y = DeviceArray::empty::<R, f32>(client, tokens * n);
             let meta = DeviceArray::from_slice(client, &[tokens as u32]);
             let gw = DeviceArray::from_slice(client, &vec![1.0f32; k]);
             let gp = DeviceArray::from_slice(client, &[1e-6f32, 0.0]);
-            let mut runs: Vec<(&str, MmaMode)> = vec![("plain", MmaMode::Off)];
+            // The plain kernel multiplies per token on the ALUs: past 16 tokens it only takes time.
+            let mut runs: Vec<(&str, MmaMode)> = Vec::new();
+            if tokens <= 16 {
+                runs.push(("plain", MmaMode::Off));
+            }
             if tokens <= 2 {
                 // The step's projections and LM heads read a normed input.
                 runs.push(("plain-normed", MmaMode::Off));
@@ -192,10 +227,23 @@ pub(crate) fn dense_records<R: Runtime>(
                     runs.push((name, MmaMode::Always(MmaTuning { wide_groups, ..MmaTuning::default() })));
                 }
             }
+            if tokens >= 64 {
+                for &m in matmuls {
+                    runs.push((m.name(), MmaMode::Matmul(m)));
+                }
+            }
             let mut plain = 0.0;
             for (name, mode) in runs {
                 let g = DenseGemm { n, k, bias: false, accumulate: false, mma: mode, plain_rows: None };
                 let norm = (name == "plain-normed").then_some(RowNorm { w: &gw, params: &gp });
+                if let MmaMode::Matmul(m) = mode {
+                    let first = dense_gemm_normed(client, g, tokens, &meta, &x, norm, &ws[0], &x, &y)
+                        .and_then(|_| kernels_cubecl::sync(client));
+                    if let Err(e) = first {
+                        eprintln!("dense matmul {} {matrix} t{tokens}: does not run: {e}", m.name());
+                        continue;
+                    }
+                }
                 let secs = time_batches(client, launches, |i| {
                     dense_gemm_normed(client, g, tokens, &meta, &x, norm, &ws[i % copies], &x, &y).unwrap()
                 })?
@@ -204,10 +252,15 @@ pub(crate) fn dense_records<R: Runtime>(
                     plain = secs;
                 }
                 let rec = json!({
-                    "kernel": if mode == MmaMode::Off { "dense_f16" } else { "dense_f16_mma" }, "variant": name,
+                    "kernel": match mode {
+                        MmaMode::Off => "dense_f16",
+                        MmaMode::Matmul(_) => "dense_f16_matmul",
+                        _ => "dense_f16_mma",
+                    },
+                    "variant": name, "tflops": 2.0 * (n * k * tokens) as f64 / secs / 1e12,
                     "model": model, "shape": format!("{matrix} {n}x{k}"), "tokens": tokens, "time_us": secs * 1e6,
                     "effective_gbps": bytes as f64 / secs / 1e9, "hbm_read_gbps": hbm,
-                    "speedup_over_plain": plain / secs, "mma_supported": mma_ok,
+                    "speedup_over_plain": (plain > 0.0).then(|| plain / secs), "mma_supported": mma_ok,
                 });
                 eprintln!("{rec}");
                 records.push(rec);

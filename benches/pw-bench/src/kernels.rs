@@ -76,6 +76,14 @@ pub struct BenchKernelsArgs {
     /// Skip the dense f16 GEMMs (projections, dense MLPs, LM heads; plain vs matrix units).
     #[arg(long)]
     pub no_dense: bool,
+    /// CubeK matmul kernels of the dense GEMMs' check and timings from 64 tokens
+    /// (comma-separated `MatmulKernel` names; default all).
+    #[arg(long, value_delimiter = ',')]
+    pub matmul_kernels: Vec<String>,
+    /// Token counts of the dense GEMMs' timings (comma-separated; default 1, 2, 4, 8, 16, 64,
+    /// 256, 1024, 2048, or to 16 with `--quick`).
+    #[arg(long, value_delimiter = ',')]
+    pub dense_tokens: Vec<usize>,
     /// Only the stream read and the dense f16 GEMMs.
     #[arg(long)]
     pub dense_only: bool,
@@ -303,6 +311,17 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchKernelsArgs) -> Result<Vec<Value
         json!({"kernel": "stream_read", "bytes": words * 4, "time_us": secs * 1e6, "hbm_read_gbps": hbm}),
     );
 
+    let matmuls = if a.matmul_kernels.is_empty() {
+        kernels_cubecl::MatmulKernel::ALL.to_vec()
+    } else {
+        a.matmul_kernels
+            .iter()
+            .map(|n| {
+                kernels_cubecl::MatmulKernel::from_name(n)
+                    .ok_or_else(|| anyhow::anyhow!("--matmul-kernels {n}: not a CubeK matmul kernel name"))
+            })
+            .collect::<Result<Vec<_>>>()?
+    };
     if !a.no_dense {
         records.extend(crate::dense::dense_records(
             &client,
@@ -311,6 +330,9 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchKernelsArgs) -> Result<Vec<Value
             hbm,
             a.check,
             a.quick,
+            &a.models,
+            &matmuls,
+            &a.dense_tokens,
         )?);
     }
     if a.dense_only {

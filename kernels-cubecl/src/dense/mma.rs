@@ -23,6 +23,7 @@ use cubecl::prelude::*;
 use half::f16;
 
 use super::DenseGemm;
+use super::matmul::MatmulKernel;
 use crate::DeviceArray;
 use crate::expert_gemm::bitplane::X4;
 use crate::norms::{RowNorm, norm_args};
@@ -53,6 +54,8 @@ pub enum MmaMode {
     Auto(MmaTuning),
     /// The matrix units at any token count, with this launch shape (benchmarks).
     Always(MmaTuning),
+    /// CubeK's matmul of this kind at any token count ([`super::matmul`]; benchmarks, tests).
+    Matmul(MatmulKernel),
 }
 
 impl MmaMode {
@@ -65,7 +68,7 @@ impl MmaMode {
 /// head, from three or four on every layer's matrix (`benches/results/h200-kernels.md`).
 pub const MMA_MIN_TOKENS: usize = 3;
 
-/// Launch shape of [`dense_mma_kernel`].
+/// Launch shape of [`dense_mma_kernel`], and the matmul that takes over in large steps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MmaTuning {
     /// Steps of 32 columns per warp whose weight loads are issued together.
@@ -83,11 +86,15 @@ pub struct MmaTuning {
     /// each tile reads the weights again (from L2 after the first), so wider tiles read them
     /// fewer times; from 3 fragments a step's `x` is loaded just before its MMAs (registers).
     pub wide_groups: usize,
+    /// From [`super::matmul::MATMUL_MIN_TOKENS`] tokens (and [`super::matmul::MATMUL_MIN_ROWS`]
+    /// rows), CubeK's matmul of
+    /// this kind on f16 inputs instead ([`super::matmul`]), on devices with f16 matrix units.
+    pub matmul: Option<MatmulKernel>,
 }
 
 impl Default for MmaTuning {
     /// [`MmaTuning::DEFAULT`]: 4 steps per round without pipelining, the fastest shape
-    /// measured on the H200.
+    /// measured on the H200; CubeK's [`MatmulKernel::DEFAULT`] for large steps.
     fn default() -> Self {
         Self::DEFAULT
     }
@@ -102,6 +109,7 @@ impl MmaTuning {
         accumulators: 1,
         x_ahead: true,
         wide_groups: 2,
+        matmul: Some(MatmulKernel::DEFAULT),
     };
 }
 

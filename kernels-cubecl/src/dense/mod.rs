@@ -1,7 +1,10 @@
 //! The dense f16 skinny GEMM of a decode step (projections, dense MLPs, LM heads):
 //! `y (+)= x · Wᵀ (+ bias)` with `W` f16 `[n, k]` row-major, optionally reading `x` through an
-//! RMSNorm ([`RowNorm`]) so the norm needs no launch of its own. It runs on the plain SIMT kernel ([`simt`]) or on the matrix units ([`mma`]).
+//! RMSNorm ([`RowNorm`]) so the norm needs no launch of its own. It runs on the plain SIMT kernel
+//! ([`simt`]), on the matrix units in tiles of a few tokens ([`mma`]), or, in steps of many
+//! tokens, as CubeK's f16 matmul ([`matmul`]).
 
+pub mod matmul;
 pub mod mma;
 pub mod simt;
 #[cfg(test)]
@@ -13,6 +16,7 @@ use half::f16;
 use crate::device::need;
 use crate::norms::{RowNorm, rms_norm_reference};
 use crate::{DeviceArray, KernelError};
+use matmul::{MATMUL_MIN_ROWS, MATMUL_MIN_TOKENS};
 use mma::{MMA_MIN_TOKENS, MmaMode};
 
 /// Options of a dense skinny GEMM launch.
@@ -116,8 +120,22 @@ fn dense_gemm_launch<R: Runtime>(
     if tokens == 0 {
         return Ok(());
     }
+    let norm = match input {
+        GemmInput::Norm(nm) => Some(nm),
+        _ => None,
+    };
+    let large = match g.mma {
+        MmaMode::Matmul(m) => Some(m),
+        MmaMode::Auto(t) if tokens >= MATMUL_MIN_TOKENS && g.n >= MATMUL_MIN_ROWS => {
+            t.matmul.filter(|_| crate::grouped_mma_supported(client))
+        }
+        _ => None,
+    };
+    if let Some(kernel) = large {
+        return matmul::launch(client, g, kernel, tokens, meta, x, norm, w, bias, y);
+    }
     let tuning = match g.mma {
-        MmaMode::Off => None,
+        MmaMode::Off | MmaMode::Matmul(_) => None,
         MmaMode::Auto(t) => (tokens >= MMA_MIN_TOKENS).then_some(t),
         MmaMode::Always(t) => Some(t),
     };
@@ -125,10 +143,6 @@ fn dense_gemm_launch<R: Runtime>(
         && g.k.is_multiple_of(mma::MMA_STEP_COLS)
         && mma::dense_mma_supported(client)
     {
-        let norm = match input {
-            GemmInput::Norm(nm) => Some(nm),
-            _ => None,
-        };
         mma::launch(client, g, tuning, tokens, meta, x, norm, w, bias, y);
         return Ok(());
     }
