@@ -115,8 +115,7 @@ pub struct ServeArgs {
     /// KV cache together (the dense weights come on top); the planner lowers and raises pages
     /// as on the fast path. A PagedWeight checkpoint (`pagedweight quantize`) always has paged
     /// experts (default budget: the experts at --bits plus the KV cache of every batch slot at
-    /// the full context); a Hugging Face directory gets them with this option, its experts
-    /// quantized at load.
+    /// the full context); so does a Hugging Face directory, its experts quantized at load.
     #[arg(long, conflicts_with = "gpu_memory_gb")]
     pub memory_gb: Option<f64>,
     /// Planner options (with --fast --gpu-memory-gb, or a PagedWeight checkpoint on the
@@ -579,38 +578,29 @@ where
         bail!("--memory-gb sizes the reference path's paged experts; the fast path takes --gpu-memory-gb");
     }
     let mut _scratch = None;
-    let (model, device_name, fast_kv, max_batch): (Box<dyn StepModel>, String, Option<u64>, usize) =
+    let (model, device_name, kv_budget_bytes, max_batch): (Box<dyn StepModel>, String, u64, usize) =
         if let Some(on_cuda) = fast_on_cuda {
-            let (m, name, cap, max_batch) = fast_model(args, dir, max_context, on_cuda)?;
-            (m, name, Some(cap), max_batch)
+            fast_model(args, dir, max_context, on_cuda)?
         } else if pw_models::is_quantized_dir(dir) {
-            let (m, name, cap, max_batch) =
-                paged_reference_model::<B>(args, dir, device, device_name, max_context)?;
-            (m, name, Some(cap), max_batch)
-        } else if args.memory_gb.is_some() {
-            // Paged experts under a budget for a Hugging Face directory: its experts quantized
-            // into a PagedWeight checkpoint in a directory that lives as long as the server.
+            paged_reference_model::<B>(args, dir, device, device_name, max_context)?
+        } else {
+            // Paged experts for a Hugging Face directory: its experts quantized into a
+            // PagedWeight checkpoint in a directory that lives as long as the server.
             say_proxies(dir);
             let tmp = tempfile::tempdir().context("a directory for the quantized experts")?;
             pw_decode::write_quantized_hf(dir, tmp.path())
                 .with_context(|| format!("{}: quantizing the experts", dir.display()))?;
-            let (m, name, cap, max_batch) =
-                paged_reference_model::<B>(args, tmp.path(), device, device_name, max_context)?;
+            let paged = paged_reference_model::<B>(args, tmp.path(), device, device_name, max_context)?;
             _scratch = Some(tmp);
-            (m, name, Some(cap), max_batch)
-        } else {
-            let m = BurnStepModel::<B, AnyModel<B>>::load(dir, device).context("loading the model")?;
-            (Box::new(m), device_name.to_string(), None, resolve_max_batch(args.max_batch, false))
+            paged
         };
     let tokenizer = Arc::new(pw_serve::load_tokenizer(dir)?);
     let chat = ChatTemplate::from_dir(dir)?;
     let eos_token_ids = pw_serve::eos_token_ids(dir)?;
     let kv = model.kv_layout().clone();
     let weight_bytes = model.weight_bytes();
-    let kv_budget_bytes = fast_kv
-        .or(args.kv_budget_bytes)
-        .unwrap_or(kv.bytes_for(max_context).saturating_mul(max_batch.max(1) as u64));
-    if fast_kv.is_none() {
+    if fast_on_cuda.is_none() {
+        // The reference path's KV cache lives in host memory.
         check_host_kv(kv_budget_bytes, max_context, max_batch, args)?;
     }
     let config = EngineConfig {

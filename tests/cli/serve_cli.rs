@@ -26,8 +26,11 @@ fn once_prints_the_greedy_completion_and_a_summary() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let out = String::from_utf8(o.stdout).unwrap();
     let lines: Vec<&str> = out.lines().collect();
-    assert_eq!(lines.len(), 2, "{out}");
-    // The same greedy continuation as `pagedweight generate`.
+    // The completion, the summary, and the experts' memory line (they are pages on every path).
+    assert_eq!(lines.len(), 3, "{out}");
+    assert!(lines[2].starts_with("-- memory:") && lines[2].contains("mean 8.00 bits"), "{out}");
+    // The same greedy continuation as `pagedweight generate` (dense weights: the 8-bit pages
+    // keep this fixture's greedy path).
     let g = Command::new(bin())
         .args(["generate", "--model", model, "--prompt", "w7 w8 w9", "--max-tokens", "12"])
         .output()
@@ -174,6 +177,17 @@ fn fast_path_serves_a_pagedweight_checkpoint() {
     assert!(err.contains("reference path, paged experts, planner on"), "{err}");
     let out = String::from_utf8(o.stdout).unwrap();
     assert!(out.lines().any(|l| l.starts_with("-- memory:")), "{out}");
+    // ... and without it: on every path the experts are pages (here at the default 8 bits).
+    let o = Command::new(bin())
+        .args(["serve", "--device", "cpu", "--model", dir.path().to_str().unwrap()])
+        .args(["--once", "w7 w8 w9", "--max-tokens", "4"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(o.status.success() && err.contains("reference path, paged experts"), "{err}");
+    let out = String::from_utf8(o.stdout).unwrap();
+    let mem = out.lines().find(|l| l.starts_with("-- memory:")).unwrap_or_else(|| panic!("{out}"));
+    assert!(mem.contains("mean 8.00 bits"), "{mem}");
 }
 
 /// Issue 32, 2: a context of 10^12 tokens, from config.json or `--max-context`, is refused at
