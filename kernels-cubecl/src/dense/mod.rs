@@ -132,7 +132,12 @@ fn dense_gemm_launch<R: Runtime>(
         _ => None,
     };
     if let Some(kernel) = large {
-        return matmul::launch(client, g, kernel, tokens, meta, x, norm, w, bias, y);
+        match matmul::launch(client, g, kernel, tokens, meta, x, norm, w, bias, y) {
+            // A shape CubeK cannot set up (it says so before launching) falls back to the
+            // skinny kernels under `Auto`.
+            Err(_) if matches!(g.mma, MmaMode::Auto(_)) => {}
+            r => return r,
+        }
     }
     let tuning = match g.mma {
         MmaMode::Off | MmaMode::Matmul(_) => None,
