@@ -146,24 +146,21 @@ const TUNINGS: [(&str, usize, bool, bool, usize); 5] = [
     ("u2p", 2, true, true, 16),
 ];
 
-/// Times the dense GEMMs of [`DENSE_SHAPES`] (of `models`, all when empty) at `dense_tokens`
-/// (default 1 to 2048, to 16 with `quick`; LM heads to 256) on the plain kernel (to 16 tokens), on the matrix units
-/// (default launch shape; the others of [`TUNINGS`] at 8 tokens, tiles of 4 and 8 fragments
-/// past 16 tokens) and, from 64 tokens, on the CubeK matmul kernels `matmuls`, weights rotated through
-/// `rotate_bytes` of copies, after checking the kernels when `check`. Records: `kernel`
-/// `dense_f16` / `dense_f16_mma` / `dense_f16_matmul`, `effective_gbps` = weight bytes / time,
-/// against `hbm` (GB/s), `tflops`.
+/// Times the dense GEMMs of [`DENSE_SHAPES`] (of `--models`, all when empty) at `--dense-tokens`
+/// (default 1 to 2048, to 16 with `--quick`; LM heads to 256) on the plain kernel (to 16
+/// tokens), on the matrix units (default launch shape; the others of [`TUNINGS`] at 8 tokens,
+/// tiles of 4 and 8 fragments past 16 tokens) and, from 64 tokens, on the CubeK matmul kernels
+/// `matmuls`, weights rotated through `--rotate-bytes` of copies, after checking the kernels
+/// with `--check`. Records: `kernel` `dense_f16` / `dense_f16_mma` / `dense_f16_matmul`,
+/// `effective_gbps` = weight bytes / time, against `hbm` (GB/s), `tflops`.
 pub(crate) fn dense_records<R: Runtime>(
     client: &ComputeClient<R>,
-    rotate_bytes: usize,
-    launches: usize,
+    a: &crate::kernels::BenchKernelsArgs,
     hbm: f64,
-    check: bool,
-    quick: bool,
-    models: &[String],
     matmuls: &[MatmulKernel],
-    dense_tokens: &[usize],
 ) -> Result<Vec<Value>> {
+    let (rotate_bytes, launches, check, quick) = (a.rotate_bytes, a.launches, a.check, a.quick);
+    let (models, dense_tokens) = (&a.models, a.dense_tokens.as_slice());
     let mut records = Vec::new();
     let mma_ok = dense_mma_supported(client);
     eprintln!("dense GEMM on the matrix units: {}", if mma_ok { "supported" } else { "not supported" });
@@ -177,10 +174,12 @@ pub(crate) fn dense_records<R: Runtime>(
             (200, 1024, 301),
         ] {
             // CubeK's kernels compile per shape: checked on the shapes past a token tile.
-            let ([plain, mma, matmul], failed) =
-                check_dense(client, n, k, t, if t > 16 { matmuls } else { &[] })?;
+            let run = if t > 16 { matmuls } else { &[] };
+            let ([plain, mma, matmul], failed) = check_dense(client, n, k, t, run)?;
+            // No matmul checked on this shape: no figure.
+            let matmul = (!run.is_empty()).then_some(matmul);
             eprintln!(
-                "check {n}x{k} {t} tokens: relative error plain {plain:.1e}, mma {mma:.1e}, matmul {matmul:.1e} (not run: {failed:?})"
+                "check {n}x{k} {t} tokens: relative error plain {plain:.1e}, mma {mma:.1e}, matmul {matmul:?} (not run: {failed:?})"
             );
             records.push(json!({"check": "dense_gemm", "n": n, "k": k, "tokens": t,
                 "rel_err_plain": plain, "rel_err_mma": mma, "rel_err_matmul": matmul, "matmul_not_run": failed,

@@ -323,17 +323,7 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchKernelsArgs) -> Result<Vec<Value
             .collect::<Result<Vec<_>>>()?
     };
     if !a.no_dense {
-        records.extend(crate::dense::dense_records(
-            &client,
-            a.rotate_bytes,
-            a.launches,
-            hbm,
-            a.check,
-            a.quick,
-            &a.models,
-            &matmuls,
-            &a.dense_tokens,
-        )?);
+        records.extend(crate::dense::dense_records(&client, a, hbm, &matmuls)?);
     }
     if a.dense_only {
         return Ok(records);

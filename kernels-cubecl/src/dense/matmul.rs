@@ -34,8 +34,10 @@ use crate::plane::cube_sum;
 use crate::{DeviceArray, KernelError};
 
 /// Fewest tokens of a step for which [`super::mma::MmaMode::Auto`] takes the matmul (with
-/// [`super::mma::MmaTuning::matmul`] set and f16 matrix units on the device).
-pub const MATMUL_MIN_TOKENS: usize = 128;
+/// [`super::mma::MmaTuning::matmul`] set and f16 matrix units on the device): at 2048 tokens it
+/// takes half the skinny kernel's time, at 64 to 256 it is as slow or slower
+/// (`benches/results/h200-dense-matmul.md`).
+pub const MATMUL_MIN_TOKENS: usize = 512;
 
 /// Fewest output rows for which the matmul runs: narrower GEMMs (routers, gates) are a
 /// fraction of a step and stay on the skinny kernels.
