@@ -45,7 +45,8 @@ impl DenseGemm {
 }
 
 /// `y (+)= x · Wᵀ (+ bias)` with `W` f16 `[n, k]` row-major; `meta[0]` = tokens (any number:
-/// the kernels take them in tiles of up to 16).
+/// the skinny kernels take them in tiles of up to 16, large steps go through CubeK's matmul,
+/// see [`mma::MmaTuning::matmul`]).
 ///
 /// # Shapes
 /// - `x`: `[tokens, k]`; `w`: `[n, k]`; `y`: `[tokens, n]`

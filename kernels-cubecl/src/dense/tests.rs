@@ -97,19 +97,9 @@ const DENSE_MMA_RTOL: f32 = 1e-3;
 
 #[test]
 fn dense_mma_matches_reference() {
-    use half::f16;
-    let client = client();
     let mut rng = StdRng::seed_from_u64(211);
-    let up = |v: &[f32]| DeviceArray::from_slice(&client, v);
     for (n, k, tokens) in [(70usize, 96usize, 1usize), (33, 128, 3), (16, 64, 8), (40, 160, 9), (24, 96, 41)]
     {
-        let meta = DeviceArray::from_slice(&client, &[tokens as u32]);
-        let x: Vec<f32> =
-            (0..tokens * k).map(|i| rng.random_range(-1.0f32..1.0) * (1 + i / k) as f32).collect();
-        let wt: Vec<f16> = rand_vec(&mut rng, n * k, 0.5).into_iter().map(f16::from_f32).collect();
-        let b = rand_vec(&mut rng, n, 1.0);
-        let gw = rand_vec(&mut rng, k, 1.0);
-        let (gd, pd) = (up(&gw), up(&[1e-5, 1.0]));
         for normed in [false, true] {
             let d = DenseGemm {
                 n,
@@ -119,37 +109,44 @@ fn dense_mma_matches_reference() {
                 mma: MmaMode::Always(MmaTuning::default()),
                 plain_rows: None,
             };
-            let y0 = rand_vec(&mut rng, tokens * n, 1.0);
-            let y = up(&y0);
-            let norm = normed.then_some(RowNorm { w: &gd, params: &pd });
-            dense_gemm_normed(
-                &client,
-                d,
-                tokens,
-                &meta,
-                &up(&x),
-                norm,
-                &DeviceArray::from_slice(&client, &wt),
-                &up(&b),
-                &y,
-            )
-            .unwrap();
-            let mut want = y0.clone();
-            let xs = if normed { rms_norm_reference(&x, &gw, 1e-5, 1.0) } else { x.clone() };
-            dense_gemm_reference(d, &xs, &wt, &b, &mut want);
-            let got = read_f32(&client, &y).unwrap();
-            for t in 0..tokens {
-                for r in 0..n {
-                    let scale: f32 =
-                        (0..k).map(|c| (xs[t * k + c] * wt[r * k + c].to_f32()).abs()).sum::<f32>()
-                            + b[r].abs();
-                    let (g, w) = (got[t * n + r], want[t * n + r]);
-                    assert!(
-                        (g - w).abs() <= DENSE_MMA_RTOL * scale,
-                        "dense mma {n}x{k}, {tokens} tokens, normed {normed}: [{t}, {r}] {g} vs {w}"
-                    );
-                }
-            }
+            assert_within_rtol(&mut rng, d, tokens, normed, "dense mma");
+        }
+    }
+}
+
+/// Runs `d` over `tokens` random rows of growing magnitude (through a `1 + w` RMSNorm when
+/// `normed`) and asserts every output within [`DENSE_MMA_RTOL`] · `Σ|x·w| + |b|` of the
+/// reference.
+fn assert_within_rtol(rng: &mut StdRng, d: DenseGemm, tokens: usize, normed: bool, what: &str) {
+    use half::f16;
+    let client = client();
+    let up = |v: &[f32]| DeviceArray::from_slice(&client, v);
+    let (n, k) = (d.n, d.k);
+    let meta = DeviceArray::from_slice(&client, &[tokens as u32]);
+    let x: Vec<f32> = (0..tokens * k).map(|i| rng.random_range(-1.0f32..1.0) * (1 + i / k) as f32).collect();
+    let wt: Vec<f16> = rand_vec(rng, n * k, 0.5).into_iter().map(f16::from_f32).collect();
+    let b = rand_vec(rng, n, 1.0);
+    let gw = rand_vec(rng, k, 1.0);
+    let (gd, pd) = (up(&gw), up(&[1e-5, 1.0]));
+    let y0 = rand_vec(rng, tokens * n, 1.0);
+    let y = up(&y0);
+    let norm = normed.then_some(RowNorm { w: &gd, params: &pd });
+    let wd = DeviceArray::from_slice(&client, &wt);
+    dense_gemm_normed(&client, d, tokens, &meta, &up(&x), norm, &wd, &up(&b), &y).unwrap();
+    let mut want = y0.clone();
+    let xs = if normed { rms_norm_reference(&x, &gw, 1e-5, 1.0) } else { x.clone() };
+    dense_gemm_reference(d, &xs, &wt, &b, &mut want);
+    let got = read_f32(&client, &y).unwrap();
+    for t in 0..tokens {
+        for r in 0..n {
+            let scale: f32 =
+                (0..k).map(|c| (xs[t * k + c] * wt[r * k + c].to_f32()).abs()).sum::<f32>() + b[r].abs();
+            let (g, w) = (got[t * n + r], want[t * n + r]);
+            assert!(
+                (g - w).abs() <= DENSE_MMA_RTOL * scale,
+                "{what} {n}x{k}, {tokens} tokens, normed {normed}, bias {}: [{t}, {r}] {g} vs {w}",
+                d.bias
+            );
         }
     }
 }
@@ -161,58 +158,12 @@ fn dense_mma_matches_reference() {
 /// `pw-bench bench-kernels --check` on the GPU.
 #[test]
 fn dense_matmul_matches_reference() {
-    use half::f16;
-    let client = client();
     let mut rng = StdRng::seed_from_u64(307);
-    let up = |v: &[f32]| DeviceArray::from_slice(&client, v);
     for (n, k, tokens) in [(72usize, 96usize, 5usize), (40, 160, 33)] {
-        let meta = DeviceArray::from_slice(&client, &[tokens as u32]);
-        let x: Vec<f32> =
-            (0..tokens * k).map(|i| rng.random_range(-1.0f32..1.0) * (1 + i / k) as f32).collect();
-        let wt: Vec<f16> = rand_vec(&mut rng, n * k, 0.5).into_iter().map(f16::from_f32).collect();
-        let b = rand_vec(&mut rng, n, 1.0);
-        let gw = rand_vec(&mut rng, k, 1.0);
-        let (gd, pd) = (up(&gw), up(&[1e-5, 1.0]));
         for (normed, bias, accumulate) in [(false, false, false), (true, true, true), (false, true, true)] {
-            let d = DenseGemm {
-                n,
-                k,
-                bias,
-                accumulate,
-                mma: MmaMode::Matmul(MatmulKernel::Unit),
-                plain_rows: None,
-            };
-            let y0 = rand_vec(&mut rng, tokens * n, 1.0);
-            let y = up(&y0);
-            let norm = normed.then_some(RowNorm { w: &gd, params: &pd });
-            dense_gemm_normed(
-                &client,
-                d,
-                tokens,
-                &meta,
-                &up(&x),
-                norm,
-                &DeviceArray::from_slice(&client, &wt),
-                &up(&b),
-                &y,
-            )
-            .unwrap();
-            let mut want = y0.clone();
-            let xs = if normed { rms_norm_reference(&x, &gw, 1e-5, 1.0) } else { x.clone() };
-            dense_gemm_reference(d, &xs, &wt, &b, &mut want);
-            let got = read_f32(&client, &y).unwrap();
-            for t in 0..tokens {
-                for r in 0..n {
-                    let scale: f32 =
-                        (0..k).map(|c| (xs[t * k + c] * wt[r * k + c].to_f32()).abs()).sum::<f32>()
-                            + b[r].abs();
-                    let (g, w) = (got[t * n + r], want[t * n + r]);
-                    assert!(
-                        (g - w).abs() <= DENSE_MMA_RTOL * scale,
-                        "dense matmul {n}x{k}, {tokens} tokens, normed {normed}, bias {bias}: [{t}, {r}] {g} vs {w}"
-                    );
-                }
-            }
+            let mma = MmaMode::Matmul(MatmulKernel::Unit);
+            let d = DenseGemm { n, k, bias, accumulate, mma, plain_rows: None };
+            assert_within_rtol(&mut rng, d, tokens, normed, "dense matmul");
         }
     }
 }
