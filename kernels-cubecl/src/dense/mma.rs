@@ -87,8 +87,8 @@ pub struct MmaTuning {
     /// fewer times; from 3 fragments a step's `x` is loaded just before its MMAs (registers).
     pub wide_groups: usize,
     /// From [`super::matmul::MATMUL_MIN_TOKENS`] tokens (and [`super::matmul::MATMUL_MIN_ROWS`]
-    /// rows), CubeK's matmul of
-    /// this kind on f16 inputs instead ([`super::matmul`]), on devices with f16 matrix units.
+    /// rows), CubeK's matmul of this kind on f16 inputs instead ([`super::matmul`]), on devices
+    /// with f16 matrix units.
     pub matmul: Option<MatmulKernel>,
 }
 
