@@ -73,8 +73,8 @@ fn abs_dot(w: &[f16], x: &[f32], n: usize, k: usize, tokens: usize) -> Vec<f32> 
 
 /// Checks the kernels on one shape (plain and normed input, bias, residual add); fails past
 /// [`DENSE_RTOL`]. Returns the worst relative error of the plain kernel, the skinny matrix-unit
-/// kernel and CubeK's matmuls (every [`MatmulKernel`] that launches on the device; those that
-/// do not are listed in the fourth slot's names).
+/// kernel and CubeK's `matmuls` (those that launch on the device), and the names of the
+/// `matmuls` that do not.
 pub(crate) fn check_dense<R: Runtime>(
     client: &ComputeClient<R>,
     n: usize,
@@ -160,7 +160,7 @@ pub(crate) fn dense_records<R: Runtime>(
     matmuls: &[MatmulKernel],
 ) -> Result<Vec<Value>> {
     let (rotate_bytes, launches, check, quick) = (a.rotate_bytes, a.launches, a.check, a.quick);
-    let (models, dense_tokens) = (&a.models, a.dense_tokens.as_slice());
+    let dense_tokens = a.dense_tokens.as_slice();
     let mut records = Vec::new();
     let mma_ok = dense_mma_supported(client);
     eprintln!("dense GEMM on the matrix units: {}", if mma_ok { "supported" } else { "not supported" });
@@ -187,8 +187,7 @@ pub(crate) fn dense_records<R: Runtime>(
         }
     }
     let shapes: &[_] = if quick { &DENSE_SHAPES[3..4] } else { &DENSE_SHAPES };
-    let wanted = |m: &str| models.is_empty() || models.iter().any(|w| w == m);
-    for &(model, matrix, n, k) in shapes.iter().filter(|s| wanted(s.0)) {
+    for &(model, matrix, n, k) in shapes.iter().filter(|s| a.wants(s.0)) {
         let bytes = n * k * 2;
         let copies = (rotate_bytes / bytes).clamp(2, 64);
         let w: Vec<f16> = (0..n * k).map(|i| f16::from_f32(((i % 13) as f32 - 6.0) * 0.01)).collect();

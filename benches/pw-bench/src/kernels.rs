@@ -97,6 +97,13 @@ pub struct BenchKernelsArgs {
     pub grouped_only: bool,
 }
 
+impl BenchKernelsArgs {
+    /// Whether `--models` selects `model` (every model when empty).
+    pub(crate) fn wants(&self, model: &str) -> bool {
+        self.models.is_empty() || self.models.iter().any(|w| w == model)
+    }
+}
+
 /// Runs the benchmark on the chosen runtime.
 pub fn bench_kernels(a: &BenchKernelsArgs) -> Result<()> {
     let records = match a.device.as_str() {
@@ -301,7 +308,7 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchKernelsArgs) -> Result<Vec<Value
         anyhow::bail!("--variants {v}: expected some of {}", known.join(", "));
     }
     eprintln!("config: {cfg:?}");
-    let wanted = |m: &str| a.models.is_empty() || a.models.iter().any(|w| w == m);
+    let wanted = |m: &str| a.wants(m);
     let mut records = Vec::new();
 
     let words = if a.quick { 1 << 22 } else { 1 << 29 };
