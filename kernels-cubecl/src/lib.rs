@@ -62,7 +62,10 @@ pub use attention::append::{
 pub use attention::decode::{
     AttnSplit, paged_decode_attention, paged_decode_attention_reference, paged_decode_attention_strided,
 };
-pub use attention::prefill::{PREFILL_RUN_ROWS, paged_prefill_attention, prefill_runs};
+pub use attention::prefill::{
+    PREFILL_RUN_ROWS, PrefillKernel, paged_prefill_attention, prefill_run_rows, prefill_runs,
+};
+pub use attention::prefill_mma::prefill_mma_run_tokens;
 pub use attention::{PagedAttnShape, RowLayout};
 pub use bandwidth::{stream_read, stream_read_reference};
 pub use dense::matmul::{MATMUL_MIN_ROWS, MATMUL_MIN_TOKENS, MatmulKernel};

@@ -95,6 +95,12 @@ pub struct BenchKernelsArgs {
     /// dense f16 GEMMs unless `--no-dense`.
     #[arg(long)]
     pub grouped_only: bool,
+    /// Skip the prefill attention (plain and matrix-unit kernels; with `--check` their check).
+    #[arg(long)]
+    pub no_attention: bool,
+    /// Only the prefill attention.
+    #[arg(long)]
+    pub attention_only: bool,
 }
 
 impl BenchKernelsArgs {
@@ -308,6 +314,9 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchKernelsArgs) -> Result<Vec<Value
         anyhow::bail!("--variants {v}: expected some of {}", known.join(", "));
     }
     eprintln!("config: {cfg:?}");
+    if a.attention_only {
+        return crate::attention::attention_records(&client, a);
+    }
     let wanted = |m: &str| a.wants(m);
     let mut records = Vec::new();
 
@@ -334,6 +343,9 @@ fn run<R: Runtime>(device: &R::Device, a: &BenchKernelsArgs) -> Result<Vec<Value
     }
     if a.dense_only {
         return Ok(records);
+    }
+    if !a.no_attention && !a.grouped_only {
+        records.extend(crate::attention::attention_records(&client, a)?);
     }
     let grouped_tokens = match a.grouped_tokens.as_slice() {
         [] if a.quick => vec![32],

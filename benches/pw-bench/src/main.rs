@@ -2,6 +2,7 @@
 //! serving) and the SASS tool, one binary carried to the GPU machine. Each writes JSON records
 //! that `benches/results/` curates.
 
+mod attention;
 mod decode;
 mod dense;
 mod grouped;

@@ -11,14 +11,14 @@ use cubecl::prelude::*;
 use kernels_cubecl::argmax;
 use kernels_cubecl::{DeviceArray, GemmConfig, RESIDUAL_STATS, read_f32, read_f32_prefix, read_u32};
 use kernels_cubecl::{GroupedKernel, MmaMode};
-use pw_kv::{BlockTables, DevicePools, SeqId};
+use pw_kv::{BlockTables, DevicePools, KvGeometry, SeqId};
 
 use crate::DecodeError;
 use crate::builder::DecoderBuilder;
 use crate::config::{DecodeConfig, Family};
 use crate::paged::PagedExperts;
 use crate::route_stats::RouteStats;
-use crate::stages::{ExpertAct, Fwd, ROUTED_STEP_TOKENS, ResidualSegments, Scratch, Tuning};
+use crate::stages::{ExpertAct, Fwd, PrefillRuns, ROUTED_STEP_TOKENS, ResidualSegments, Scratch, Tuning};
 use crate::weights::DenseWeights;
 
 /// A MoE model of one of the three families on a CubeCL device, decoding batches of
@@ -366,7 +366,7 @@ impl<R: Runtime, KV: Float + CubeElement> Decoder<R, KV> {
                 let n = rows.len();
                 (DeviceArray::from_slice(c, &idx), DeviceArray::from_slice(c, &[n as u32]), n)
             }),
-            runs: prefill_runs(&seqs, c),
+            runs: prefill_runs::<R, KV>(&seqs, self.kv.geometry(), c),
             residual: residual_segments(&seqs, &mut self.residual),
             launches: 0,
             _kv: PhantomData,
@@ -424,7 +424,7 @@ fn residual_segments<'a>(
     tracked: &'a mut HashMap<SeqId, (DeviceArray, usize)>,
 ) -> ResidualSegments<'a> {
     let mut segs: HashMap<SeqId, Vec<(u32, u32, u32)>> = HashMap::new();
-    for run in kernels_cubecl::prefill_runs(seqs).chunks(2) {
+    for run in kernels_cubecl::prefill_runs(seqs, kernels_cubecl::PREFILL_RUN_ROWS).chunks(2) {
         let seq = seqs[run[0] as usize];
         if tracked.contains_key(&seq) {
             segs.entry(seq).or_default().push((run[0], run[1], 0));
@@ -457,12 +457,25 @@ fn prefill_chunks<T>(items: &[T], max: usize, rows: usize, ends: impl Fn(&T) -> 
     chunks
 }
 
-/// The step's rows in runs of one sequence on the device and their count, when some run has
-/// at least [`PREFILL_MIN_RUN`] rows.
-fn prefill_runs<R: Runtime>(seqs: &[SeqId], c: &ComputeClient<R>) -> Option<(DeviceArray, usize)> {
-    let runs = kernels_cubecl::prefill_runs(seqs);
+/// The step's rows in runs of one sequence on the device, their count and the longest, when
+/// some run has at least [`PREFILL_MIN_RUN`] rows; runs as long as every layer's prefill
+/// attention serves best ([`kernels_cubecl::prefill_run_rows`]).
+fn prefill_runs<R: Runtime, KV: 'static>(
+    seqs: &[SeqId],
+    geometry: &KvGeometry,
+    c: &ComputeClient<R>,
+) -> Option<PrefillRuns> {
+    let max_rows = (0..geometry.layers.len())
+        .map(|l| kernels_cubecl::prefill_run_rows::<R, KV>(c, &geometry.attn_shape(l)))
+        .min()
+        .unwrap_or(kernels_cubecl::PREFILL_RUN_ROWS);
+    let runs = kernels_cubecl::prefill_runs(seqs, max_rows);
     let longest = runs.chunks(2).map(|r| r[1] as usize).max().unwrap_or(0);
-    (longest >= PREFILL_MIN_RUN).then(|| (DeviceArray::from_slice(c, &runs), runs.len() / 2))
+    (longest >= PREFILL_MIN_RUN).then(|| PrefillRuns {
+        runs: DeviceArray::from_slice(c, &runs),
+        count: runs.len() / 2,
+        longest,
+    })
 }
 
 #[cfg(test)]

@@ -20,6 +20,7 @@
 pub mod append;
 pub mod decode;
 pub mod prefill;
+pub mod prefill_mma;
 #[cfg(test)]
 mod tests;
 

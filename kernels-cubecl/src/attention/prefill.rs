@@ -8,28 +8,59 @@
 //! key once (causal: row `r` sees keys below its length; with a window only the last `window`).
 //! Its planes (warps) own the (query, head) rows in turn, lane `l` the head dimensions
 //! `l, l + P, …`, with an online softmax per row as in the decode kernel. Runs of more rows
-//! than the cube holds at once go in sub-blocks.
+//! than the cube holds at once go in sub-blocks. On devices with f16 `mma` and an f16 cache,
+//! [`super::prefill_mma`] does the same on the matrix units.
+
+use std::any::TypeId;
 
 use cubecl::prelude::*;
 
 use super::PagedAttnShape;
+use super::prefill_mma::{self, prefill_mma_run_tokens};
+use crate::expert_gemm::grouped::grouped_mma_supported;
 use crate::plane::warp_sum;
 use crate::{DeviceArray, KernelError};
 
-/// Most rows of one run (one cube).
+/// Rows per run (one cube) of the plain kernel.
 pub const PREFILL_RUN_ROWS: usize = 16;
+
+/// Which kernel runs a prefill attention launch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefillKernel {
+    /// The matrix-unit kernel where it applies ([`prefill_run_rows`]), else the plain one.
+    Auto,
+    /// The plain kernel ([`paged_prefill_attention_kernel`]).
+    Plain,
+    /// The matrix-unit kernel ([`prefill_mma::paged_prefill_mma_kernel`]); an error where it
+    /// does not apply.
+    Mma,
+}
+
+/// Whether the matrix-unit kernel can run on `client` over a cache of `KV`: f16 `mma`
+/// on planes of 32 and an f16 cache.
+fn mma_ok<R: Runtime, KV: 'static>(client: &ComputeClient<R>) -> bool {
+    TypeId::of::<KV>() == TypeId::of::<half::f16>() && grouped_mma_supported(client)
+}
+
+/// Rows per run that [`paged_prefill_attention`] serves best for `shape` on `client` over a
+/// cache of `KV`: the matrix-unit kernel's run (64 query rows over the GQA group) where it
+/// applies, else [`PREFILL_RUN_ROWS`]. Any run length is correct with either kernel.
+pub fn prefill_run_rows<R: Runtime, KV: 'static>(client: &ComputeClient<R>, shape: &PagedAttnShape) -> usize {
+    prefill_mma_run_tokens(shape, mma_ok::<R, KV>(client)).unwrap_or(PREFILL_RUN_ROWS)
+}
 
 /// Planes per cube.
 const PREFILL_PLANES: usize = 8;
 
 /// `[first row, rows]` of each run of `seqs` (a step's rows, by sequence): consecutive equal
-/// entries, cut every [`PREFILL_RUN_ROWS`] rows.
-pub fn prefill_runs<T: PartialEq>(seqs: &[T]) -> Vec<u32> {
+/// entries, cut every `max_rows` rows (at least one).
+pub fn prefill_runs<T: PartialEq>(seqs: &[T], max_rows: usize) -> Vec<u32> {
+    let max_rows = max_rows.max(1);
     let mut runs = Vec::new();
     let mut i = 0;
     while i < seqs.len() {
         let mut j = i + 1;
-        while j < seqs.len() && j - i < PREFILL_RUN_ROWS && seqs[j] == seqs[i] {
+        while j < seqs.len() && j - i < max_rows && seqs[j] == seqs[i] {
             j += 1;
         }
         runs.extend([i as u32, (j - i) as u32]);
@@ -209,19 +240,22 @@ pub fn paged_prefill_attention_kernel<KV: Float>(
 }
 
 /// Prefill attention of a step's `rows` query rows (query of row `r` at `r · q_stride`) in the
-/// runs of `runs` (`[first row, rows]` per run, [`prefill_runs`]; every row in one run) over
-/// their paged K/V into `out`. `params` holds `[scale]`. Does not synchronise.
+/// runs of `runs` (`[first row, rows]` per run, [`prefill_runs`]; every row in one run, none
+/// longer than `longest`) over their paged K/V into `out`, on the kernel `kernel` picks.
+/// `params` holds `[scale]`. Does not synchronise.
 ///
 /// # Shapes
 /// - `q`: `[rows, q_stride]`; `out`: `[rows, n_heads · head_dim]`; `block_table`: `[rows,
 ///   max_blocks]`; `seq_lens`: `[rows]`; `runs`: `[n_runs, 2]`
 #[allow(clippy::too_many_arguments)]
-pub fn paged_prefill_attention<R: Runtime, KV: Float + CubeElement>(
+pub fn paged_prefill_attention<R: Runtime, KV: Float + CubeElement + 'static>(
     client: &ComputeClient<R>,
     shape: PagedAttnShape,
+    kernel: PrefillKernel,
     rows: usize,
     runs: &DeviceArray,
     n_runs: usize,
+    longest: usize,
     q: &DeviceArray,
     q_stride: usize,
     k_pool: &DeviceArray,
@@ -249,6 +283,36 @@ pub fn paged_prefill_attention<R: Runtime, KV: Float + CubeElement>(
             item: 0,
             reason: "paged_prefill_attention: buffer sizes do not match".into(),
         });
+    }
+    let mma_rows = prefill_mma_run_tokens(&shape, mma_ok::<R, KV>(client)).filter(|&n| longest <= n);
+    match (kernel, mma_rows) {
+        (PrefillKernel::Auto | PrefillKernel::Mma, Some(_)) => {
+            prefill_mma::launch(
+                client,
+                shape,
+                runs,
+                n_runs,
+                q,
+                q_stride,
+                k_pool,
+                v_pool,
+                block_table,
+                seq_lens,
+                params,
+                out,
+            );
+            return Ok(());
+        }
+        (PrefillKernel::Mma, None) => {
+            return Err(KernelError::BadItem {
+                item: 0,
+                reason: format!(
+                    "paged_prefill_attention: the matrix-unit kernel does not serve {shape:?} with runs of \
+                     {longest} rows on this device and cache type"
+                ),
+            });
+        }
+        _ => {}
     }
     let plan = PrefillPlan::new(&shape, plane_size);
     // SAFETY: buffer sizes checked above; runs come from `prefill_runs` over the step's rows

@@ -273,7 +273,7 @@ fn rope_append_matches_reference() {
 }
 
 /// Prefill attention against the per-row reference: a step of a 37-row prompt chunk at
-/// positions 10..47 (runs cut at 16 rows), a decode row of another sequence and a 20-row
+/// positions 10..47 (runs cut at 16 rows, and at 40: sub-blocks of a cube), a decode row of another sequence and a 20-row
 /// chunk from position 0; GQA groups of 4 and 1, f16 and f32 pools, with and without a window
 /// shorter than a run (rows whose first keys are masked).
 #[test]
@@ -315,21 +315,27 @@ fn paged_prefill_attention_matches_reference() {
         let dense_q: Vec<f32> = (0..rows).flat_map(|r| q[r * q_stride..][..width].to_vec()).collect();
         let scale = 1.0 / (shape.head_dim as f32).sqrt();
         let want = paged_decode_attention_reference(shape, scale, &dense_q, &kp, &vp, &table, &lens);
-        let runs = prefill_runs(&row_seq);
-        assert_eq!(runs, vec![0, 16, 16, 16, 32, 5, 37, 1, 38, 16, 54, 4], "runs cut at 16 rows");
         let up = |v: &[f32]| DeviceArray::from_slice(&client, v);
         let up32 = |v: &[u32]| DeviceArray::from_slice(&client, v);
         let out = up(&vec![f32::NAN; rows * width]);
-        let (td, ld, rd) = (up32(&table), up32(&lens), up32(&runs));
+        let (td, ld) = (up32(&table), up32(&lens));
         let args = [up(&q), up(&[scale])];
-        let run = |kd: &DeviceArray, vd: &DeviceArray, f16: bool| {
+        let run = |kd: &DeviceArray, vd: &DeviceArray, f16: bool, max_rows: usize| {
+            let runs = prefill_runs(&row_seq, max_rows);
+            if max_rows == 16 {
+                assert_eq!(runs, vec![0, 16, 16, 16, 32, 5, 37, 1, 38, 16, 54, 4], "runs cut at 16 rows");
+            }
+            let longest = runs.chunks(2).map(|r| r[1] as usize).max().unwrap();
+            let rd = up32(&runs);
             let r = if f16 {
                 paged_prefill_attention::<_, half::f16>(
                     &client,
                     shape,
+                    PrefillKernel::Auto,
                     rows,
                     &rd,
                     runs.len() / 2,
+                    longest,
                     &args[0],
                     q_stride,
                     kd,
@@ -343,9 +349,11 @@ fn paged_prefill_attention_matches_reference() {
                 paged_prefill_attention::<_, f32>(
                     &client,
                     shape,
+                    PrefillKernel::Auto,
                     rows,
                     &rd,
                     runs.len() / 2,
+                    longest,
                     &args[0],
                     q_stride,
                     kd,
@@ -359,11 +367,60 @@ fn paged_prefill_attention_matches_reference() {
             r.unwrap();
             let got = read_f32(&client, &out).unwrap();
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                assert!((g - w).abs() <= ATTN_TOL, "{what} (f16 {f16}): out[{i}] = {g}, reference {w}");
+                assert!(
+                    (g - w).abs() <= ATTN_TOL,
+                    "{what} (f16 {f16}, runs of {max_rows}): out[{i}] = {g}, reference {w}"
+                );
             }
         };
         let h = |v: &[f32]| v.iter().map(|&x| half::f16::from_f32(x)).collect::<Vec<_>>();
-        run(&DeviceArray::from_slice(&client, &h(&kp)), &DeviceArray::from_slice(&client, &h(&vp)), true);
-        run(&up(&kp), &up(&vp), false);
+        let (k16, v16) =
+            (DeviceArray::from_slice(&client, &h(&kp)), DeviceArray::from_slice(&client, &h(&vp)));
+        // Runs longer than a cube's rows go in sub-blocks.
+        for max_rows in [16, 40] {
+            run(&k16, &v16, true, max_rows);
+            run(&up(&kp), &up(&vp), false, max_rows);
+        }
     }
+}
+
+/// The matrix-unit prefill kernel's run length: 64 rows over the GQA group where the head
+/// dimension and the group fit, none without f16 `mma` or past them; on a device without it
+/// (lavapipe) `PrefillKernel::Mma` is refused with an error naming the launch.
+#[test]
+fn prefill_mma_run_tokens_and_refusal() {
+    let qwen = shape(16, 16, 128, 0);
+    let mixtral = shape(32, 8, 128, 0);
+    assert_eq!(prefill_mma_run_tokens(&qwen, true), Some(64));
+    assert_eq!(prefill_mma_run_tokens(&mixtral, true), Some(16));
+    assert_eq!(prefill_mma_run_tokens(&qwen, false), None);
+    assert_eq!(prefill_mma_run_tokens(&shape(16, 8, 256, 1024), true), None, "head_dim 256");
+    assert_eq!(prefill_mma_run_tokens(&shape(6, 2, 64, 0), true), None, "group 3");
+    assert_eq!(prefill_mma_run_tokens(&shape(4, 4, 48, 0), true), None, "head_dim 48");
+
+    let client = client();
+    let s = PagedAttnShape { block_size: 4, max_blocks: 4, ..shape(4, 4, 32, 0) };
+    assert_eq!(prefill_run_rows::<_, half::f16>(&client, &s), PREFILL_RUN_ROWS);
+    let a = DeviceArray::from_slice(&client, &vec![0f32; 4096]);
+    let u = DeviceArray::from_slice(&client, &[0u32, 4, 0, 0]);
+    let table = DeviceArray::from_slice(&client, &[0u32; 64]);
+    let err = paged_prefill_attention::<_, half::f16>(
+        &client,
+        s,
+        PrefillKernel::Mma,
+        4,
+        &u,
+        1,
+        4,
+        &a,
+        128,
+        &a,
+        &a,
+        &table,
+        &u,
+        &a,
+        &a,
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("matrix-unit"), "{err}");
 }

@@ -3,7 +3,7 @@
 //! paged attention (decode, or prefill over runs of a prompt chunk's rows) → the O projection.
 
 use cubecl::prelude::*;
-use kernels_cubecl::{HeadNorm, head_norm_rope_append};
+use kernels_cubecl::{HeadNorm, PrefillKernel, head_norm_rope_append};
 use kernels_cubecl::{RowLayout, paged_decode_attention_strided, paged_prefill_attention, rope_append};
 use kernels_cubecl::{dense_gemm, dense_gemm_normed};
 
@@ -31,12 +31,14 @@ impl<R: Runtime, KV: Float + CubeElement> Fwd<'_, R, KV> {
         let qkv_w = cfg.qkv_width(l);
         let step = &self.step;
         let r = match &self.runs {
-            Some((runs, n)) => paged_prefill_attention::<R, KV>(
+            Some(runs) => paged_prefill_attention::<R, KV>(
                 c,
                 attn_shape,
+                PrefillKernel::Auto,
                 self.t,
-                runs,
-                *n,
+                &runs.runs,
+                runs.count,
+                runs.longest,
                 &s.qkv,
                 qkv_w,
                 kp,

@@ -211,6 +211,16 @@ pub(crate) fn scratch_sizes(cfg: &DecodeConfig, t: usize, logit_rows: usize) -> 
 /// slot)` segments.
 pub(crate) type ResidualSegments<'a> = Vec<(&'a DeviceArray, Vec<(u32, u32, u32)>)>;
 
+/// A prefill step's rows in runs of one sequence ([`kernels_cubecl::prefill_runs`]).
+pub(crate) struct PrefillRuns {
+    /// `[first row, rows]` per run, on the device.
+    pub(crate) runs: DeviceArray,
+    /// Runs.
+    pub(crate) count: usize,
+    /// Rows of the longest run.
+    pub(crate) longest: usize,
+}
+
 /// One chunk of a step in flight: what every stage reads (the device, the shapes, the
 /// scratch buffers, the step's uploaded ids, positions and block tables) and the launches so far.
 pub(crate) struct Fwd<'a, R: Runtime, KV> {
@@ -232,10 +242,9 @@ pub(crate) struct Fwd<'a, R: Runtime, KV> {
     /// The rows the LM head computes, when not all: their indices and `[count]` on the device,
     /// and the count (a prefill needs only each prompt's last position).
     pub(crate) head_rows: Option<(DeviceArray, DeviceArray, usize)>,
-    /// In a step with prompt chunks, its rows in runs of one sequence
-    /// ([`kernels_cubecl::prefill_runs`]) and their count: attention then reads each run's
-    /// cache once for all of its queries.
-    pub(crate) runs: Option<(DeviceArray, usize)>,
+    /// In a step with prompt chunks, its rows in runs of one sequence: attention then reads
+    /// each run's cache once for all of its queries.
+    pub(crate) runs: Option<PrefillRuns>,
     /// The rows of each sequence whose prompt statistics the decoder gathers, with their
     /// buffer ([`crate::Decoder::track_residual`]).
     pub(crate) residual: ResidualSegments<'a>,
