@@ -13,8 +13,10 @@ use serde_json::{Value, json};
 
 use crate::kernels::{BenchKernelsArgs, random_x, relative_error, time_batches};
 
-/// Attention shapes `(model, query heads, KV heads, head_dim)`.
-const SHAPES: [(&str, usize, usize, usize); 2] = [("mixtral", 32, 8, 128), ("qwen2_moe", 16, 16, 128)];
+/// Attention shapes `(model, query heads, KV heads, head_dim, window)` (Gemma-4's sliding
+/// layers).
+const SHAPES: [(&str, usize, usize, usize, usize); 3] =
+    [("mixtral", 32, 8, 128, 0), ("qwen2_moe", 16, 16, 128, 0), ("gemma4", 16, 8, 256, 1024)];
 
 /// Largest `max |kernel − reference| / max |reference|` of the plain kernel (f32 arithmetic
 /// on the f16 cache, another summation order).
@@ -160,8 +162,8 @@ fn kernels<R: Runtime>(client: &ComputeClient<R>) -> Vec<(&'static str, PrefillK
 
 /// `bench-kernels --check` of the prefill attention: both kernels against
 /// [`paged_decode_attention_reference`] on random inputs (a 300-row chunk at positions
-/// 77..377, a decode row, a 45-row chunk from position 0), GQA groups 4, 1 and 2, a window
-/// crossing chunks, head dims 128 and 64; fails the run past the budgets.
+/// 77..377, a decode row, a 45-row chunk from position 0), GQA groups 4, 1 and 2, windows
+/// crossing chunks, head dims 128, 64 and 256; fails the run past the budgets.
 fn check<R: Runtime>(client: &ComputeClient<R>) -> Result<Vec<Value>> {
     let mut records = Vec::new();
     let shape = |n_heads, n_kv_heads, head_dim, window| PagedAttnShape {
@@ -177,6 +179,7 @@ fn check<R: Runtime>(client: &ComputeClient<R>) -> Result<Vec<Value>> {
         ("qwen2_moe", shape(16, 16, 128, 0)),
         ("window 100", shape(16, 16, 128, 100)),
         ("group 2, head_dim 64", shape(8, 4, 64, 0)),
+        ("gemma4 sliding, window 100", shape(16, 8, 256, 100)),
     ];
     for (i, (name, sh)) in cases.into_iter().enumerate() {
         let s = Step::new(sh, &[(77, 300), (5, 1), (0, 45)], 0x7A11 + i as u64);
@@ -211,7 +214,7 @@ pub(crate) fn attention_records<R: Runtime>(
 ) -> Result<Vec<Value>> {
     let mut records = if a.check { check(client)? } else { Vec::new() };
     let chunks: &[(usize, usize)] = if a.quick { &[(0, 64)] } else { &[(0, 2048), (6144, 2048)] };
-    for &(model, n_heads, n_kv_heads, head_dim) in SHAPES.iter().filter(|s| a.wants(s.0)) {
+    for &(model, n_heads, n_kv_heads, head_dim, window) in SHAPES.iter().filter(|s| a.wants(s.0)) {
         for &(p0, rows) in chunks {
             let shape = PagedAttnShape {
                 n_heads,
@@ -219,7 +222,7 @@ pub(crate) fn attention_records<R: Runtime>(
                 head_dim,
                 block_size: 16,
                 max_blocks: (p0 + rows).div_ceil(16),
-                window: 0,
+                window,
             };
             let s = Step::new(shape, &[(p0, rows)], 0xBE7C);
             let d = DeviceStep::new(client, &s);

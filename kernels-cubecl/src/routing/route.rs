@@ -296,10 +296,7 @@ pub(crate) fn group_choices(
     for e in range_stepped(w, experts, planes) {
         let mut count = 0u32;
         for i0 in range_stepped(0, n, plane_size) {
-            count += plane_broadcast(
-                plane_inclusive_sum(choice_hit(sel, i0 + lane, n, e)),
-                comptime![plane_size as u32 - 1],
-            );
+            count += hits_up_to(choice_hit(sel, i0 + lane, n, e), lane, plane_size).1;
         }
         if lane == 0 {
             csh[e] = count;
@@ -324,7 +321,7 @@ pub(crate) fn group_choices(
         for i0 in range_stepped(0, n, plane_size) {
             let i = i0 + lane;
             let hit = choice_hit(sel, i, n, e);
-            let incl = plane_inclusive_sum(hit);
+            let (incl, total) = hits_up_to(hit, lane, plane_size);
             if hit == 1u32 {
                 let r = row + incl - 1u32;
                 if r as usize == wanted {
@@ -336,7 +333,7 @@ pub(crate) fn group_choices(
                 }
                 m += wts[i];
             }
-            row += plane_broadcast(incl, comptime![plane_size as u32 - 1]);
+            row += total;
         }
         m = warp_sum(m, plane_size);
         if comptime![stats] {
@@ -570,6 +567,26 @@ pub fn moe_group_kernel(
         units,
         plane_size,
     );
+}
+
+/// The plane's hits (`hit` 0 or 1 per lane) up to and including `lane`, and in all: a ballot
+/// and two population counts on planes of up to 32 lanes (one 32-bit mask), else CubeCL's
+/// inclusive scan (a loop of shuffles) and a broadcast.
+#[cube]
+fn hits_up_to(hit: u32, lane: usize, #[comptime] plane_size: usize) -> (u32, u32) {
+    let mut incl = 0u32;
+    let mut total = 0u32;
+    if comptime![plane_size <= 32] {
+        let mask = plane_ballot(hit == 1u32)[0];
+        // Lanes 0..=lane (for lane 31 the shift wraps to 0 and the mask to all ones).
+        let upto = (2u32 << lane as u32) - 1u32;
+        incl = (mask & upto).count_ones();
+        total = mask.count_ones();
+    } else {
+        incl = plane_inclusive_sum(hit);
+        total = plane_broadcast(incl, comptime![plane_size as u32 - 1]);
+    }
+    (incl, total)
 }
 
 /// 1 when choice `i < n` picked expert `e`, else 0.
