@@ -68,7 +68,7 @@ pub fn prefill_mma_run_tokens(shape: &PagedAttnShape, mma: bool) -> Option<usize
 /// `MMA_ROWS / group`) of one sequence at consecutive positions (row `r` sees `seq_lens[r]`
 /// tokens). Writes `out[r, h, :]` for the run's rows and the KV head's query heads `h`.
 #[cube(launch_unchecked)]
-#[allow(clippy::too_many_arguments)]
+#[allow(clippy::too_many_arguments, clippy::collapsible_if)]
 pub fn paged_prefill_mma_kernel(
     q: &Array<f32>,
     k_pool: &Array<H8>,

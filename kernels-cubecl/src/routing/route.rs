@@ -573,6 +573,7 @@ pub fn moe_group_kernel(
 /// and two population counts on planes of up to 32 lanes (one 32-bit mask), else CubeCL's
 /// inclusive scan (a loop of shuffles) and a broadcast.
 #[cube]
+#[allow(unused_assignments)]
 fn hits_up_to(hit: u32, lane: usize, #[comptime] plane_size: usize) -> (u32, u32) {
     let mut incl = 0u32;
     let mut total = 0u32;
