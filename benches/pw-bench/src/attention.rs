@@ -151,10 +151,14 @@ fn runs<R: Runtime>(
     (DeviceArray::from_slice(client, &r), r.len() / 2, longest)
 }
 
-/// The kernels to run: the plain one, and the matrix-unit one where the device has it.
-fn kernels<R: Runtime>(client: &ComputeClient<R>) -> Vec<(&'static str, PrefillKernel)> {
+/// The kernels to run over `shape`: the plain one, and the matrix-unit one where the device has
+/// it and it serves the shape.
+fn kernels<R: Runtime>(
+    client: &ComputeClient<R>,
+    shape: &PagedAttnShape,
+) -> Vec<(&'static str, PrefillKernel)> {
     let mut k = vec![("plain", PrefillKernel::Plain)];
-    if kernels_cubecl::grouped_mma_supported(client) {
+    if kernels_cubecl::grouped_mma_supported(client) && prefill_mma_run_tokens(shape, true).is_some() {
         k.push(("mma", PrefillKernel::Mma));
     }
     k
@@ -186,7 +190,7 @@ fn check<R: Runtime>(client: &ComputeClient<R>) -> Result<Vec<Value>> {
         let scale = 1.0 / (sh.head_dim as f32).sqrt();
         let want = paged_decode_attention_reference(sh, scale, &s.q, &s.k, &s.v, &s.table, &s.lens);
         let d = DeviceStep::new(client, &s);
-        for (variant, kernel) in kernels(client) {
+        for (variant, kernel) in kernels(client, &s.shape) {
             d.launch(client, &s, kernel, &runs(client, &s, kernel))?;
             let got = read_f32(client, &d.out)?;
             let err = relative_error(&got, &want);
@@ -226,7 +230,7 @@ pub(crate) fn attention_records<R: Runtime>(
             };
             let s = Step::new(shape, &[(p0, rows)], 0xBE7C);
             let d = DeviceStep::new(client, &s);
-            for (variant, kernel) in kernels(client) {
+            for (variant, kernel) in kernels(client, &s.shape) {
                 let r = runs(client, &s, kernel);
                 let launches = if a.quick { 2 } else { a.launches.clamp(2, 10) };
                 let t = time_batches(client, launches, |_| {
