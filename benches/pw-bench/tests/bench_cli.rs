@@ -52,3 +52,28 @@ fn bench_serve_scaled_down(model: &str) {
         assert!(r["bit_mix"].is_array(), "{r}");
     }
 }
+
+/// `bench-kernels --attention-only --quick --check` on wgpu: the prefill attention check runs
+/// every case against the CPU reference within its budget (only the plain kernel here: no f16
+/// `mma` on lavapipe), and each model's shape is timed.
+#[test]
+fn bench_kernels_attention_check_on_wgpu() {
+    let out = tempfile::tempdir().unwrap();
+    let file = out.path().join("attention.json");
+    let o = Command::new(bin())
+        .args(["bench-kernels", "--device", "wgpu", "--attention-only", "--quick", "--check"])
+        .args(["--out", file.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let records: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    let checks: Vec<_> = records.iter().filter(|r| r["kernel"] == "prefill_attention_check").collect();
+    assert_eq!(checks.len(), 5, "{records:?}");
+    for c in &checks {
+        assert!(c["rel_err"].as_f64().unwrap() <= c["budget"].as_f64().unwrap(), "{c}");
+    }
+    let timed: Vec<_> = records.iter().filter(|r| r["kernel"] == "prefill_attention").collect();
+    assert_eq!(timed.len(), 3, "{records:?}");
+    assert!(timed.iter().all(|r| r["time_us"].as_f64().unwrap() > 0.0), "{timed:?}");
+}
