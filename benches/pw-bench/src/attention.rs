@@ -189,8 +189,9 @@ fn check<R: Runtime>(client: &ComputeClient<R>) -> Result<Vec<Value>> {
         let s = Step::new(sh, &[(77, 300), (5, 1), (0, 45)], 0x7A11 + i as u64);
         let scale = 1.0 / (sh.head_dim as f32).sqrt();
         let want = paged_decode_attention_reference(sh, scale, &s.q, &s.k, &s.v, &s.table, &s.lens);
-        let d = DeviceStep::new(client, &s);
         for (variant, kernel) in kernels(client, &s.shape) {
+            // Fresh buffers (output all NaN) per kernel: a row one leaves unwritten shows.
+            let d = DeviceStep::new(client, &s);
             d.launch(client, &s, kernel, &runs(client, &s, kernel))?;
             let got = read_f32(client, &d.out)?;
             let err = relative_error(&got, &want);
