@@ -7,7 +7,7 @@ use cubecl::prelude::*;
 use half::f16;
 use kernels_cubecl::{
     DeviceArray, PREFILL_RUN_ROWS, PagedAttnShape, PrefillKernel, paged_decode_attention_reference,
-    paged_prefill_attention, prefill_mma_run_tokens, prefill_runs, read_f32, sync,
+    paged_prefill_attention, prefill_mma_run_tokens, prefill_run_rows, prefill_runs, read_f32, sync,
 };
 use serde_json::{Value, json};
 
@@ -144,7 +144,7 @@ fn runs<R: Runtime>(
 ) -> (DeviceArray, usize, usize) {
     let rows = match kernel {
         PrefillKernel::Plain => PREFILL_RUN_ROWS,
-        _ => prefill_mma_run_tokens(&s.shape, true).unwrap_or(PREFILL_RUN_ROWS),
+        _ => prefill_run_rows::<R, f16>(client, &s.shape),
     };
     let r = prefill_runs(&s.row_seq, rows);
     let longest = r.chunks(2).map(|x| x[1] as usize).max().unwrap_or(0);

@@ -16,18 +16,25 @@ fn bench_serve_scaled_down_writes_both_policies() {
     }
 }
 
-fn bench_serve_scaled_down(model: &str) {
+/// The JSON records `pw-bench ARGS --out FILE` writes (`args` split on whitespace; the run
+/// must succeed).
+fn records(args: &str) -> Vec<serde_json::Value> {
     let out = tempfile::tempdir().unwrap();
-    let file = out.path().join("serve.json");
+    let file = out.path().join("records.json");
     let o = Command::new(bin())
-        .args(["bench-serve", "--device", "wgpu", "--model", model, "--requests", "6", "--rate", "40"])
-        .args(["--prompt", "4,8", "--output", "4,10", "--max-batch", "4", "--kv-threshold-blocks", "2"])
+        .args(args.split_whitespace())
         .args(["--out", file.to_str().unwrap()])
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let records: Vec<serde_json::Value> =
-        serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap()
+}
+
+fn bench_serve_scaled_down(model: &str) {
+    let records = records(&format!(
+        "bench-serve --device wgpu --model {model} --requests 6 --rate 40 --prompt 4,8 --output 4,10 \
+         --max-batch 4 --kv-threshold-blocks 2"
+    ));
     let policies: Vec<&str> = records.iter().map(|r| r["policy"].as_str().unwrap()).collect();
     assert_eq!(policies, ["pinned-8bit", "planner"]);
     for r in &records {
@@ -58,16 +65,7 @@ fn bench_serve_scaled_down(model: &str) {
 /// `mma` on lavapipe), and each model's shape is timed.
 #[test]
 fn bench_kernels_attention_check_on_wgpu() {
-    let out = tempfile::tempdir().unwrap();
-    let file = out.path().join("attention.json");
-    let o = Command::new(bin())
-        .args(["bench-kernels", "--device", "wgpu", "--attention-only", "--quick", "--check"])
-        .args(["--out", file.to_str().unwrap()])
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let records: Vec<serde_json::Value> =
-        serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    let records = records("bench-kernels --device wgpu --attention-only --quick --check");
     let checks: Vec<_> = records.iter().filter(|r| r["kernel"] == "prefill_attention_check").collect();
     assert_eq!(checks.len(), 5, "{records:?}");
     for c in &checks {
