@@ -457,27 +457,33 @@ fn prefill_chunks<T>(items: &[T], max: usize, rows: usize, ends: impl Fn(&T) -> 
     chunks
 }
 
-/// The step's rows in runs of one sequence on the device, as long as every layer's prefill
-/// attention serves ([`kernels_cubecl::prefill_run_rows`]), when some sequence has at least
-/// [`PREFILL_MIN_RUN`] rows in the step; none otherwise (the step decodes).
+/// The step's rows in runs of one sequence on the device, once for each run length the layers'
+/// prefill attention serves best ([`kernels_cubecl::prefill_run_rows`]), when some run has at
+/// least [`PREFILL_MIN_RUN`] rows; none otherwise (the step decodes).
 fn prefill_runs<R: Runtime, KV: 'static>(
     seqs: &[SeqId],
     geometry: &KvGeometry,
     c: &ComputeClient<R>,
-) -> Option<PrefillRuns> {
+) -> Vec<PrefillRuns> {
     let any_run = kernels_cubecl::prefill_runs(seqs, kernels_cubecl::PREFILL_RUN_ROWS)
         .chunks(2)
         .any(|r| r[1] as usize >= PREFILL_MIN_RUN);
     if !any_run {
-        return None;
+        return Vec::new();
     }
-    let max_rows = (0..geometry.layers.len())
+    let mut lengths: Vec<usize> = (0..geometry.layers.len())
         .map(|l| kernels_cubecl::prefill_run_rows::<R, KV>(c, &geometry.attn_shape(l)))
-        .min()
-        .unwrap_or(kernels_cubecl::PREFILL_RUN_ROWS);
-    let runs = kernels_cubecl::prefill_runs(seqs, max_rows);
-    let longest = runs.chunks(2).map(|r| r[1] as usize).max().unwrap_or(0);
-    Some(PrefillRuns { runs: DeviceArray::from_slice(c, &runs), count: runs.len() / 2, longest })
+        .collect();
+    lengths.sort_unstable();
+    lengths.dedup();
+    lengths
+        .into_iter()
+        .map(|max_rows| {
+            let runs = kernels_cubecl::prefill_runs(seqs, max_rows);
+            let longest = runs.chunks(2).map(|r| r[1] as usize).max().unwrap_or(0);
+            PrefillRuns { runs: DeviceArray::from_slice(c, &runs), count: runs.len() / 2, longest, max_rows }
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -3,7 +3,7 @@
 //! paged attention (decode, or prefill over runs of a prompt chunk's rows) → the O projection.
 
 use cubecl::prelude::*;
-use kernels_cubecl::{HeadNorm, PrefillKernel, head_norm_rope_append};
+use kernels_cubecl::{HeadNorm, PrefillKernel, head_norm_rope_append, prefill_run_rows};
 use kernels_cubecl::{RowLayout, paged_decode_attention_strided, paged_prefill_attention, rope_append};
 use kernels_cubecl::{dense_gemm, dense_gemm_normed};
 
@@ -30,7 +30,9 @@ impl<R: Runtime, KV: Float + CubeElement> Fwd<'_, R, KV> {
         let attn_shape = self.kv.geometry().attn_shape(l);
         let qkv_w = cfg.qkv_width(l);
         let step = &self.step;
-        let r = match &self.runs {
+        let want = prefill_run_rows::<R, KV>(c, &attn_shape);
+        let runs = self.runs.iter().find(|r| r.max_rows == want).or(self.runs.first());
+        let r = match runs {
             Some(runs) => paged_prefill_attention::<R, KV>(
                 c,
                 attn_shape,

@@ -219,6 +219,8 @@ pub(crate) struct PrefillRuns {
     pub(crate) count: usize,
     /// Rows of the longest run.
     pub(crate) longest: usize,
+    /// The length runs were cut at.
+    pub(crate) max_rows: usize,
 }
 
 /// One chunk of a step in flight: what every stage reads (the device, the shapes, the
@@ -242,9 +244,10 @@ pub(crate) struct Fwd<'a, R: Runtime, KV> {
     /// The rows the LM head computes, when not all: their indices and `[count]` on the device,
     /// and the count (a prefill needs only each prompt's last position).
     pub(crate) head_rows: Option<(DeviceArray, DeviceArray, usize)>,
-    /// In a step with prompt chunks, its rows in runs of one sequence: attention then reads
-    /// each run's cache once for all of its queries.
-    pub(crate) runs: Option<PrefillRuns>,
+    /// In a step with prompt chunks, its rows in runs of one sequence, cut at each length some
+    /// layer's prefill attention wants (none in a decode step): attention then reads each
+    /// run's cache once for all of its queries.
+    pub(crate) runs: Vec<PrefillRuns>,
     /// The rows of each sequence whose prompt statistics the decoder gathers, with their
     /// buffer ([`crate::Decoder::track_residual`]).
     pub(crate) residual: ResidualSegments<'a>,
