@@ -151,14 +151,10 @@ fn runs<R: Runtime>(
     (DeviceArray::from_slice(client, &r), r.len() / 2, longest)
 }
 
-/// The kernels to run over `shape`: the plain one, and the matrix-unit one where the device has
-/// it and it serves the shape.
-fn kernels<R: Runtime>(
-    client: &ComputeClient<R>,
-    shape: &PagedAttnShape,
-) -> Vec<(&'static str, PrefillKernel)> {
+/// The kernels to run: the plain one, and the matrix-unit one where the device has it.
+fn kernels<R: Runtime>(client: &ComputeClient<R>) -> Vec<(&'static str, PrefillKernel)> {
     let mut k = vec![("plain", PrefillKernel::Plain)];
-    if kernels_cubecl::grouped_mma_supported(client) && prefill_mma_run_tokens(shape, true).is_some() {
+    if kernels_cubecl::grouped_mma_supported(client) {
         k.push(("mma", PrefillKernel::Mma));
     }
     k
@@ -189,7 +185,7 @@ fn check<R: Runtime>(client: &ComputeClient<R>) -> Result<Vec<Value>> {
         let s = Step::new(sh, &[(77, 300), (5, 1), (0, 45)], 0x7A11 + i as u64);
         let scale = 1.0 / (sh.head_dim as f32).sqrt();
         let want = paged_decode_attention_reference(sh, scale, &s.q, &s.k, &s.v, &s.table, &s.lens);
-        for (variant, kernel) in kernels(client, &s.shape) {
+        for (variant, kernel) in kernels(client) {
             // Fresh buffers (output all NaN) per kernel: a row one leaves unwritten shows.
             let d = DeviceStep::new(client, &s);
             d.launch(client, &s, kernel, &runs(client, &s, kernel))?;
@@ -231,7 +227,7 @@ pub(crate) fn attention_records<R: Runtime>(
             };
             let s = Step::new(shape, &[(p0, rows)], 0xBE7C);
             let d = DeviceStep::new(client, &s);
-            for (variant, kernel) in kernels(client, &s.shape) {
+            for (variant, kernel) in kernels(client) {
                 let r = runs(client, &s, kernel);
                 let launches = if a.quick { 2 } else { a.launches.clamp(2, 10) };
                 let t = time_batches(client, launches, |_| {

@@ -10,8 +10,9 @@
 //!
 //! Layout: a cube serves one run of `64 / group` consecutive query tokens of one sequence and
 //! one KV head; its row `m` is token `m / group`, query head `m % group` of the KV head's group
-//! (GQA rows share the keys). Warp `w` owns rows `16w .. 16w + 16`: its `Q` fragments stay in
-//! registers for the whole run. Each tile of [`MMA_KEYS`] keys is gathered from the paged pools
+//! (GQA rows share the keys). Warp `w` owns rows `16 (w mod 4) .. + 16`: its `Q` fragments stay
+//! in registers for the whole run; wide heads (256) split the output's dimensions over two
+//! warps per row block, each computing the block's scores. Each tile of keys is gathered from the paged pools
 //! into shared memory, K as `[key][dim]`, V transposed as `[dim][key]` (so that both are read
 //! as the 32-bit `B` fragments of their MMAs), rows padded by 8 halves against bank conflicts.
 //! The scores' accumulators become the `A` fragments of `P·V` in registers (FlashAttention-2's
@@ -38,29 +39,32 @@ const MMA_WARPS: usize = 4;
 /// (query token, head) rows of one cube.
 pub const MMA_ROWS: usize = 16 * MMA_WARPS;
 
-/// Keys per staged tile.
-pub const MMA_KEYS: usize = 64;
-
-/// Largest head dimension of the matrix-unit kernel (its `Q` fragments and output accumulators
-/// live in registers: `head_dim / 2` and `head_dim / 2` f32 per lane).
-pub const MMA_MAX_HEAD_DIM: usize = 128;
+/// How the kernel covers a head dimension: warps per row block that split the output's
+/// dimensions, and keys per staged tile (registers: a lane holds `head_dim / 2` halves of `Q`
+/// and `head_dim / 2 / split` f32 of output; shared memory: both tiles within 48 KiB).
+fn head_plan(head_dim: usize) -> Option<(usize, usize)> {
+    match head_dim {
+        d if d.is_multiple_of(32) && d <= 128 => Some((1, 64)),
+        256 => Some((2, 32)),
+        _ => None,
+    }
+}
 
 /// Query tokens of one run of the matrix-unit kernel for `shape`, when it serves `shape` on a
 /// device whose f16 `mma` it can use (`mma`): a head dimension that is a multiple of 32 up to
-/// [`MMA_MAX_HEAD_DIM`] and a GQA group dividing [`MMA_ROWS`]; `None` otherwise.
+/// 128, or 256, and a GQA group dividing [`MMA_ROWS`]; `None` otherwise.
 pub fn prefill_mma_run_tokens(shape: &PagedAttnShape, mma: bool) -> Option<usize> {
     let group = shape.n_heads / shape.n_kv_heads.max(1);
     let fits = mma
-        && shape.head_dim.is_multiple_of(32)
-        && shape.head_dim <= MMA_MAX_HEAD_DIM
+        && head_plan(shape.head_dim).is_some()
         && group > 0
         && MMA_ROWS.is_multiple_of(group)
         && shape.n_heads.is_multiple_of(shape.n_kv_heads.max(1));
     fits.then_some(MMA_ROWS / group)
 }
 
-/// Prefill attention on the matrix units. Grid: `(n_kv_heads, runs)`; cube: [`MMA_WARPS`]
-/// planes of 32. Run `d` is rows `runs[2d] .. runs[2d] + runs[2d + 1]` (at most
+/// Prefill attention on the matrix units. Grid: `(n_kv_heads, runs)`; cube: [`MMA_WARPS`] ·
+/// `split` planes of 32, tiles of `keys` keys ([`head_plan`]). Run `d` is rows `runs[2d] .. runs[2d] + runs[2d + 1]` (at most
 /// `MMA_ROWS / group`) of one sequence at consecutive positions (row `r` sees `seq_lens[r]`
 /// tokens). Writes `out[r, h, :]` for the run's rows and the KV head's query heads `h`.
 #[cube(launch_unchecked)]
@@ -81,32 +85,37 @@ pub fn paged_prefill_mma_kernel(
     #[comptime] max_blocks: usize,
     #[comptime] window: usize,
     #[comptime] q_stride: usize,
+    #[comptime] split: usize,
+    #[comptime] keys: usize,
 ) {
     let group = comptime![n_heads / n_kv_heads];
     let ksteps = comptime![head_dim / 16];
-    let dtiles = comptime![head_dim / 8];
-    let ntiles = comptime![MMA_KEYS / 8];
+    // Output n-tiles of 8 dimensions per warp.
+    let dtiles = comptime![head_dim / 8 / split];
+    let ntiles = comptime![keys / 8];
     // Row strides of the staged tiles in 32-bit words (8 halves of padding).
     let k_stride = comptime![(head_dim + 8) / 2];
-    let v_stride = comptime![(MMA_KEYS + 8) / 2];
+    let v_stride = comptime![(keys + 8) / 2];
     let parts = comptime![head_dim / 8];
     let kv_parts = comptime![n_kv_heads * head_dim / 8];
-    let units = comptime![MMA_WARPS * 32];
+    let units = comptime![MMA_WARPS * split * 32];
 
     let kvh = CUBE_POS_X as usize;
     let d = CUBE_POS_Y as usize;
     let first = runs[2 * d] as usize;
     let count = runs[2 * d + 1] as usize;
     let lane = UNIT_POS_PLANE as usize;
-    let w = UNIT_POS as usize / 32usize;
+    let w = (UNIT_POS as usize / 32usize) % MMA_WARPS;
+    // The warp's first output n-tile.
+    let d0 = (UNIT_POS as usize / comptime![32 * MMA_WARPS]) * dtiles;
     let g = lane / 4usize;
     let t = lane % 4usize;
     let scale = params[0];
     let table = first * max_blocks;
     let def = MmaDefinition::<f16, f16, f32>::new(16usize, 8usize, 16usize);
 
-    let mut ks = SharedMemory::<H2>::new(comptime![MMA_KEYS * (head_dim + 8) / 2]);
-    let mut vt = SharedMemory::<H2>::new(comptime![head_dim * (MMA_KEYS + 8) / 2]);
+    let mut ks = SharedMemory::<H2>::new(comptime![keys * (head_dim + 8) / 2]);
+    let mut vt = SharedMemory::<H2>::new(comptime![head_dim * (keys + 8) / 2]);
 
     // The lane's two rows (g and g + 8 of the warp's 16): their token, query head, and the
     // keys they see `[lo, hi)`.
@@ -142,7 +151,7 @@ pub fn paged_prefill_mma_kernel(
             qf[4usize * s + i] = v;
         }
     }
-    let mut o = Array::<Acc>::new(comptime![2 * head_dim / 8]);
+    let mut o = Array::<Acc>::new(comptime![2 * head_dim / 8 / split]);
     #[unroll]
     for j in 0..dtiles {
         o[2usize * j] = Acc::empty().fill(0.0f32);
@@ -165,12 +174,12 @@ pub fn paged_prefill_mma_kernel(
         }
     }
     let k_hi = seq_lens[first + count - 1usize] as usize;
-    for t0 in range_stepped(k_lo, k_hi, MMA_KEYS) {
+    for t0 in range_stepped(k_lo, k_hi, keys) {
         // The previous tile's readers are done before it is overwritten.
         sync_cube();
         // K: 16-byte parts, consecutive units along a key row (coalesced).
         #[unroll]
-        for it in 0..comptime![MMA_KEYS * head_dim / 8 / (MMA_WARPS * 32)] {
+        for it in 0..comptime![keys * head_dim / 8 / (MMA_WARPS * split * 32)] {
             let e = UNIT_POS as usize + it * units;
             let u = e / parts;
             let p = e % parts;
@@ -188,10 +197,10 @@ pub fn paged_prefill_mma_kernel(
         // V transposed: a unit takes two consecutive keys of one 8-dimension part and writes
         // eight (key, key + 1) pairs down its dimensions; consecutive units along the keys.
         #[unroll]
-        for it in 0..comptime![MMA_KEYS / 2 * head_dim / 8 / (MMA_WARPS * 32)] {
+        for it in 0..comptime![keys / 2 * head_dim / 8 / (MMA_WARPS * split * 32)] {
             let e = UNIT_POS as usize + it * units;
-            let u2 = e % comptime![MMA_KEYS / 2];
-            let p = e / comptime![MMA_KEYS / 2];
+            let u2 = e % comptime![keys / 2];
+            let p = e / comptime![keys / 2];
             let mut vv = Array::<H8>::new(2usize);
             #[unroll]
             for r in 0..2usize {
@@ -210,7 +219,7 @@ pub fn paged_prefill_mma_kernel(
         sync_cube();
 
         // S = Q·Kᵀ over the tile: n-tile j holds keys t0 + 8j .. t0 + 8j + 8.
-        let mut sc = Array::<Acc>::new(comptime![2 * MMA_KEYS / 8]);
+        let mut sc = Array::<Acc>::new(comptime![2 * keys / 8]);
         #[unroll]
         for j in 0..ntiles {
             let mut c = Array::<Acc>::new(2usize);
@@ -279,7 +288,7 @@ pub fn paged_prefill_mma_kernel(
 
         // O += P·V: the 16 keys of step kk are score n-tiles 2kk and 2kk + 1.
         #[unroll]
-        for kk in 0..comptime![MMA_KEYS / 16] {
+        for kk in 0..comptime![keys / 16] {
             let mut a = Array::<H2>::new(4usize);
             #[unroll]
             for i in 0..4usize {
@@ -292,7 +301,7 @@ pub fn paged_prefill_mma_kernel(
             #[unroll]
             for j in 0..dtiles {
                 let mut b = Array::<H2>::new(2usize);
-                let at = (8usize * j + g) * v_stride + 8usize * kk + t;
+                let at = (8usize * (d0 + j) + g) * v_stride + 8usize * kk + t;
                 b[0] = vt[at];
                 b[1] = vt[at + 4usize];
                 let mut c = Array::<Acc>::new(2usize);
@@ -316,7 +325,7 @@ pub fn paged_prefill_mma_kernel(
         if m / group < count {
             let row = first + m / group;
             let h = kvh * group + m % group;
-            let base = (row * n_heads + h) * head_dim + 2usize * t;
+            let base = (row * n_heads + h) * head_dim + 8usize * d0 + 2usize * t;
             #[unroll]
             for j in 0..dtiles {
                 let v = o[2usize * j + e];
@@ -344,6 +353,7 @@ pub(crate) fn launch<R: Runtime>(
     params: &DeviceArray,
     out: &DeviceArray,
 ) {
+    let (split, keys) = head_plan(shape.head_dim).expect("checked by prefill_mma_run_tokens");
     // SAFETY: the caller checked the buffer sizes; runs come from `prefill_runs` over the
     // step's rows; table entries and lengths come from the cache allocator, which keeps every
     // referenced slot inside the pools (f16, slots of `n_kv_heads · head_dim` halves, a
@@ -353,7 +363,7 @@ pub(crate) fn launch<R: Runtime>(
         paged_prefill_mma_kernel::launch_unchecked::<R>(
             client,
             CubeCount::Static(shape.n_kv_heads as u32, n_runs as u32, 1),
-            CubeDim::new_1d((MMA_WARPS * 32) as u32),
+            CubeDim::new_1d((MMA_WARPS * split * 32) as u32),
             q.arg(),
             pool(k_pool),
             pool(v_pool),
@@ -369,6 +379,8 @@ pub(crate) fn launch<R: Runtime>(
             shape.max_blocks,
             shape.window,
             q_stride,
+            split,
+            keys,
         )
     };
 }

@@ -385,7 +385,7 @@ fn paged_prefill_attention_matches_reference() {
 }
 
 /// The matrix-unit prefill kernel's run length: 64 rows over the GQA group where the head
-/// dimension (to 128) and the group fit, none without f16 `mma` or past them; on a device without it
+/// dimension (to 128, or 256) and the group fit, none without f16 `mma` or past them; on a device without it
 /// (lavapipe) `PrefillKernel::Mma` is refused with an error naming the launch.
 #[test]
 fn prefill_mma_run_tokens_and_refusal() {
@@ -394,7 +394,8 @@ fn prefill_mma_run_tokens_and_refusal() {
     assert_eq!(prefill_mma_run_tokens(&qwen, true), Some(64));
     assert_eq!(prefill_mma_run_tokens(&mixtral, true), Some(16));
     assert_eq!(prefill_mma_run_tokens(&qwen, false), None);
-    assert_eq!(prefill_mma_run_tokens(&shape(16, 8, 256, 1024), true), None, "head_dim 256");
+    assert_eq!(prefill_mma_run_tokens(&shape(16, 8, 256, 1024), true), Some(32), "head_dim 256");
+    assert_eq!(prefill_mma_run_tokens(&shape(16, 2, 512, 0), true), None, "head_dim 512");
     assert_eq!(prefill_mma_run_tokens(&shape(6, 2, 64, 0), true), None, "group 3");
     assert_eq!(prefill_mma_run_tokens(&shape(4, 4, 48, 0), true), None, "head_dim 48");
 
