@@ -7,7 +7,7 @@ use cubecl::prelude::*;
 use half::f16;
 use kernels_cubecl::{
     DeviceArray, PREFILL_RUN_ROWS, PagedAttnShape, PrefillKernel, paged_decode_attention_reference,
-    paged_prefill_attention, prefill_mma_run_tokens, prefill_run_rows, prefill_runs, read_f32, sync,
+    paged_prefill_attention, prefill_run_rows, prefill_runs, read_f32, sync,
 };
 use serde_json::{Value, json};
 
