@@ -13,7 +13,7 @@ use cubecl::prelude::*;
 use pw_decode::DecodeConfig;
 use pw_serve::{
     BoundaryHook, BoundaryState, Engine, EngineConfig, Event, FastOptions, FastStepModel, GenerateRequest,
-    MemoryOptions, SamplingParams, StepModel, UsageRecorder, WeightPolicy,
+    MemoryOptions, SamplingParams, StepModel, StepTiming, UsageRecorder, WeightPolicy,
 };
 use serde_json::{Value, json};
 
@@ -96,11 +96,13 @@ pub struct BenchServeArgs {
 }
 
 /// The usage record plus the time of every step that ran with sequences in it (the gap
-/// between its boundary and the one before, which includes page-table reads answered there).
+/// between its boundary and the one before, which includes page-table reads answered there),
+/// and where each step spent it.
 #[derive(Clone, Default)]
 struct StepTimer {
     usage: UsageRecorder,
     steps: Arc<Mutex<(Option<Instant>, Vec<f64>)>>,
+    parts: Arc<Mutex<Vec<StepTiming>>>,
 }
 
 impl BoundaryHook for StepTimer {
@@ -112,6 +114,7 @@ impl BoundaryHook for StepTimer {
             g.1.push(now.duration_since(prev).as_secs_f64());
         }
         g.0 = (s.active > 0).then_some(now);
+        self.parts.lock().unwrap_or_else(|p| p.into_inner()).push(s.timing);
     }
 }
 
@@ -422,6 +425,7 @@ where
     let m = handle.metrics().snapshot();
     let r = rec.usage.record();
     let mut step_s = rec.steps.lock().unwrap_or_else(|p| p.into_inner()).1.clone();
+    let parts = rec.parts.lock().unwrap_or_else(|p| p.into_inner()).clone();
     let (mut poll_s, polled_pages) = poller.map(|p| p.join().unwrap_or_default()).unwrap_or_default();
     engine.shutdown();
     let results: Vec<_> = clients.into_iter().filter_map(|c| c.join().ok().flatten()).collect();
@@ -474,9 +478,28 @@ where
         "page_table_pages": polled_pages,
         "page_table_read_ms_p50": percentile(&mut poll_s, 0.5) * 1e3,
         "page_table_read_ms_max": poll_s.iter().copied().fold(0.0, f64::max) * 1e3,
+        "step_parts": step_parts(&parts),
     });
     if let (Some(r), Value::Object(extra)) = (record.as_object_mut(), steps) {
         r.extend(extra);
     }
     Ok(record)
+}
+
+/// Where the steps' time went: per part (the decode calls, the prefill calls, the boundaries)
+/// its calls, their sizes, total and median seconds.
+fn step_parts(parts: &[StepTiming]) -> Value {
+    let part = |size: fn(&StepTiming) -> usize, time: fn(&StepTiming) -> Duration| {
+        let calls: Vec<&StepTiming> = parts.iter().filter(|t| size(t) > 0).collect();
+        let mut s: Vec<f64> = calls.iter().map(|t| time(t).as_secs_f64()).collect();
+        let size_sum: usize = calls.iter().map(|t| size(t)).sum();
+        json!({"calls": calls.len(), "size_mean": size_sum as f64 / calls.len().max(1) as f64,
+            "s_total": s.iter().sum::<f64>(), "ms_p50": percentile(&mut s, 0.5) * 1e3,
+            "ms_p99": percentile(&mut s, 0.99) * 1e3})
+    };
+    json!({
+        "decode": part(|t| t.decode_seqs, |t| t.decode),
+        "prefill": part(|t| t.prefill_tokens, |t| t.prefill),
+        "boundary": part(|_| 1, |t| t.boundary),
+    })
 }

@@ -16,7 +16,7 @@ use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 use crate::schedule::{ArrivalReserve, Candidate, Running, StepLimits, StepPlan, plan_step};
 use crate::{
     BoundaryHook, BoundaryState, DecodeSlot, IncrementalDetokenizer, KvLayout, Metrics, PrefillOutcome,
-    PrefillSlot, ServeError, StepError, StepModel, StopText,
+    PrefillSlot, ServeError, StepError, StepModel, StepTiming, StopText,
 };
 
 /// How admission reserves KV memory.
@@ -484,6 +484,7 @@ impl Engine {
             batch_cap: usize::MAX,
             cap_free_blocks: None,
             arrivals: ArrivalReserve::new(ARRIVAL_WINDOW),
+            timing: StepTiming::default(),
             seed_base: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64),
         };
         let thread = std::thread::Builder::new()
@@ -591,6 +592,8 @@ struct Worker {
     cap_free_blocks: Option<u64>,
     /// KV memory kept for the next request while requests keep arriving.
     arrivals: ArrivalReserve,
+    /// The model calls of the step in progress (its boundary adds its own time).
+    timing: StepTiming,
 }
 
 /// What happened to a sequence after its new token.
@@ -924,7 +927,9 @@ impl Worker {
             }
         }
         let mut ran = Ran::default();
+        self.timing = StepTiming { decode_seqs: decode.len(), ..StepTiming::default() };
         if !decode.is_empty() {
+            let t0 = Instant::now();
             let model = &mut self.model;
             let result = {
                 let mut slots: Vec<DecodeSlot<'_>> = decode
@@ -933,11 +938,14 @@ impl Worker {
                     .collect();
                 guarded(|| model.decode(&mut slots))
             };
+            self.timing.decode = t0.elapsed();
             let result = result.map(|o| o.into_iter().map(|r| r.map(Some)).collect());
             let fed = decode.into_iter().map(|a| (a, 1)).collect();
             ran += self.conclude(fed, result, &eos, &mut ended);
         }
         if !prefill.is_empty() {
+            self.timing.prefill_tokens = prefill.iter().map(|(_, n)| n).sum();
+            let t0 = Instant::now();
             let model = &mut self.model;
             let result = {
                 let mut slots: Vec<PrefillSlot<'_>> = prefill
@@ -952,14 +960,18 @@ impl Worker {
                     .collect();
                 guarded(|| model.prefill(&mut slots))
             };
+            self.timing.prefill = t0.elapsed();
             ran += self.conclude(prefill, result, &eos, &mut ended);
         }
         if ran.generated > 0 {
             self.oom_strikes = 0;
         }
+        let timing = self.timing;
         self.metrics.update(|m| {
             m.step_prefill_tokens = ran.prefilled;
             m.prefill_tokens_total += ran.prefilled;
+            m.decode_seconds_total += timing.decode.as_secs_f64();
+            m.prefill_seconds_total += timing.prefill.as_secs_f64();
         });
         self.end(ended);
         self.config.eos_token_ids = eos;
@@ -1153,7 +1165,9 @@ impl Worker {
     /// act on it.
     fn boundary(&mut self, tokens: usize) {
         self.step += 1;
+        let t0 = Instant::now();
         let memory = self.memory_boundary();
+        let timing = StepTiming { boundary: t0.elapsed(), ..std::mem::take(&mut self.timing) };
         if let (Some(at), Some(m)) = (self.cap_free_blocks, &memory)
             && m.kv_blocks_free > at
         {
@@ -1171,6 +1185,7 @@ impl Worker {
             kv_budget_bytes: self.config.kv_budget_bytes,
             weight_bytes: self.model.weight_bytes(),
             memory,
+            timing,
         };
         let kv = &self.kv_layout;
         let per_request: Vec<(u64, u64)> =
@@ -1189,6 +1204,7 @@ impl Worker {
         }
         self.metrics.update(|m| {
             m.steps_total = state.step;
+            m.boundary_seconds_total += timing.boundary.as_secs_f64();
             m.queue_length = state.waiting as u64;
             m.active_sequences = state.active as u64;
             m.kv_bytes_used = state.kv_bytes_used;

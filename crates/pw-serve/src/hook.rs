@@ -2,6 +2,7 @@
 //! commits page moves (no model call is in flight then).
 
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 /// The engine's state at a step boundary.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -24,6 +25,24 @@ pub struct BoundaryState {
     pub weight_bytes: u64,
     /// The paged memory after this boundary's commit (models with paged experts).
     pub memory: Option<MemoryState>,
+    /// Where the step just finished and this boundary spent their time.
+    pub timing: StepTiming,
+}
+
+/// The host-side time of one engine step and the boundary after it: each model call returns
+/// once its results are on the host, so these are also the device's times for the calls.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StepTiming {
+    /// Sequences of the step's decode call (0: no call).
+    pub decode_seqs: usize,
+    /// Time in the decode call.
+    pub decode: Duration,
+    /// Tokens of the step's prefill call (0: no call).
+    pub prefill_tokens: usize,
+    /// Time in the prefill call.
+    pub prefill: Duration,
+    /// Time in the boundary (the planner and the page commits).
+    pub boundary: Duration,
 }
 
 /// The weight/KV memory of a model with paged experts, after its boundary.

@@ -32,7 +32,7 @@ pub use engine::{
 };
 pub use error::ServeError;
 pub use fast::{FastOptions, FastStepModel, load_fast};
-pub use hook::{BoundaryHook, BoundaryState, MemoryState, UsageRecord, UsageRecorder};
+pub use hook::{BoundaryHook, BoundaryState, MemoryState, StepTiming, UsageRecord, UsageRecorder};
 pub use kv::{KvLayout, LayerKv, max_context};
 pub use metrics::{Metrics, MetricsSnapshot};
 pub use model::{

@@ -36,6 +36,12 @@ pub struct MetricsSnapshot {
     pub step_prefill_tokens: u64,
     /// Prompt (or recomputed) tokens prefilled, all steps.
     pub prefill_tokens_total: u64,
+    /// Seconds in the model's decode calls (the step's decoding sequences), all steps.
+    pub decode_seconds_total: f64,
+    /// Seconds in the model's prefill calls (prompt chunks and recomputations), all steps.
+    pub prefill_seconds_total: f64,
+    /// Seconds in the boundaries between steps (the planner and the page commits).
+    pub boundary_seconds_total: f64,
     /// Requests waiting for admission.
     pub queue_length: u64,
     /// Sequences running.
@@ -240,6 +246,24 @@ fn engine_metrics(m: &MetricsSnapshot) -> Vec<(&'static str, &'static str, &'sta
         ),
         ("pw_generated_tokens_total", "counter", "Tokens generated.", m.generated_tokens_total.to_string()),
         ("pw_engine_steps_total", "counter", "Engine steps run.", m.steps_total.to_string()),
+        (
+            "pw_decode_seconds_total",
+            "counter",
+            "Seconds in the model's decode calls.",
+            format!("{:.6}", m.decode_seconds_total),
+        ),
+        (
+            "pw_prefill_seconds_total",
+            "counter",
+            "Seconds in the model's prefill calls.",
+            format!("{:.6}", m.prefill_seconds_total),
+        ),
+        (
+            "pw_boundary_seconds_total",
+            "counter",
+            "Seconds in the boundaries between steps (planner and page commits).",
+            format!("{:.6}", m.boundary_seconds_total),
+        ),
         ("pw_queue_length", "gauge", "Requests waiting for admission.", m.queue_length.to_string()),
         ("pw_active_sequences", "gauge", "Sequences running.", m.active_sequences.to_string()),
         (

@@ -526,6 +526,15 @@ fn long_prompts_are_prefilled_in_chunks_beside_decoding_sequences() {
     let m = common::wait_metrics(&h, |m| m.requests_finished_total == 5 && m.active_sequences == 0);
     let prompt_tokens: usize = lens.iter().map(|l| l.0).sum();
     assert_eq!(m.prefill_tokens_total, prompt_tokens as u64, "no preemption, so each prompt token once");
+    // The model calls and boundaries were timed, and the counters reach /metrics.
+    assert!(
+        m.decode_seconds_total > 0.0 && m.prefill_seconds_total > 0.0 && m.boundary_seconds_total > 0.0,
+        "{m:?}"
+    );
+    let text = h.metrics().prometheus();
+    for name in ["pw_decode_seconds_total", "pw_prefill_seconds_total", "pw_boundary_seconds_total"] {
+        assert!(text.contains(&format!("\n{name} ")), "{name} missing from {text}");
+    }
     // 106 prompt tokens at most 8 per step: at least 14 steps, and the decodes ran beside them.
     assert!(m.steps_total >= 14, "{m:?}");
     assert!(rec.record().peak_active >= 2, "{:?}", rec.record());
