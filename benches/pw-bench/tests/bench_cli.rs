@@ -7,7 +7,8 @@ fn bin() -> &'static str {
 }
 
 /// `bench-serve` scaled down to the shipped model's shape on wgpu: both policies, every
-/// request completes, the records carry the fields and the bit mix over time.
+/// request completes, the records carry the fields, the bit mix over time and where
+/// the steps' time went.
 #[test]
 fn bench_serve_scaled_down_writes_both_policies() {
     // Mixtral, and Qwen2-MoE (shared expert dense, routed experts paged).
@@ -57,6 +58,12 @@ fn bench_serve_scaled_down(model: &str) {
         assert!(r["tok_s"].as_f64().unwrap() > 0.0, "{r}");
         assert!(r["max_concurrent"].as_u64().unwrap() >= 1, "{r}");
         assert!(r["bit_mix"].is_array(), "{r}");
+        // Every step's decode and prefill calls and boundaries were timed.
+        let parts = &r["step_parts"];
+        for part in ["decode", "prefill", "boundary"] {
+            assert!(parts[part]["calls"].as_u64().unwrap() >= 1, "{part}: {r}");
+            assert!(parts[part]["s_total"].as_f64().unwrap() > 0.0, "{part}: {r}");
+        }
     }
 }
 
