@@ -484,7 +484,6 @@ impl Engine {
             batch_cap: usize::MAX,
             cap_free_blocks: None,
             arrivals: ArrivalReserve::new(ARRIVAL_WINDOW),
-            timing: StepTiming::default(),
             seed_base: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64),
         };
         let thread = std::thread::Builder::new()
@@ -592,8 +591,6 @@ struct Worker {
     cap_free_blocks: Option<u64>,
     /// KV memory kept for the next request while requests keep arriving.
     arrivals: ArrivalReserve,
-    /// The model calls of the step in progress (its boundary adds its own time).
-    timing: StepTiming,
 }
 
 /// What happened to a sequence after its new token.
@@ -757,8 +754,8 @@ impl Worker {
             self.preempt();
             let plan = self.plan();
             self.admit(plan.admit.len());
-            let tokens = self.step(plan);
-            self.boundary(tokens);
+            let (tokens, timing) = self.step(plan);
+            self.boundary(tokens, timing);
         }
     }
 
@@ -913,8 +910,8 @@ impl Worker {
 
     /// One step as `plan` says (the running sequences sorted oldest first, the admitted ones
     /// after them): one model call for the sequences that decode, one for the prompt chunks.
-    /// Returns the number of tokens generated.
-    fn step(&mut self, plan: StepPlan) -> usize {
+    /// Returns the number of tokens generated and the calls' times.
+    fn step(&mut self, plan: StepPlan) -> (usize, StepTiming) {
         let eos = std::mem::take(&mut self.config.eos_token_ids);
         let mut ended: Vec<(Active, After)> = Vec::new();
         let (mut decode, mut prefill) = (Vec::new(), Vec::new());
@@ -927,7 +924,7 @@ impl Worker {
             }
         }
         let mut ran = Ran::default();
-        self.timing = StepTiming { decode_seqs: decode.len(), ..StepTiming::default() };
+        let mut timing = StepTiming { decode_seqs: decode.len(), ..StepTiming::default() };
         if !decode.is_empty() {
             let t0 = Instant::now();
             let model = &mut self.model;
@@ -938,13 +935,13 @@ impl Worker {
                     .collect();
                 guarded(|| model.decode(&mut slots))
             };
-            self.timing.decode = t0.elapsed();
+            timing.decode = t0.elapsed();
             let result = result.map(|o| o.into_iter().map(|r| r.map(Some)).collect());
             let fed = decode.into_iter().map(|a| (a, 1)).collect();
             ran += self.conclude(fed, result, &eos, &mut ended);
         }
         if !prefill.is_empty() {
-            self.timing.prefill_tokens = prefill.iter().map(|(_, n)| n).sum();
+            timing.prefill_tokens = prefill.iter().map(|(_, n)| n).sum();
             let t0 = Instant::now();
             let model = &mut self.model;
             let result = {
@@ -960,13 +957,12 @@ impl Worker {
                     .collect();
                 guarded(|| model.prefill(&mut slots))
             };
-            self.timing.prefill = t0.elapsed();
+            timing.prefill = t0.elapsed();
             ran += self.conclude(prefill, result, &eos, &mut ended);
         }
         if ran.generated > 0 {
             self.oom_strikes = 0;
         }
-        let timing = self.timing;
         self.metrics.update(|m| {
             m.step_prefill_tokens = ran.prefilled;
             m.prefill_tokens_total += ran.prefilled;
@@ -975,7 +971,7 @@ impl Worker {
         });
         self.end(ended);
         self.config.eos_token_ids = eos;
-        ran.generated
+        (ran.generated, timing)
     }
 
     /// Settles one model call of the step: its outcomes, or (out of KV memory, nothing ran)
@@ -1161,13 +1157,13 @@ impl Worker {
         let _ = reply.send(self.model.page_table().map_err(|e| e.to_string()));
     }
 
-    /// The step boundary: the model's memory boundary, publish the state, then let the hook
-    /// act on it.
-    fn boundary(&mut self, tokens: usize) {
+    /// The step boundary: the model's memory boundary, publish the state (with the step's
+    /// `timing` and the boundary's own), then let the hook act on it.
+    fn boundary(&mut self, tokens: usize, timing: StepTiming) {
         self.step += 1;
         let t0 = Instant::now();
         let memory = self.memory_boundary();
-        let timing = StepTiming { boundary: t0.elapsed(), ..std::mem::take(&mut self.timing) };
+        let timing = StepTiming { boundary: t0.elapsed(), ..timing };
         if let (Some(at), Some(m)) = (self.cap_free_blocks, &memory)
             && m.kv_blocks_free > at
         {
