@@ -12,9 +12,10 @@
 //! one KV head; its row `m` is token `m / group`, query head `m % group` of the KV head's group
 //! (GQA rows share the keys). Warp `w` owns rows `16 (w mod 4) .. + 16`: its `Q` fragments stay
 //! in registers for the whole run; wide heads (256) split the output's dimensions over two
-//! warps per row block, each computing the block's scores. Each tile of keys is gathered from the paged pools
-//! into shared memory, K as `[key][dim]`, V transposed as `[dim][key]` (so that both are read
-//! as the 32-bit `B` fragments of their MMAs), rows padded by 8 halves against bank conflicts.
+//! warps per row block, each computing the block's scores. Each tile of keys is gathered from
+//! the paged pools into shared memory, K as `[key][dim]`, V transposed as `[dim][key]` (so
+//! that both are read as the 32-bit `B` fragments of their MMAs), rows padded by 8 halves
+//! against bank conflicts.
 //! The scores' accumulators become the `A` fragments of `P·V` in registers (FlashAttention-2's
 //! reuse), so scores never touch shared memory.
 
@@ -64,9 +65,9 @@ pub fn prefill_mma_run_tokens(shape: &PagedAttnShape, mma: bool) -> Option<usize
 }
 
 /// Prefill attention on the matrix units. Grid: `(n_kv_heads, runs)`; cube: [`MMA_WARPS`] ·
-/// `split` planes of 32, tiles of `keys` keys ([`head_plan`]). Run `d` is rows `runs[2d] .. runs[2d] + runs[2d + 1]` (at most
-/// `MMA_ROWS / group`) of one sequence at consecutive positions (row `r` sees `seq_lens[r]`
-/// tokens). Writes `out[r, h, :]` for the run's rows and the KV head's query heads `h`.
+/// `split` planes of 32, tiles of `keys` keys ([`head_plan`]). Run `d` is rows `runs[2d] ..
+/// runs[2d] + runs[2d + 1]` (at most `MMA_ROWS / group`) of one sequence at consecutive
+/// positions (row `r` sees `seq_lens[r]` tokens). Writes `out[r, h, :]` for the run's rows and the KV head's query heads `h`.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments, clippy::collapsible_if)]
 pub fn paged_prefill_mma_kernel(
