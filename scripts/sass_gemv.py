@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Static SASS figures of the expert GEMV launches `pw-bench sass-gemv` wrote.
+"""Static SASS figures of the expert GEMV launches `pw-bench sass-gemv` wrote (and the registers
+of its matrix-unit launches: grouped expert GEMM, prefill attention).
 
 For each `.cu` in DIR (see its `index.json`): `nvcc -cubin -arch=sm_90a -Xptxas -v` gives
 registers, spills and stack; `cuobjdump -sass` gives the machine code, in which the inner loops
@@ -77,7 +78,17 @@ def main():
     d = sys.argv[1]
     index = json.load(open(os.path.join(d, "index.json")))
     results = []
+    others = []
     for rec in index:
+        if rec.get("grouped") or rec.get("attention"):
+            # The matrix-unit kernels: registers, spills and stack only.
+            cu = os.path.join(d, rec["name"] + ".cu")
+            cubin = os.path.join(d, rec["name"] + ".cubin")
+            r = dict(rec)
+            r.update(compile_cu(cu, cubin))
+            others.append(r)
+            os.remove(cubin)
+            continue
         if not rec.get("gemv"):
             continue
         cu = os.path.join(d, rec["name"] + ".cu")
@@ -102,12 +113,18 @@ def main():
         r["steps"] = sorted(loops, key=lambda c: c["bits"])
         results.append(r)
         os.remove(cubin)
-    json.dump(results, open(os.path.join(d, "sass.json"), "w"), indent=1)
+    json.dump(results + others, open(os.path.join(d, "sass.json"), "w"), indent=1)
     print("| launch | regs | spills | cubes/SM × warps | instr/weight at bits (3,4,…) |")
     print("|---|---|---|---|---|")
     for r in results:
         steps = ", ".join(f"{c['bits']}b {c['instructions_per_weight']}" for c in r["steps"])
         print(f"| {r['name']} | {r['registers']} | {r['spill_stores']} | {r['cubes_per_sm']} × {r['warps']} | {steps} |")
+
+    print()
+    print("| matrix-unit launch | regs | spill stores / loads | stack |")
+    print("|---|---|---|---|")
+    for r in others:
+        print(f"| {r['name']} | {r['registers']} | {r['spill_stores']} / {r['spill_loads']} | {r['stack_bytes']} |")
 
 
 if __name__ == "__main__":

@@ -151,3 +151,47 @@ pub fn grouped_cuda_source<R: Runtime>(
     };
     cuda_compile(definition, "the grouped GEMM")
 }
+
+/// CUDA C++ source of [`crate::attention::prefill_mma::paged_prefill_mma_kernel`] for `shape`
+/// (one that [`crate::prefill_mma_run_tokens`] serves) with query rows of `q_stride` elements,
+/// as the CUDA runtime would compile it.
+pub fn prefill_mma_cuda_source<R: Runtime>(
+    client: &ComputeClient<R>,
+    shape: crate::PagedAttnShape,
+    q_stride: usize,
+) -> Result<String, KernelError> {
+    use crate::attention::prefill_mma::{MMA_WARPS, head_plan, paged_prefill_mma_kernel};
+    let plan = head_plan(shape.head_dim)
+        .filter(|_| crate::prefill_mma_run_tokens(&shape, true).is_some())
+        .ok_or_else(|| {
+            crate::device::bad(format!("the matrix-unit prefill attention does not serve {shape:?}"))
+        })?;
+    let settings = KernelSettings::default()
+        .cube_dim(CubeDim::new_1d((MMA_WARPS * plan.split * 32) as u32))
+        .address_type(AddressType::U32);
+    let arr = || ArrayCompilationArg { inplace: None };
+    let definition = paged_prefill_mma_kernel::PagedPrefillMmaKernel::<R>::new(
+        settings,
+        client.clone(),
+        arr(),
+        arr(),
+        arr(),
+        arr(),
+        arr(),
+        arr(),
+        arr(),
+        arr(),
+        shape.head_dim,
+        shape.n_heads,
+        shape.n_kv_heads,
+        shape.block_size,
+        shape.max_blocks,
+        shape.window,
+        q_stride,
+        plan.split,
+        plan.keys,
+        plan.split_scores,
+    )
+    .define();
+    cuda_compile(definition, "the matrix-unit prefill attention")
+}

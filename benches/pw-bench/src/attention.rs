@@ -13,10 +13,14 @@ use serde_json::{Value, json};
 
 use crate::kernels::{BenchKernelsArgs, random_x, relative_error, time_batches};
 
-/// Attention shapes `(model, query heads, KV heads, head_dim, window)` (Gemma-4's sliding
-/// layers).
-const SHAPES: [(&str, usize, usize, usize, usize); 3] =
-    [("mixtral", 32, 8, 128, 0), ("qwen2_moe", 16, 16, 128, 0), ("gemma4", 16, 8, 256, 1024)];
+/// Attention shapes `(model, layers, query heads, KV heads, head_dim, window)` (Gemma-4's
+/// sliding and full layers).
+const SHAPES: [(&str, &str, usize, usize, usize, usize); 4] = [
+    ("mixtral", "all", 32, 8, 128, 0),
+    ("qwen2_moe", "all", 16, 16, 128, 0),
+    ("gemma4", "sliding", 16, 8, 256, 1024),
+    ("gemma4", "full", 16, 2, 512, 0),
+];
 
 /// Largest `max |kernel − reference| / max |reference|` of the plain kernel (f32 arithmetic
 /// on the f16 cache, another summation order).
@@ -163,7 +167,7 @@ fn kernels<R: Runtime>(client: &ComputeClient<R>) -> Vec<(&'static str, PrefillK
 /// `bench-kernels --check` of the prefill attention: both kernels against
 /// [`paged_decode_attention_reference`] on random inputs (a 300-row chunk at positions
 /// 77..377, a decode row, a 45-row chunk from position 0), GQA groups 4, 1 and 2, windows
-/// crossing chunks, head dims 128, 64 and 256; fails the run past the budgets.
+/// crossing chunks, head dims 128, 64, 256 and 512; fails the run past the budgets.
 fn check<R: Runtime>(client: &ComputeClient<R>) -> Result<Vec<Value>> {
     let mut records = Vec::new();
     let shape = |n_heads, n_kv_heads, head_dim, window| PagedAttnShape {
@@ -180,6 +184,7 @@ fn check<R: Runtime>(client: &ComputeClient<R>) -> Result<Vec<Value>> {
         ("window 100", shape(16, 16, 128, 100)),
         ("group 2, head_dim 64", shape(8, 4, 64, 0)),
         ("gemma4 sliding, window 100", shape(16, 8, 256, 100)),
+        ("gemma4 full, head_dim 512", shape(16, 2, 512, 0)),
     ];
     for (i, (name, sh)) in cases.into_iter().enumerate() {
         let s = Step::new(sh, &[(77, 300), (5, 1), (0, 45)], 0x7A11 + i as u64);
@@ -215,7 +220,7 @@ pub(crate) fn attention_records<R: Runtime>(
 ) -> Result<Vec<Value>> {
     let mut records = if a.check { check(client)? } else { Vec::new() };
     let chunks: &[(usize, usize)] = if a.quick { &[(0, 64)] } else { &[(0, 2048), (6144, 2048)] };
-    for &(model, n_heads, n_kv_heads, head_dim, window) in SHAPES.iter().filter(|s| a.wants(s.0)) {
+    for &(model, layers, n_heads, n_kv_heads, head_dim, window) in SHAPES.iter().filter(|s| a.wants(s.0)) {
         for &(p0, rows) in chunks {
             let shape = PagedAttnShape {
                 n_heads,
@@ -236,10 +241,10 @@ pub(crate) fn attention_records<R: Runtime>(
                 sync(client)?;
                 let tflops = s.flops() / t.device / 1e12;
                 eprintln!(
-                    "prefill attention {model} rows {rows} after {p0}: {variant} {:.1} us ({tflops:.1} TFLOP/s)",
+                    "prefill attention {model} ({layers} layers) rows {rows} after {p0}: {variant} {:.1} us ({tflops:.1} TFLOP/s)",
                     t.device * 1e6
                 );
-                records.push(json!({"kernel": "prefill_attention", "model": model, "variant": variant,
+                records.push(json!({"kernel": "prefill_attention", "model": model, "layers": layers, "variant": variant,
                     "rows": rows, "cached": p0, "time_us": t.device * 1e6, "wall_us": t.wall * 1e6,
                     "tflops": tflops}));
             }

@@ -6,8 +6,10 @@
 use anyhow::{Context, Result};
 use cubecl::prelude::Runtime;
 use kernels_cubecl::GroupedKernel;
-use kernels_cubecl::cuda_source::{gemv_cuda_source, grouped_cuda_source, h200_gemm_config, h200_hardware};
-use kernels_cubecl::{Activation, GroupedGemm, LUT_SLOTS, MAX_TOKENS, gemv_plan};
+use kernels_cubecl::cuda_source::{
+    gemv_cuda_source, grouped_cuda_source, h200_gemm_config, h200_hardware, prefill_mma_cuda_source,
+};
+use kernels_cubecl::{Activation, GroupedGemm, LUT_SLOTS, MAX_TOKENS, PagedAttnShape, gemv_plan};
 use serde_json::json;
 
 /// Arguments of `sass-gemv`.
@@ -26,6 +28,14 @@ const MODELS: [(&str, usize, usize, usize, Activation); 3] = [
     ("mixtral-8x7b", 8, 4096, 14336, Activation::SiluMul),
     ("qwen1.5-moe-a2.7b", 60, 2048, 1408, Activation::SiluMul),
     ("gemma-4-26b-a4b", 128, 2816, 704, Activation::GeluTanhMul),
+];
+
+/// Attention shapes (model, query heads, KV heads, head_dim) of the prefill attention's launches.
+const ATTENTION: [(&str, usize, usize, usize); 4] = [
+    ("mixtral-8x7b", 32, 8, 128),
+    ("qwen1.5-moe-a2.7b", 16, 16, 128),
+    ("gemma-4-26b-a4b_sliding", 16, 8, 256),
+    ("gemma-4-26b-a4b_full", 16, 2, 512),
 ];
 
 /// Writes one `.cu` per (model, block, tokens, `x` staging, prefetch) and `index.json`.
@@ -94,6 +104,18 @@ pub fn sass_gemv(a: &SassGemvArgs) -> Result<()> {
                 }
             }
         }
+    }
+    // The matrix-unit prefill attention at the models' attention shapes (Gemma-4: sliding and
+    // full layers), query rows of a fused QKV projection's width.
+    for (model, n_heads, n_kv_heads, head_dim) in ATTENTION {
+        let shape =
+            PagedAttnShape { n_heads, n_kv_heads, head_dim, block_size: 16, max_blocks: 512, window: 0 };
+        let name = format!("prefill_mma_{model}");
+        let path = a.out.join(format!("{name}.cu"));
+        let q_stride = (n_heads + 2 * n_kv_heads) * head_dim;
+        std::fs::write(&path, prefill_mma_cuda_source(&client, shape, q_stride)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+        index.push(json!({"name": name, "model": model, "head_dim": head_dim, "attention": true}));
     }
     let path = a.out.join("index.json");
     std::fs::write(&path, serde_json::to_string_pretty(&index)?)

@@ -11,13 +11,15 @@
 //! Layout: a cube serves one run of `64 / group` consecutive query tokens of one sequence and
 //! one KV head; its row `m` is token `m / group`, query head `m % group` of the KV head's group
 //! (GQA rows share the keys). Warp `w` owns rows `16 (w mod 4) .. + 16`: its `Q` fragments stay
-//! in registers for the whole run; wide heads (256) split the output's dimensions over two
-//! warps per row block, each computing the block's scores. Each tile of keys is gathered from
+//! in registers for the whole run; wide heads split the output's dimensions over two (256) or
+//! four (512) warps per row block. At 256 each of them computes the block's scores; at 512 each
+//! computes them over its quarter of the dimensions (a quarter of `Q` in registers) and the
+//! four partial scores are summed through shared memory. Each tile of keys is gathered from
 //! the paged pools into shared memory, K as `[key][dim]`, V transposed as `[dim][key]` (so
 //! that both are read as the 32-bit `B` fragments of their MMAs), rows padded by 8 halves
 //! against bank conflicts.
 //! The scores' accumulators become the `A` fragments of `P·V` in registers (FlashAttention-2's
-//! reuse), so scores never touch shared memory.
+//! reuse), so scores touch shared memory only to be summed at head dim 512.
 
 use cubecl::cmma::MmaDefinition;
 use cubecl::prelude::*;
@@ -35,25 +37,38 @@ type H8 = Vector<f16, Const<8>>;
 type Acc = Vector<f32, Const<2>>;
 
 /// Warps per cube (16 query rows each).
-const MMA_WARPS: usize = 4;
+pub(crate) const MMA_WARPS: usize = 4;
 
 /// (query token, head) rows of one cube.
 pub const MMA_ROWS: usize = 16 * MMA_WARPS;
 
-/// How the kernel covers a head dimension: warps per row block that split the output's
-/// dimensions, and keys per staged tile (registers: a lane holds `head_dim / 2` halves of `Q`
-/// and `head_dim / 2 / split` f32 of output; shared memory: both tiles within 48 KiB).
-fn head_plan(head_dim: usize) -> Option<(usize, usize)> {
+/// How the kernel covers a head dimension.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct HeadPlan {
+    /// Warps per row block; each keeps `1 / split` of the output's dimensions.
+    pub(crate) split: usize,
+    /// Keys per staged tile.
+    pub(crate) keys: usize,
+    /// Whether each of a row block's warps computes the scores over its part of the
+    /// dimensions only (partial scores summed through shared memory) rather than all of them.
+    pub(crate) split_scores: bool,
+}
+
+/// The [`HeadPlan`] of a head dimension. Registers: a lane holds `head_dim / 2` halves of `Q`
+/// (`/ split` with split scores) and `head_dim / 2 / split` f32 of output, at most 64 each.
+pub(crate) fn head_plan(head_dim: usize) -> Option<HeadPlan> {
+    let plan = |split, keys, split_scores| Some(HeadPlan { split, keys, split_scores });
     match head_dim {
-        d if d.is_multiple_of(32) && d <= 128 => Some((1, 64)),
-        256 => Some((2, 32)),
+        d if d.is_multiple_of(32) && d <= 128 => plan(1, 64, false),
+        256 => plan(2, 32, false),
+        512 => plan(4, 16, true),
         _ => None,
     }
 }
 
 /// Query tokens of one run of the matrix-unit kernel for `shape`, when it serves `shape` on a
 /// device whose f16 `mma` it can use (`mma`): a head dimension that is a multiple of 32 up to
-/// 128, or 256, and a GQA group dividing [`MMA_ROWS`]; `None` otherwise.
+/// 128, 256 or 512, and a GQA group dividing [`MMA_ROWS`]; `None` otherwise.
 pub fn prefill_mma_run_tokens(shape: &PagedAttnShape, mma: bool) -> Option<usize> {
     let group = shape.n_heads / shape.n_kv_heads.max(1);
     let fits = mma
@@ -65,9 +80,10 @@ pub fn prefill_mma_run_tokens(shape: &PagedAttnShape, mma: bool) -> Option<usize
 }
 
 /// Prefill attention on the matrix units. Grid: `(n_kv_heads, runs)`; cube: [`MMA_WARPS`] ·
-/// `split` planes of 32, tiles of `keys` keys ([`head_plan`]). Run `d` is rows `runs[2d] ..
-/// runs[2d] + runs[2d + 1]` (at most `MMA_ROWS / group`) of one sequence at consecutive
-/// positions (row `r` sees `seq_lens[r]` tokens). Writes `out[r, h, :]` for the run's rows and the KV head's query heads `h`.
+/// `split` planes of 32, tiles of `keys` keys, scores split or not ([`head_plan`]). Run `d` is
+/// rows `runs[2d] .. runs[2d] + runs[2d + 1]` (at most `MMA_ROWS / group`) of one sequence at
+/// consecutive positions (row `r` sees `seq_lens[r]` tokens). Writes `out[r, h, :]` for the
+/// run's rows and the KV head's query heads `h`.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments, clippy::collapsible_if)]
 pub fn paged_prefill_mma_kernel(
@@ -88,9 +104,14 @@ pub fn paged_prefill_mma_kernel(
     #[comptime] q_stride: usize,
     #[comptime] split: usize,
     #[comptime] keys: usize,
+    #[comptime] split_scores: bool,
 ) {
     let group = comptime![n_heads / n_kv_heads];
     let ksteps = comptime![head_dim / 16];
+    // The 16-dimension steps of a warp's scores (its part of them with split scores).
+    let qsteps = comptime![if split_scores { ksteps / split } else { ksteps }];
+    // Partial scores of a warp: 2 accumulators per 8-key n-tile.
+    let sparts = comptime![2 * keys / 8];
     // Output n-tiles of 8 dimensions per warp.
     let dtiles = comptime![head_dim / 8 / split];
     let ntiles = comptime![keys / 8];
@@ -107,8 +128,11 @@ pub fn paged_prefill_mma_kernel(
     let count = runs[2 * d + 1] as usize;
     let lane = UNIT_POS_PLANE as usize;
     let w = (UNIT_POS as usize / 32usize) % MMA_WARPS;
-    // The warp's first output n-tile.
-    let d0 = (UNIT_POS as usize / comptime![32 * MMA_WARPS]) * dtiles;
+    // The warp's part of the row block's dimensions, its first output n-tile and first
+    // score step.
+    let sp = UNIT_POS as usize / comptime![32 * MMA_WARPS];
+    let d0 = sp * dtiles;
+    let s0 = sp * comptime![if split_scores { ksteps / split } else { 0 }];
     let g = lane / 4usize;
     let t = lane % 4usize;
     let scale = params[0];
@@ -117,6 +141,9 @@ pub fn paged_prefill_mma_kernel(
 
     let mut ks = SharedMemory::<H2>::new(comptime![keys * (head_dim + 8) / 2]);
     let mut vt = SharedMemory::<H2>::new(comptime![head_dim * (keys + 8) / 2]);
+    // Partial scores `[split][row block][part][lane]` (one word pair when unused).
+    let mut sred =
+        SharedMemory::<Acc>::new(comptime![if split_scores { split * MMA_WARPS * sparts * 32 } else { 1 }]);
 
     // The lane's two rows (g and g + 8 of the warp's 16): their token, query head, and the
     // keys they see `[lo, hi)`.
@@ -138,14 +165,14 @@ pub fn paged_prefill_mma_kernel(
             }
         }
     }
-    // Q fragments, scaled, for every 16-dimension step: [4s] row g dims 2t.., [4s + 1] row
-    // g + 8, [4s + 2] row g dims 2t + 8.., [4s + 3] row g + 8.
-    let mut qf = Array::<H2>::new(comptime![4 * head_dim / 16]);
+    // Q fragments, scaled, for the warp's 16-dimension steps: [4s] row g dims 2t.., [4s + 1]
+    // row g + 8, [4s + 2] row g dims 2t + 8.., [4s + 3] row g + 8.
+    let mut qf = Array::<H2>::new(comptime![4 * qsteps]);
     #[unroll]
-    for s in 0..ksteps {
+    for s in 0..qsteps {
         #[unroll]
         for i in 0..4usize {
-            let base = qrow[i % 2usize] + 16usize * s + 2usize * t + 8usize * (i / 2usize);
+            let base = qrow[i % 2usize] + 16usize * (s0 + s) + 2usize * t + 8usize * (i / 2usize);
             let mut v = H2::empty();
             v[0] = f16::cast_from(q[base] * scale);
             v[1] = f16::cast_from(q[base + 1usize] * scale);
@@ -219,28 +246,49 @@ pub fn paged_prefill_mma_kernel(
         }
         sync_cube();
 
-        // S = Q·Kᵀ over the tile: n-tile j holds keys t0 + 8j .. t0 + 8j + 8.
-        let mut sc = Array::<Acc>::new(comptime![2 * keys / 8]);
+        // S = Q·Kᵀ over the tile (the warp's steps): n-tile j holds keys t0 + 8j .. t0 + 8j + 8.
+        let mut sc = Array::<Acc>::new(sparts);
         #[unroll]
         for j in 0..ntiles {
             let mut c = Array::<Acc>::new(2usize);
             c[0] = Acc::empty().fill(0.0f32);
             c[1] = Acc::empty().fill(0.0f32);
             #[unroll]
-            for s in 0..ksteps {
+            for s in 0..qsteps {
                 let mut a = Array::<H2>::new(4usize);
                 #[unroll]
                 for i in 0..4usize {
                     a[i] = qf[4usize * s + i];
                 }
                 let mut b = Array::<H2>::new(2usize);
-                let at = (8usize * j + g) * k_stride + 8usize * s + t;
+                let at = (8usize * j + g) * k_stride + 8usize * (s0 + s) + t;
                 b[0] = ks[at];
                 b[1] = ks[at + 4usize];
                 def.execute_inplace(&a, &b, &mut c);
             }
             sc[2usize * j] = c[0];
             sc[2usize * j + 1usize] = c[1];
+        }
+        if comptime![split_scores] {
+            // Sum the row block's partial scores (the next write to `sred` is two barriers
+            // after these reads).
+            let mine = (sp * MMA_WARPS + w) * sparts;
+            #[unroll]
+            for i in 0..sparts {
+                sred[(mine + i) * 32usize + lane] = sc[i];
+            }
+            sync_cube();
+            #[unroll]
+            for i in 0..sparts {
+                let mut v = Acc::empty().fill(0.0f32);
+                #[unroll]
+                for p in 0..split {
+                    let x = sred[((p * MMA_WARPS + w) * sparts + i) * 32usize + lane];
+                    v[0] += x[0];
+                    v[1] += x[1];
+                }
+                sc[i] = v;
+            }
         }
 
         // Online softmax per row (e = 0: row g, 1: row g + 8); a row's four lanes (t) share
@@ -354,7 +402,7 @@ pub(crate) fn launch<R: Runtime>(
     params: &DeviceArray,
     out: &DeviceArray,
 ) {
-    let (split, keys) = head_plan(shape.head_dim).expect("checked by prefill_mma_run_tokens");
+    let plan = head_plan(shape.head_dim).expect("checked by prefill_mma_run_tokens");
     // SAFETY: the caller checked the buffer sizes; runs come from `prefill_runs` over the
     // step's rows; table entries and lengths come from the cache allocator, which keeps every
     // referenced slot inside the pools (f16, slots of `n_kv_heads · head_dim` halves, a
@@ -364,7 +412,7 @@ pub(crate) fn launch<R: Runtime>(
         paged_prefill_mma_kernel::launch_unchecked::<R>(
             client,
             CubeCount::Static(shape.n_kv_heads as u32, n_runs as u32, 1),
-            CubeDim::new_1d((MMA_WARPS * split * 32) as u32),
+            CubeDim::new_1d((MMA_WARPS * plan.split * 32) as u32),
             q.arg(),
             pool(k_pool),
             pool(v_pool),
@@ -380,8 +428,9 @@ pub(crate) fn launch<R: Runtime>(
             shape.max_blocks,
             shape.window,
             q_stride,
-            split,
-            keys,
+            plan.split,
+            plan.keys,
+            plan.split_scores,
         )
     };
 }

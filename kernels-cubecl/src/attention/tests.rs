@@ -395,7 +395,8 @@ fn prefill_mma_run_tokens_and_refusal() {
     assert_eq!(prefill_mma_run_tokens(&mixtral, true), Some(16));
     assert_eq!(prefill_mma_run_tokens(&qwen, false), None);
     assert_eq!(prefill_mma_run_tokens(&shape(16, 8, 256, 1024), true), Some(32), "head_dim 256");
-    assert_eq!(prefill_mma_run_tokens(&shape(16, 2, 512, 0), true), None, "head_dim 512");
+    assert_eq!(prefill_mma_run_tokens(&shape(16, 2, 512, 0), true), Some(8), "head_dim 512");
+    assert_eq!(prefill_mma_run_tokens(&shape(16, 2, 384, 0), true), None, "head_dim 384");
     assert_eq!(prefill_mma_run_tokens(&shape(6, 2, 64, 0), true), None, "group 3");
     assert_eq!(prefill_mma_run_tokens(&shape(4, 4, 48, 0), true), None, "head_dim 48");
 
