@@ -69,16 +69,19 @@ fn bench_serve_scaled_down(model: &str) {
 
 /// `bench-kernels --attention-only --quick --check` on wgpu: the prefill attention check runs
 /// every case against the CPU reference within its budget (only the plain kernel here: no f16
-/// `mma` on lavapipe), and each model's shape is timed.
+/// `mma` on lavapipe), and each model's shape (Gemma-4's two) is timed.
 #[test]
 fn bench_kernels_attention_check_on_wgpu() {
     let records = records("bench-kernels --device wgpu --attention-only --quick --check");
     let checks: Vec<_> = records.iter().filter(|r| r["kernel"] == "prefill_attention_check").collect();
-    assert_eq!(checks.len(), 5, "{records:?}");
+    assert_eq!(checks.len(), 6, "{records:?}");
+    assert!(checks.iter().any(|c| c["case"] == "gemma4 full, head_dim 512"), "{checks:?}");
     for c in &checks {
         assert!(c["rel_err"].as_f64().unwrap() <= c["budget"].as_f64().unwrap(), "{c}");
     }
     let timed: Vec<_> = records.iter().filter(|r| r["kernel"] == "prefill_attention").collect();
-    assert_eq!(timed.len(), 3, "{records:?}");
+    // Mixtral, Qwen1.5-MoE, Gemma-4's sliding and full layers.
+    assert_eq!(timed.len(), 4, "{records:?}");
+    assert!(timed.iter().any(|r| r["model"] == "gemma4" && r["layers"] == "full"), "{timed:?}");
     assert!(timed.iter().all(|r| r["time_us"].as_f64().unwrap() > 0.0), "{timed:?}");
 }
