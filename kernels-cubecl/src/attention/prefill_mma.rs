@@ -56,6 +56,8 @@ pub(crate) struct HeadPlan {
 
 /// The [`HeadPlan`] of a head dimension. Registers: a lane holds `head_dim / 2` halves of `Q`
 /// (`/ split` with split scores) and `head_dim / 2 / split` f32 of output, at most 64 each.
+/// Shared memory: the K and V tiles, and at 512 the partial scores (56 KiB in all, past the
+/// 48 KiB of static shared memory: CubeCL's CUDA launches opt into more).
 pub(crate) fn head_plan(head_dim: usize) -> Option<HeadPlan> {
     let plan = |split, keys, split_scores| Some(HeadPlan { split, keys, split_scores });
     match head_dim {
