@@ -160,15 +160,13 @@ pub fn prefill_mma_cuda_source<R: Runtime>(
     shape: crate::PagedAttnShape,
     q_stride: usize,
 ) -> Result<String, KernelError> {
-    use crate::attention::prefill_mma::{MMA_WARPS, head_plan, paged_prefill_mma_kernel};
+    use crate::attention::prefill_mma::{head_plan, paged_prefill_mma_kernel};
     let plan = head_plan(shape.head_dim)
         .filter(|_| crate::prefill_mma_run_tokens(&shape, true).is_some())
         .ok_or_else(|| {
             crate::device::bad(format!("the matrix-unit prefill attention does not serve {shape:?}"))
         })?;
-    let settings = KernelSettings::default()
-        .cube_dim(CubeDim::new_1d((MMA_WARPS * plan.split * 32) as u32))
-        .address_type(AddressType::U32);
+    let settings = KernelSettings::default().cube_dim(plan.cube_dim()).address_type(AddressType::U32);
     let arr = || ArrayCompilationArg { inplace: None };
     let definition = paged_prefill_mma_kernel::PagedPrefillMmaKernel::<R>::new(
         settings,

@@ -37,7 +37,7 @@ type H8 = Vector<f16, Const<8>>;
 type Acc = Vector<f32, Const<2>>;
 
 /// Warps per cube (16 query rows each).
-pub(crate) const MMA_WARPS: usize = 4;
+const MMA_WARPS: usize = 4;
 
 /// (query token, head) rows of one cube.
 pub const MMA_ROWS: usize = 16 * MMA_WARPS;
@@ -52,6 +52,13 @@ pub(crate) struct HeadPlan {
     /// Whether each of a row block's warps computes the scores over its part of the
     /// dimensions only (partial scores summed through shared memory) rather than all of them.
     pub(crate) split_scores: bool,
+}
+
+impl HeadPlan {
+    /// The kernel's cube: [`MMA_WARPS`] row blocks of `split` warps of 32 lanes.
+    pub(crate) fn cube_dim(&self) -> CubeDim {
+        CubeDim::new_1d((MMA_WARPS * self.split * 32) as u32)
+    }
 }
 
 /// The [`HeadPlan`] of a head dimension. Registers: a lane holds `head_dim / 2` halves of `Q`
@@ -414,7 +421,7 @@ pub(crate) fn launch<R: Runtime>(
         paged_prefill_mma_kernel::launch_unchecked::<R>(
             client,
             CubeCount::Static(shape.n_kv_heads as u32, n_runs as u32, 1),
-            CubeDim::new_1d((MMA_WARPS * plan.split * 32) as u32),
+            plan.cube_dim(),
             q.arg(),
             pool(k_pool),
             pool(v_pool),
