@@ -479,6 +479,8 @@ where
         "page_table_read_ms_p50": percentile(&mut poll_s, 0.5) * 1e3,
         "page_table_read_ms_max": poll_s.iter().copied().fold(0.0, f64::max) * 1e3,
         "step_parts": step_parts(&parts),
+        "boundary_plan_s": mem.plan_time.as_secs_f64(),
+        "boundary_commit_s": mem.commit_time.as_secs_f64(),
     });
     if let (Some(r), Value::Object(extra)) = (record.as_object_mut(), steps) {
         r.extend(extra);

@@ -173,8 +173,10 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
         Ok(me)
     }
 
-    /// A model of `cfg`'s shapes with random weights (see [`pw_decode::DecoderBuilder::synthetic`]),
-    /// under the same memory options: for serving benchmarks of full-size models.
+    /// A model of `cfg`'s shapes with random weights whose expert pages move between random
+    /// host parents and the device through the same mover as a checkpoint's (see
+    /// [`pw_decode::DecoderBuilder::synthetic_host`]), under the same memory options: for
+    /// serving benchmarks of full-size models. Host memory: every page at 8 bits.
     pub fn synthetic(
         client: &ComputeClient<R>,
         cfg: DecodeConfig,
@@ -205,7 +207,7 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
             .max_seq_len(o.max_context)
             .accountant(accountant.clone())
             .max_step_tokens(o.max_step_tokens)
-            .synthetic(cfg.clone(), &|_, _| plan.initial_bits)
+            .synthetic_host(cfg.clone(), &|_, _| plan.initial_bits)
             .map_err(|e| model(e.to_string()))?;
         Self::assemble(dec, accountant, &o.memory, plan, o.max_batch).map_err(model)
     }

@@ -73,6 +73,11 @@ pub struct MemoryState {
     /// Whether the last boundary changed nothing (no plan, no commit): an idle engine stops
     /// calling boundaries then.
     pub settled: bool,
+    /// Time boundaries spent planning so far (reading the routing statistics, the planner).
+    pub plan_time: Duration,
+    /// Time boundaries spent committing pages so far (lowerings, transfers started and
+    /// finished, tables published).
+    pub commit_time: Duration,
 }
 
 impl MemoryState {

@@ -537,7 +537,10 @@ impl PagedMemory {
             // Record the routing of the next step when it is a sampled one.
             store.arm_routing(self.boundaries.is_multiple_of(self.options.routing_every.max(1)));
         }
+        let planned = Instant::now();
+        self.state.plan_time += planned - now;
         let commit = store.commit()?;
+        self.state.commit_time += planned.elapsed();
         self.state.page_moves_down_total += commit.lowered as u64;
         self.state.page_moves_up_total += commit.raised as u64;
         self.state.deferred_total += commit.deferred as u64;
