@@ -15,8 +15,8 @@ use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
 use crate::schedule::{ArrivalReserve, Candidate, Running, StepLimits, StepPlan, plan_step};
 use crate::{
-    BoundaryHook, BoundaryState, DecodeSlot, IncrementalDetokenizer, KvLayout, Metrics, PrefillOutcome,
-    PrefillSlot, ServeError, StepError, StepModel, StepTiming, StopText,
+    BoundaryHook, BoundaryState, DecodeSlot, IncrementalDetokenizer, KvDemand, KvLayout, Metrics,
+    PrefillOutcome, PrefillSlot, ServeError, StepError, StepModel, StepTiming, StopText,
 };
 
 /// How admission reserves KV memory.
@@ -459,7 +459,7 @@ impl Engine {
         let metrics = Arc::new(Metrics::default());
         let mut model = model;
         // The paged memory's state from the start (a first boundary, before any step).
-        let memory = model.boundary(0).map_err(|e| ServeError::Model(e.to_string()))?;
+        let memory = model.boundary(KvDemand::default()).map_err(|e| ServeError::Model(e.to_string()))?;
         metrics.update(|m| {
             m.kv_budget_bytes = config.kv_budget_bytes;
             m.weight_bytes = limits.weight_bytes;
@@ -1097,32 +1097,43 @@ impl Worker {
         self.preempted.insert(at, a);
     }
 
-    /// KV bytes the next steps will add: the running sequences' growth over the next
+    /// KV bytes the next steps will add (`next`): the running sequences' growth over the next
     /// [`GROWTH_HORIZON`] tokens (at most to their `max_tokens`), and the prompts of the
     /// candidates the batch has room for (at most what admission could still reserve) or, while
-    /// requests keep arriving, the largest recent one ([`ArrivalReserve`]), whichever is more.
-    fn kv_demand(&self) -> u64 {
+    /// requests keep arriving, the largest recent one ([`ArrivalReserve`]), whichever is more;
+    /// and what they may add before they finish (`until_done`): the same with every sequence
+    /// grown to its `max_tokens`.
+    fn kv_demand(&self) -> KvDemand {
         let kv = &self.kv_layout;
-        let growth: u64 = self
-            .active
-            .iter()
-            .map(|a| {
-                let end = (a.prompt_len + a.params.max_tokens).min(self.config.max_context);
-                let ahead = (a.tokens.len() + GROWTH_HORIZON).min(end).max(a.tokens.len() + 1);
-                kv.bytes_for(ahead).saturating_sub(kv.bytes_for(a.computed))
-            })
-            .sum();
+        let max_context = self.config.max_context;
+        let (mut next, mut until_done) = (0, 0);
+        for a in &self.active {
+            let end = (a.prompt_len + a.params.max_tokens).min(max_context).max(a.tokens.len() + 1);
+            let ahead = (a.tokens.len() + GROWTH_HORIZON).min(end);
+            let held = kv.bytes_for(a.computed);
+            next += kv.bytes_for(ahead).saturating_sub(held);
+            until_done += kv.bytes_for(end).saturating_sub(held);
+        }
         let room = self.config.max_batch.saturating_sub(self.active.len());
-        let queued: u64 = self
+        // (tokens now, tokens at the end) of the candidates the batch has room for.
+        let queued: Vec<(usize, usize)> = self
             .preempted
             .iter()
-            .map(|a| a.tokens.len())
-            .chain(self.waiting.iter().map(|p| p.req.prompt.len()))
+            .map(|a| (a.tokens.len(), a.prompt_len + a.params.max_tokens))
+            .chain(
+                self.waiting
+                    .iter()
+                    .map(|p| (p.req.prompt.len(), p.req.prompt.len() + p.req.params.max_tokens)),
+            )
             .take(room)
-            .map(|n| kv.bytes_for(n))
-            .sum();
-        let next = if room == 0 { 0 } else { self.arrivals.bytes(Instant::now()) };
-        growth + queued.max(next).min(self.config.kv_budget_bytes.saturating_sub(self.reserved))
+            .collect();
+        let queued_next: u64 = queued.iter().map(|&(n, _)| kv.bytes_for(n)).sum();
+        let queued_done: u64 = queued.iter().map(|&(n, end)| kv.bytes_for(end.min(max_context).max(n))).sum();
+        let arriving = if room == 0 { 0 } else { self.arrivals.bytes(Instant::now()) };
+        let admissible = self.config.kv_budget_bytes.saturating_sub(self.reserved);
+        next += queued_next.max(arriving).min(admissible);
+        until_done += queued_done.max(arriving).min(admissible);
+        KvDemand { next, until_done: until_done.max(next) }
     }
 
     /// The model's own boundary (planner and page commits); its state goes to the metrics.

@@ -18,7 +18,9 @@ use pw_planner::{
     residual_features_from_stats,
 };
 
-use crate::model::{DecodeSlot, PrefillOutcome, PrefillSlot, SeqId, SeqOutcome, StepError, StepModel};
+use crate::model::{
+    DecodeSlot, KvDemand, PrefillOutcome, PrefillSlot, SeqId, SeqOutcome, StepError, StepModel,
+};
 use crate::paged::{MemoryPlan, PagedMemory};
 use crate::{KvLayout, MemoryOptions, MemoryState, ServeError, WeightPolicy};
 
@@ -236,7 +238,7 @@ impl<R: Runtime, KV: Float + CubeElement> FastStepModel<R, KV> {
             kv_capacity: plan.kv_capacity,
         };
         me.warm_up(max_batch).map_err(|e| e.to_string())?;
-        me.boundary(0).map_err(|e| e.to_string())?;
+        me.boundary(KvDemand::default()).map_err(|e| e.to_string())?;
         Ok(me)
     }
 
@@ -571,11 +573,10 @@ where
         self.dec.kv_tables().used_blocks() as u64 * self.block_bytes
     }
 
-    fn boundary(&mut self, demand_kv_bytes: u64) -> Result<Option<MemoryState>, StepError> {
+    fn boundary(&mut self, demand: KvDemand) -> Result<Option<MemoryState>, StepError> {
         let used = self.dec.kv_tables().used_blocks() as u64;
-        let demand = demand_kv_bytes.div_ceil(self.block_bytes);
         self.mem.set_residual(self.combined_factors());
-        self.mem.boundary(&mut self.dec, used, demand).map(Some)
+        self.mem.boundary(&mut self.dec, used, demand.blocks(self.block_bytes)).map(Some)
     }
 
     fn page_table(&self) -> Result<Option<crate::PageTableView>, StepError> {

@@ -36,7 +36,7 @@ pub use hook::{BoundaryHook, BoundaryState, MemoryState, StepTiming, UsageRecord
 pub use kv::{KvLayout, LayerKv, max_context};
 pub use metrics::{Metrics, MetricsSnapshot};
 pub use model::{
-    BurnStepModel, DecodeSlot, PrefillOutcome, PrefillSlot, SeqId, SeqOutcome, StepError, StepModel,
+    BurnStepModel, DecodeSlot, KvDemand, PrefillOutcome, PrefillSlot, SeqId, SeqOutcome, StepError, StepModel,
 };
 pub use page_table::{HistorySample, PageLocation, PageTableView, PageView, PlannerDecision};
 pub use paged::{MemoryOptions, WeightPolicy};

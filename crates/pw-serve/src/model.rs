@@ -65,6 +65,28 @@ pub type SeqOutcome = Result<u32, StepError>;
 /// One prefill chunk's result: the sampled token when the slot asked for one.
 pub type PrefillOutcome = Result<Option<u32>, StepError>;
 
+/// KV bytes the engine expects its sequences to add, for a model's [`StepModel::boundary`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct KvDemand {
+    /// Bytes the next steps take (queued prompts, decode growth a few steps ahead): a planner
+    /// lowers pages until they are free.
+    pub next: u64,
+    /// Bytes the running and queued sequences may still take before they finish (at least
+    /// `next`): a planner raises pages only into memory beyond them, so that it does not give
+    /// the weights what the cache takes back a few steps later.
+    pub until_done: u64,
+}
+
+impl KvDemand {
+    /// In blocks of `block_bytes`, rounded up.
+    pub(crate) fn blocks(self, block_bytes: u64) -> crate::paged::DemandBlocks {
+        crate::paged::DemandBlocks {
+            next: self.next.div_ceil(block_bytes),
+            until_done: self.until_done.max(self.next).div_ceil(block_bytes),
+        }
+    }
+}
+
 /// The per-step model work the engine schedules.
 ///
 /// The model owns the KV state of every sequence it has prefilled until [`release`]d; the
@@ -99,11 +121,11 @@ pub trait StepModel: Send {
     fn kv_bytes_held(&self) -> u64;
 
     /// Called between steps (no model call in flight): a model with paged weights runs its
-    /// planner and commits finished page moves here, making room for `demand_kv_bytes` more
-    /// KV bytes that the next steps will take (queued prompts and decode growth). The default
-    /// has nothing to do.
-    fn boundary(&mut self, demand_kv_bytes: u64) -> Result<Option<crate::MemoryState>, StepError> {
-        let _ = demand_kv_bytes;
+    /// planner and commits finished page moves here, making room for the KV bytes the next
+    /// steps will take and raising pages only into memory the sequences will not take before
+    /// they finish (see [`KvDemand`]). The default has nothing to do.
+    fn boundary(&mut self, demand: KvDemand) -> Result<Option<crate::MemoryState>, StepError> {
+        let _ = demand;
         Ok(None)
     }
 
@@ -255,7 +277,7 @@ impl<B: Backend> BurnStepModel<B, AnyModel<B>> {
             * elem;
         let mut me = Self::new(loaded.model, device.clone(), kv, dense);
         me.paged = Some(BurnPaged { pages, mem, block_bytes });
-        me.boundary(0).map_err(step_err)?;
+        me.boundary(KvDemand::default()).map_err(step_err)?;
         Ok((me, plan.kv_capacity))
     }
 }
@@ -327,11 +349,11 @@ where
             .sum()
     }
 
-    fn boundary(&mut self, demand_kv_bytes: u64) -> Result<Option<MemoryState>, StepError> {
+    fn boundary(&mut self, demand: KvDemand) -> Result<Option<MemoryState>, StepError> {
         let used = self.used_blocks();
         let Some(p) = &mut self.paged else { return Ok(None) };
-        let demand = demand_kv_bytes.div_ceil(p.block_bytes);
-        p.mem.boundary(&mut p.pages, used, demand).map(Some)
+        let blocks = demand.blocks(p.block_bytes);
+        p.mem.boundary(&mut p.pages, used, blocks).map(Some)
     }
 
     fn page_table(&self) -> Result<Option<PageTableView>, StepError> {

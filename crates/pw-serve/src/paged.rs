@@ -439,7 +439,7 @@ impl PagedMemory {
         if self.planner.is_some() {
             // Plan as if the missing blocks were already taken.
             let missing = (want - self.kv.bytes()).div_ceil(self.block_bytes);
-            self.boundary(store, blocks, missing)?;
+            self.boundary(store, blocks, DemandBlocks { next: missing, until_done: missing })?;
             if grow(&self.accountant, &mut self.kv) {
                 return Ok(());
             }
@@ -465,13 +465,14 @@ impl PagedMemory {
     }
 
     /// The boundary: the planner (if any) and the page table's commit. `used_blocks`: KV
-    /// blocks the live sequences hold; `missing`: blocks the next steps will lease (counted as
-    /// taken, so the planner makes room for them before they are asked for).
+    /// blocks the live sequences hold; `demand`: blocks the next steps will lease (counted as
+    /// taken, so the planner makes room for them before they are asked for) and those the
+    /// sequences may lease before they finish (no page is raised into them).
     pub(crate) fn boundary(
         &mut self,
         store: &mut impl ExpertStore,
         used_blocks: u64,
-        missing: u64,
+        demand: DemandBlocks,
     ) -> Result<MemoryState, StepError> {
         self.shrink_to(used_blocks);
         self.boundaries += 1;
@@ -485,8 +486,16 @@ impl PagedMemory {
             }
             let pages = store.pages();
             let snapshot = Snapshot { pages: pages.iter().map(page_state).collect() };
-            let free = (self.accountant.free() / self.block_bytes).saturating_sub(missing);
-            let mut target = p.kv.target(free, snapshot.pending_bytes());
+            let free = self.accountant.free() / self.block_bytes;
+            let mut target = p.kv.target(free.saturating_sub(demand.next), snapshot.pending_bytes());
+            if matches!(target, MemoryTarget::Spare(_)) {
+                // Give back only what the sequences will not take before they finish.
+                let later = free.saturating_sub(demand.until_done.max(demand.next));
+                target = match p.kv.target(later, snapshot.pending_bytes()) {
+                    spare @ MemoryTarget::Spare(_) => spare,
+                    _ => MemoryTarget::Hold,
+                };
+            }
             if let MemoryTarget::Spare(s) = target
                 && self.options.max_raise_bytes > 0
             {
@@ -622,6 +631,15 @@ impl PagedMemory {
     }
 }
 
+/// KV blocks a boundary plans for (see [`crate::KvDemand`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct DemandBlocks {
+    /// Blocks the next steps lease.
+    pub next: u64,
+    /// Blocks the sequences may lease before they finish (at least `next`).
+    pub until_done: u64,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -710,16 +728,42 @@ mod tests {
         let mut pages = Pages::new(16, 8);
         mem.reserve(&mut pages, 90).unwrap();
         // 10 free blocks, at or below the threshold: pages go down.
-        let state = mem.boundary(&mut pages, 90, 0).unwrap();
+        let state = mem.boundary(&mut pages, 90, DemandBlocks::default()).unwrap();
         assert!(state.page_moves_down_total > 0);
         let lowered = pages.mean_desired();
         assert!(lowered < 8.0);
         // The sequences end: 100 free blocks, but the cache asked for room a moment ago.
-        let state = mem.boundary(&mut pages, 0, 0).unwrap();
+        let state = mem.boundary(&mut pages, 0, DemandBlocks::default()).unwrap();
         assert_eq!(pages.mean_desired(), lowered);
         assert!(!state.settled);
         std::thread::sleep(Duration::from_millis(250));
-        let state = mem.boundary(&mut pages, 0, 0).unwrap();
+        let state = mem.boundary(&mut pages, 0, DemandBlocks::default()).unwrap();
+        assert!(pages.mean_desired() > lowered, "{}", pages.mean_desired());
+        assert!(state.page_moves_up_total > 0);
+    }
+
+    /// Pages go up only into memory the sequences will not take before they finish: with
+    /// every block free but 95 of them still to be taken, nothing is raised; once that demand
+    /// is gone, pages go up.
+    #[test]
+    fn raising_leaves_what_the_sequences_take_before_they_finish() {
+        let block = 100;
+        let options = MemoryOptions {
+            budget_bytes: Some(100 * block),
+            raise_after: Duration::ZERO,
+            ..MemoryOptions::default()
+        };
+        let mut mem = PagedMemory::new(Accountant::new(100 * block), block, 1, 8, options).unwrap();
+        let mut pages = Pages::new(16, 8);
+        mem.reserve(&mut pages, 90).unwrap();
+        mem.boundary(&mut pages, 90, DemandBlocks::default()).unwrap();
+        let lowered = pages.mean_desired();
+        assert!(lowered < 8.0);
+        let later = DemandBlocks { next: 0, until_done: 95 };
+        let state = mem.boundary(&mut pages, 0, later).unwrap();
+        assert_eq!(pages.mean_desired(), lowered);
+        assert_eq!(state.page_moves_up_total, 0);
+        let state = mem.boundary(&mut pages, 0, DemandBlocks::default()).unwrap();
         assert!(pages.mean_desired() > lowered, "{}", pages.mean_desired());
         assert!(state.page_moves_up_total > 0);
     }

@@ -88,7 +88,7 @@ fn after_warm_up_serving_compiles_no_kernel() {
             live.push((seq + i as u64, first.unwrap().unwrap()));
         }
         seq += lens.len() as u64;
-        model.boundary(0).unwrap();
+        model.boundary(pw_serve::KvDemand::default()).unwrap();
         while live.len() > max_batch {
             model.release(live.remove(0).0);
         }
@@ -103,7 +103,7 @@ fn after_warm_up_serving_compiles_no_kernel() {
             for (l, t) in live.iter_mut().zip(next) {
                 l.1 = t.unwrap();
             }
-            model.boundary(0).unwrap();
+            model.boundary(pw_serve::KvDemand::default()).unwrap();
         }
     }
     for (seq, _) in live {

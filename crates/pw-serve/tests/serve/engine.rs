@@ -331,7 +331,10 @@ impl pw_serve::StepModel for Picky {
     fn kv_bytes_held(&self) -> u64 {
         self.inner.kv_bytes_held()
     }
-    fn boundary(&mut self, _demand: u64) -> Result<Option<pw_serve::MemoryState>, pw_serve::StepError> {
+    fn boundary(
+        &mut self,
+        _demand: pw_serve::KvDemand,
+    ) -> Result<Option<pw_serve::MemoryState>, pw_serve::StepError> {
         let Some(n) = self.grow_to else { return Ok(None) };
         if self.ooms.load(std::sync::atomic::Ordering::SeqCst) > 0 {
             self.room = self.room.max(n);

@@ -513,7 +513,7 @@ fn the_residual_head_weighs_each_running_prompt_into_the_damage() {
             let mut s = Sampler::new(SamplingConfig { temperature: 0.0, ..Default::default() });
             m.prefill(&mut [slot(1, 0, p, true, &mut s)]).unwrap()[0].clone().unwrap();
         }
-        m.boundary(0).unwrap();
+        m.boundary(pw_serve::KvDemand::default()).unwrap();
         let v = m.page_table().unwrap().expect("the fast path has a page table");
         v.pages.iter().map(|p| (p.layer, p.kind, p.damage.expect("planner damage"))).collect::<Vec<_>>()
     };
