@@ -70,14 +70,6 @@ impl<R: Runtime> Mover for ExpertMover<R> {
     fn pin_host_luts(&mut self, data: &[u8]) {
         self.inner.pin_host_luts(data)
     }
-
-    fn begin_boundary(&mut self) -> Result<(), MoveError> {
-        self.inner.begin_boundary()
-    }
-
-    fn end_boundary(&mut self) -> Result<(), MoveError> {
-        self.inner.end_boundary()
-    }
 }
 
 /// Longest wait of [`PagedExperts::settle`] for the uploads of a load (Mixtral-8x7B's 45 GB

@@ -8,14 +8,12 @@
 //!
 //! Ordering: CubeCL's stream is private, so no event can be recorded on it.
 //! A transfer's destinations may have been read by kernels launched before
-//! the boundary that freed them, so the mover first waits for the CubeCL
-//! queue (`client.sync()`), once per page-table boundary. At a boundary
-//! between decode steps the host has normally just read the step's logits,
-//! so the queue is already drained and the wait costs a round trip, not a
-//! step. Ordered writes inside a boundary (lowering LUT swaps) are staged in
-//! one pinned buffer and copied on a second stream, which the boundary's end
-//! waits for; outside a boundary, and for descriptor tables, they go through
-//! CubeCL as in [`CubePool`].
+//! the boundary that freed them, so [`CudaMover::start`] first waits for the
+//! CubeCL queue (`client.sync()`). At a boundary between decode steps the
+//! host has normally just read the step's logits, so the queue is already
+//! drained and the wait costs a round trip, not a step. Ordered writes
+//! (lowering LUT swaps, descriptor tables) go through CubeCL as in
+//! [`CubePool`].
 
 use crate::cube::{CubePool, DeviceMover};
 use crate::mover::{MoveError, Mover, Ticket, Write};
@@ -72,16 +70,6 @@ pub struct CudaMover {
     registered: Vec<(usize, usize)>,
     in_flight: BTreeMap<Ticket, (sys::CUevent, Vec<usize>)>,
     next: u64,
-    /// The stream of ordered writes made inside a boundary (apart from the transfers', so
-    /// that closing a boundary never waits for a raising).
-    ordered: sys::CUstream,
-    /// Pinned staging of the ordered writes in flight on `ordered`, and the bytes used.
-    stage: Option<Pinned>,
-    stage_used: usize,
-    /// Between `begin_boundary` and `end_boundary`.
-    in_boundary: bool,
-    /// The CubeCL queue was drained in this boundary (no kernel launched since).
-    queue_drained: bool,
 }
 
 // SAFETY: the raw handles (context, stream, events) are CUDA driver objects that any host
@@ -148,8 +136,6 @@ impl CudaMover {
         // SAFETY: `ctx` was just retained.
         unsafe { cu::ctx::set_current(ctx) }.map_err(|e| err("set context", e))?;
         let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(|e| err("stream", e))?;
-        let ordered =
-            cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(|e| err("stream", e))?;
         Ok(Self {
             pool,
             ctx,
@@ -160,72 +146,7 @@ impl CudaMover {
             registered: Vec::new(),
             in_flight: BTreeMap::new(),
             next: 0,
-            ordered,
-            stage: None,
-            stage_used: 0,
-            in_boundary: false,
-            queue_drained: false,
         })
-    }
-
-    /// Waits for the kernels already launched on CubeCL's queue; inside a boundary only once.
-    fn drain_queue(&mut self) -> Result<(), MoveError> {
-        if !self.queue_drained {
-            cubecl::future::block_on(self.pool.client().sync()).map_err(|e| MoveError(format!("{e:?}")))?;
-            self.queue_drained = self.in_boundary;
-        }
-        Ok(())
-    }
-
-    /// Copies `src` to device address `dst` on the ordered stream through the pinned stage
-    /// (growing it, after the copies in flight, when `src` does not fit behind them).
-    fn copy_ordered(&mut self, dst: u64, src: &[u8]) -> Result<(), MoveError> {
-        let len = src.len();
-        if len == 0 {
-            return Ok(());
-        }
-        let cap = self.stage.as_ref().map_or(0, |p| p.cap);
-        if self.stage_used + len > cap {
-            // SAFETY: the stream is ours; its copies read the stage being reused.
-            unsafe { cu::stream::synchronize(self.ordered) }.map_err(|e| err("ordered sync", e))?;
-            self.stage_used = 0;
-            if len > cap {
-                if let Some(old) = self.stage.take() {
-                    // SAFETY: no copy reads it any more (synchronized above).
-                    unsafe { cu::free_host(old.ptr.cast()) }.map_err(|e| err("pinned free", e))?;
-                }
-                let cap = len.next_power_of_two().max(4 << 20);
-                // SAFETY: plain allocation; freed here or in Drop.
-                let ptr = unsafe { cu::malloc_host(cap, 0) }.map_err(|e| err("pinned alloc", e))? as *mut u8;
-                self.stage = Some(Pinned { ptr, cap, busy: true });
-            }
-        }
-        let stage = self.stage.as_ref().expect("allocated above");
-        // SAFETY: `stage_used + len <= cap`, and the range is read by no copy in flight (each
-        // copy reads its own range until the stream is synchronized and `stage_used` reset).
-        let staged = unsafe {
-            let at = stage.ptr.add(self.stage_used);
-            std::ptr::copy_nonoverlapping(src.as_ptr(), at, len);
-            std::slice::from_raw_parts(at, len)
-        };
-        // SAFETY: `dst` lies inside an arena (checked by the caller); the stage outlives the copy.
-        unsafe { cu::memcpy_htod_async(dst, staged, self.ordered) }.map_err(|e| err("ordered copy", e))?;
-        self.stage_used += len;
-        Ok(())
-    }
-
-    fn check_writes(&self, writes: &[Write<'_>]) -> Result<(), MoveError> {
-        let (plane_cap, lut_cap) = self.pool.capacity();
-        for w in writes {
-            let (off, len, cap) = match *w {
-                Write::Planes { off, data } => (off, data.len(), plane_cap),
-                Write::Lut { off, data } => (off, data.len(), lut_cap),
-            };
-            if off + len > cap {
-                return Err(MoveError(format!("write [{off}, {}) past the arena of {cap}", off + len)));
-            }
-        }
-        Ok(())
     }
 
     /// The CubeCL arenas (for the grouped kernel).
@@ -299,49 +220,22 @@ impl Mover for CudaMover {
     }
 
     fn write_ordered(&mut self, writes: &[Write<'_>]) -> Result<(), MoveError> {
-        if !self.in_boundary {
-            return self.pool.write_ordered(writes);
-        }
-        self.check_writes(writes)?;
-        // A write may go over data that kernels launched before still read.
-        self.drain_queue()?;
-        // SAFETY: `ctx` is retained for the mover's life.
-        unsafe { cu::ctx::set_current(self.ctx) }.map_err(|e| err("set context", e))?;
-        for w in writes {
-            match *w {
-                Write::Planes { off, data } => {
-                    self.copy_ordered(self.ptrs.0 + 4 * off as u64, bytemuck_u32(data))?
-                }
-                Write::Lut { off, data } => {
-                    self.copy_ordered(self.ptrs.1 + 2 * off as u64, bytemuck_f16(data))?
-                }
-            }
-        }
-        Ok(())
-    }
-
-    fn begin_boundary(&mut self) -> Result<(), MoveError> {
-        self.in_boundary = true;
-        self.queue_drained = false;
-        Ok(())
-    }
-
-    fn end_boundary(&mut self) -> Result<(), MoveError> {
-        self.in_boundary = false;
-        self.queue_drained = false;
-        if self.stage_used > 0 {
-            self.stage_used = 0;
-            // SAFETY: `ctx` is retained; the stream is ours.
-            unsafe { cu::ctx::set_current(self.ctx).and_then(|()| cu::stream::synchronize(self.ordered)) }
-                .map_err(|e| err("ordered sync", e))?;
-        }
-        Ok(())
+        self.pool.write_ordered(writes)
     }
 
     fn start(&mut self, writes: &[Write<'_>]) -> Result<Ticket, MoveError> {
-        self.check_writes(writes)?;
+        let (plane_cap, lut_cap) = self.pool.capacity();
+        for w in writes {
+            let (off, len, cap) = match *w {
+                Write::Planes { off, data } => (off, data.len(), plane_cap),
+                Write::Lut { off, data } => (off, data.len(), lut_cap),
+            };
+            if off + len > cap {
+                return Err(MoveError(format!("write [{off}, {}) past the arena of {cap}", off + len)));
+            }
+        }
         // Kernels launched before may still read the destinations' old contents.
-        self.drain_queue()?;
+        cubecl::future::block_on(self.pool.client().sync()).map_err(|e| MoveError(format!("{e:?}")))?;
         // SAFETY: `ctx` is retained for the mover's life.
         unsafe { cu::ctx::set_current(self.ctx) }.map_err(|e| err("set context", e))?;
         let mut used = Vec::new();
@@ -422,18 +316,16 @@ impl Drop for CudaMover {
         unsafe {
             let _ = cu::ctx::set_current(self.ctx);
             let _ = cu::stream::synchronize(self.stream);
-            let _ = cu::stream::synchronize(self.ordered);
             for (_, (event, _)) in std::mem::take(&mut self.in_flight) {
                 let _ = cu::event::destroy(event);
             }
             for &(start, _) in &self.registered {
                 let _ = sys::cuMemHostUnregister(start as *mut std::ffi::c_void);
             }
-            for p in self.pinned.iter().chain(&self.stage) {
+            for p in &self.pinned {
                 let _ = cu::free_host(p.ptr as *mut std::ffi::c_void);
             }
             let _ = cu::stream::destroy(self.stream);
-            let _ = cu::stream::destroy(self.ordered);
         }
     }
 }

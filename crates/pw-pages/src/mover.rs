@@ -106,19 +106,6 @@ pub trait Mover {
     fn pin_host_luts(&mut self, data: &[u8]) {
         self.pin_host(data)
     }
-
-    /// Opens a page-table boundary: no kernel is launched until [`Self::end_boundary`], so a
-    /// mover may order its copies after the kernels already launched once for the whole
-    /// boundary rather than once per call. The default does nothing.
-    fn begin_boundary(&mut self) -> Result<(), MoveError> {
-        Ok(())
-    }
-
-    /// Closes the boundary: every [`Self::write_ordered`] made since [`Self::begin_boundary`]
-    /// is visible to kernels launched from now on. The default does nothing.
-    fn end_boundary(&mut self) -> Result<(), MoveError> {
-        Ok(())
-    }
 }
 
 /// A mover over host memory: the arenas are a [`PoolImage`] of fixed size, so
@@ -274,13 +261,5 @@ impl<M: Mover> Mover for ManualMover<M> {
 
     fn pin_host_luts(&mut self, data: &[u8]) {
         self.inner.pin_host_luts(data)
-    }
-
-    fn begin_boundary(&mut self) -> Result<(), MoveError> {
-        self.inner.begin_boundary()
-    }
-
-    fn end_boundary(&mut self) -> Result<(), MoveError> {
-        self.inner.end_boundary()
     }
 }

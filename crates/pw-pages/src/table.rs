@@ -458,17 +458,6 @@ impl<M: Mover> PagedWeights<M> {
     /// others with a reason), commits those already finished, and publishes the
     /// table if it changed. Never waits for a transfer.
     pub fn boundary(&mut self) -> Result<CommitReport, PageError> {
-        self.mover.begin_boundary()?;
-        let report = self.boundary_moves();
-        // Closed on every path, so later writes outside a boundary stay ordered.
-        let closed = self.mover.end_boundary();
-        let report = report?;
-        closed?;
-        Ok(report)
-    }
-
-    /// [`Self::boundary`]'s work between the mover's `begin_boundary` and `end_boundary`.
-    fn boundary_moves(&mut self) -> Result<CommitReport, PageError> {
         let mut report = CommitReport::default();
         let mut changed = self.commit_finished(&mut report)?;
         for i in 0..self.pages.len() {
