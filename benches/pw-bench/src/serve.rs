@@ -13,7 +13,7 @@ use cubecl::prelude::*;
 use pw_decode::DecodeConfig;
 use pw_serve::{
     BoundaryHook, BoundaryState, Engine, EngineConfig, Event, FastOptions, FastStepModel, GenerateRequest,
-    MemoryOptions, SamplingParams, StepModel, StepTiming, UsageRecorder, WeightPolicy,
+    MemoryOptions, MemoryState, SamplingParams, StepModel, StepTiming, UsageRecorder, WeightPolicy,
 };
 use serde_json::{Value, json};
 
@@ -68,9 +68,8 @@ pub struct BenchServeArgs {
     /// Routing statistics every N steps.
     #[arg(long, default_value_t = 4)]
     pub routing_every: u64,
-    /// Most MB of page raising started per boundary (0 = no limit): raisings go through
-    /// CubeCL's staging upload on the kernels' queue (about 0.5 GB/s on CUDA), so a large
-    /// give-back at once would stall the next step.
+    /// Most MB of page raising started per boundary (0 = no limit), so that a large give-back
+    /// is spread over several steps.
     #[arg(long, default_value_t = 64.0)]
     pub max_raise_mb: f64,
     /// Seconds after the planner's last lowering before pages may be raised again.
@@ -97,12 +96,13 @@ pub struct BenchServeArgs {
 
 /// The usage record plus the time of every step that ran with sequences in it (the gap
 /// between its boundary and the one before, which includes page-table reads answered there),
-/// and where each step spent it.
+/// where each step spent it, and the memory state after each boundary.
 #[derive(Clone, Default)]
 struct StepTimer {
     usage: UsageRecorder,
     steps: Arc<Mutex<(Option<Instant>, Vec<f64>)>>,
     parts: Arc<Mutex<Vec<StepTiming>>>,
+    memory: Arc<Mutex<Vec<MemoryState>>>,
 }
 
 impl BoundaryHook for StepTimer {
@@ -115,6 +115,9 @@ impl BoundaryHook for StepTimer {
         }
         g.0 = (s.active > 0).then_some(now);
         self.parts.lock().unwrap_or_else(|p| p.into_inner()).push(s.timing);
+        if let Some(m) = &s.memory {
+            self.memory.lock().unwrap_or_else(|p| p.into_inner()).push(m.clone());
+        }
     }
 }
 
@@ -426,6 +429,7 @@ where
     let r = rec.usage.record();
     let mut step_s = rec.steps.lock().unwrap_or_else(|p| p.into_inner()).1.clone();
     let parts = rec.parts.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let memory = rec.memory.lock().unwrap_or_else(|p| p.into_inner()).clone();
     let (mut poll_s, polled_pages) = poller.map(|p| p.join().unwrap_or_default()).unwrap_or_default();
     engine.shutdown();
     let results: Vec<_> = clients.into_iter().filter_map(|c| c.join().ok().flatten()).collect();
@@ -460,7 +464,8 @@ where
         "kv_capacity_gb": capacity as f64 / 1e9,
         "requests": a.requests, "submitted": submitted, "completed": results.len(),
         "failed": m.requests_failed_total, "failed_out_of_memory": m.requests_failed_out_of_memory_total,
-        "preempted": m.requests_preempted_total, "max_step_tokens": a.max_step_tokens,
+
+        "preempted": m.requests_preempted_total, "calls_out_of_memory": m.calls_out_of_memory_total, "max_step_tokens": a.max_step_tokens,
         "rate_req_s": a.rate, "prompt_tokens": a.prompt, "output_tokens": a.output,
         "max_batch": a.max_batch, "wall_s": wall, "load_s": load_s,
         "page_moves_down": mem.page_moves_down_total, "page_moves_up": mem.page_moves_up_total,
@@ -479,13 +484,91 @@ where
         "page_table_read_ms_p50": percentile(&mut poll_s, 0.5) * 1e3,
         "page_table_read_ms_max": poll_s.iter().copied().fold(0.0, f64::max) * 1e3,
         "step_parts": step_parts(&parts),
+        "boundary_plans": mem.plans_total,
         "boundary_plan_s": mem.plan_time.as_secs_f64(),
+        "boundary_tables_published": mem.tables_published_total,
         "boundary_commit_s": mem.commit_time.as_secs_f64(),
+        "boundary_costs": boundary_costs(&memory),
     });
     if let (Some(r), Value::Object(extra)) = (record.as_object_mut(), steps) {
         r.extend(extra);
     }
     Ok(record)
+}
+
+/// What the boundaries' page work cost. Between consecutive boundaries (including those a step
+/// ran to make KV room) the commits' time is fitted by least squares on what they did (pages
+/// lowered, raisings started, raisings committed, layer tables published), and the planning
+/// time on the plans computed; boundaries that moved nothing give the base cost.
+fn boundary_costs(memory: &[MemoryState]) -> Value {
+    let ms = |a: Duration, b: Duration| b.saturating_sub(a).as_secs_f64() * 1e3;
+    let n = |a: u64, b: u64| b.saturating_sub(a) as f64;
+    // (commit ms, plan ms, [lowered, started, raised, tables], plans)
+    let rows: Vec<(f64, f64, [f64; 4], f64)> = memory
+        .windows(2)
+        .map(|w| {
+            let (a, b) = (&w[0], &w[1]);
+            (
+                ms(a.commit_time, b.commit_time),
+                ms(a.plan_time, b.plan_time),
+                [
+                    n(a.page_moves_down_total, b.page_moves_down_total),
+                    n(a.raisings_started_total, b.raisings_started_total),
+                    n(a.page_moves_up_total, b.page_moves_up_total),
+                    n(a.tables_published_total, b.tables_published_total),
+                ],
+                n(a.plans_total, b.plans_total),
+            )
+        })
+        .collect();
+    let still: Vec<f64> = rows.iter().filter(|r| r.2.iter().all(|&x| x == 0.0)).map(|r| r.0).collect();
+    let moving: Vec<f64> = rows.iter().filter(|r| r.2.iter().any(|&x| x > 0.0)).map(|r| r.0).collect();
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+    let commit_fit =
+        least_squares(&rows.iter().map(|r| (r.0, [1.0, r.2[0], r.2[1], r.2[2], r.2[3]])).collect::<Vec<_>>());
+    let plan_fit = least_squares(&rows.iter().map(|r| (r.1, [1.0, r.3])).collect::<Vec<_>>());
+    json!({
+        "boundaries": rows.len(),
+        "still": still.len(), "still_commit_ms_mean": mean(&still),
+        "moving": moving.len(), "moving_commit_ms_mean": mean(&moving),
+        "commit_fit_ms": commit_fit.map(|c| json!({"base": c[0], "per_lowered": c[1], "per_raising_started": c[2],
+            "per_raising_committed": c[3], "per_table_published": c[4]})),
+        "plan_fit_ms": plan_fit.map(|c| json!({"base": c[0], "per_plan": c[1]})),
+    })
+}
+
+/// Least-squares coefficients of `y ≈ c · x` over `rows` of `(y, x)` (normal equations,
+/// Gaussian elimination with partial pivoting); `None` when the system is singular.
+fn least_squares<const K: usize>(rows: &[(f64, [f64; K])]) -> Option<[f64; K]> {
+    let mut a = [[0.0f64; K]; K];
+    let mut b = [0.0f64; K];
+    for (y, x) in rows {
+        for ((ai, bi), &xi) in a.iter_mut().zip(&mut b).zip(x) {
+            *bi += xi * y;
+            for (aij, &xj) in ai.iter_mut().zip(x) {
+                *aij += xi * xj;
+            }
+        }
+    }
+    for col in 0..K {
+        let p = (col..K).max_by(|&i, &j| a[i][col].abs().total_cmp(&a[j][col].abs()))?;
+        if a[p][col].abs() < 1e-9 {
+            return None;
+        }
+        a.swap(col, p);
+        b.swap(col, p);
+        let (pivot, pb) = (a[col], b[col]);
+        for (r, (row, br)) in a.iter_mut().zip(&mut b).enumerate() {
+            if r != col {
+                let f = row[col] / pivot[col];
+                for (x, p) in row.iter_mut().zip(pivot).skip(col) {
+                    *x -= f * p;
+                }
+                *br -= f * pb;
+            }
+        }
+    }
+    Some(std::array::from_fn(|i| b[i] / a[i][i]))
 }
 
 /// Where the steps' time went: per part (the decode calls, the prefill calls, the boundaries)
@@ -504,4 +587,27 @@ fn step_parts(parts: &[StepTiming]) -> Value {
         "prefill": part(|t| t.prefill_tokens, |t| t.prefill),
         "boundary": part(|_| 1, |t| t.boundary),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The fit recovers the coefficients of exact data, and says when the counts never vary.
+    #[test]
+    fn least_squares_recovers_known_costs() {
+        let c = [0.2, 0.05, 0.01, 0.3];
+        let rows: Vec<(f64, [f64; 4])> = (0..40)
+            .map(|i| {
+                let x = [1.0, (i % 7) as f64, ((i * 3) % 11) as f64, (i % 5 == 0) as u8 as f64 * 24.0];
+                (x.iter().zip(&c).map(|(x, c)| x * c).sum(), x)
+            })
+            .collect();
+        let fit = least_squares(&rows).unwrap();
+        for (f, c) in fit.iter().zip(&c) {
+            assert!((f - c).abs() < 1e-9, "{fit:?}");
+        }
+        let flat: Vec<(f64, [f64; 2])> = (0..10).map(|_| (0.1, [1.0, 0.0])).collect();
+        assert!(least_squares(&flat).is_none());
+    }
 }

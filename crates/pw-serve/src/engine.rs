@@ -990,6 +990,7 @@ impl Worker {
                 // Requeued, the newest frees its KV; with a single sequence in the call, the
                 // boundary's planner makes room (an admitted request fits alone).
                 self.oom_strikes += 1;
+                self.metrics.update(|m| m.calls_out_of_memory_total += 1);
                 if seqs.len() > 1 || !self.active.is_empty() {
                     let newest = (0..seqs.len()).max_by_key(|&i| seqs[i].0.id).unwrap_or(0);
                     let (a, _) = seqs.swap_remove(newest);

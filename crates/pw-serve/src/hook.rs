@@ -58,6 +58,9 @@ pub struct MemoryState {
     pub page_moves_down_total: u64,
     /// Pages raised so far.
     pub page_moves_up_total: u64,
+    /// Raisings whose transfer started so far (each commits later as a move up, unless
+    /// cancelled by a lowering).
+    pub raisings_started_total: u64,
     /// Plans that lowered pages (KV pressure).
     pub planner_lower_total: u64,
     /// Plans that raised pages (memory given back).
@@ -73,8 +76,12 @@ pub struct MemoryState {
     /// Whether the last boundary changed nothing (no plan, no commit): an idle engine stops
     /// calling boundaries then.
     pub settled: bool,
+    /// Plans the planner computed so far (whether or not they changed a page).
+    pub plans_total: u64,
     /// Time boundaries spent planning so far (reading the routing statistics, the planner).
     pub plan_time: Duration,
+    /// Layer page tables published so far (one per layer whose committed table changed).
+    pub tables_published_total: u64,
     /// Time boundaries spent committing pages so far (lowerings, transfers started and
     /// finished, tables published).
     pub commit_time: Duration,

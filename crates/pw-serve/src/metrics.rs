@@ -26,6 +26,9 @@ pub struct MetricsSnapshot {
     pub requests_failed_out_of_memory_total: u64,
     /// Preemptions: a running sequence's KV freed to make room, to be recomputed later.
     pub requests_preempted_total: u64,
+    /// Model calls that found no room for their KV even after the planner ran: nothing ran,
+    /// the newest sequence of the call made room and the others ran again at the next step.
+    pub calls_out_of_memory_total: u64,
     /// Prompt tokens of admitted requests.
     pub prompt_tokens_total: u64,
     /// Tokens generated.
@@ -213,6 +216,12 @@ fn engine_metrics(m: &MetricsSnapshot) -> Vec<(&'static str, &'static str, &'sta
             "counter",
             "Running sequences preempted (KV freed, resumed later by recomputation).",
             m.requests_preempted_total.to_string(),
+        ),
+        (
+            "pw_model_calls_out_of_memory_total",
+            "counter",
+            "Model calls that found no room for their KV and ran again at a later step.",
+            m.calls_out_of_memory_total.to_string(),
         ),
         (
             "pw_requests_failed_total",

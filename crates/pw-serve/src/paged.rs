@@ -508,6 +508,7 @@ impl PagedMemory {
                 held_back = true;
             }
             if target != MemoryTarget::Hold {
+                self.state.plans_total += 1;
                 let plan =
                     plan(&snapshot, Some(&p.routing), p.residual.as_ref(), target, &p.config).map_err(err)?;
                 for (i, (page, &d)) in snapshot.pages.iter().zip(&plan.desired).enumerate() {
@@ -552,6 +553,8 @@ impl PagedMemory {
         self.state.commit_time += planned.elapsed();
         self.state.page_moves_down_total += commit.lowered as u64;
         self.state.page_moves_up_total += commit.raised as u64;
+        self.state.raisings_started_total += commit.started as u64;
+        self.state.tables_published_total += commit.published as u64;
         self.state.deferred_total += commit.deferred as u64;
         self.state.weight_bytes_by_bits = store.bytes_by_bits();
         self.state.settled =
@@ -730,6 +733,7 @@ mod tests {
         // 10 free blocks, at or below the threshold: pages go down.
         let state = mem.boundary(&mut pages, 90, DemandBlocks::default()).unwrap();
         assert!(state.page_moves_down_total > 0);
+        assert_eq!(state.plans_total, 1);
         let lowered = pages.mean_desired();
         assert!(lowered < 8.0);
         // The sequences end: 100 free blocks, but the cache asked for room a moment ago.

@@ -457,6 +457,7 @@ fn out_of_memory_steps_preempt_instead_of_failing() {
     let m = common::wait_metrics(&h, |m| m.requests_finished_total == 5);
     assert_eq!(m.requests_failed_total, 0, "{m:?}");
     assert!(ooms.load(std::sync::atomic::Ordering::SeqCst) >= 1, "the model never ran out");
+    assert_eq!(m.calls_out_of_memory_total, ooms.load(std::sync::atomic::Ordering::SeqCst) as u64, "{m:?}");
     assert!(m.requests_preempted_total >= 1, "{m:?}");
 }
 
