@@ -13,6 +13,7 @@ use crate::mover::{MoveError, Mover, Ticket, Write};
 use cubecl::prelude::*;
 use half::f16;
 use kernels_cubecl::{DeviceArray, PoolSlot};
+use std::sync::OnceLock;
 
 /// Units per cube of the copy kernel.
 const COPY_UNITS: u32 = 256;
@@ -62,7 +63,11 @@ pub struct CubePool<R: Runtime> {
     client: ComputeClient<R>,
     planes: DeviceArray,
     luts: DeviceArray,
-    desc: DeviceArray,
+    /// The committed descriptor words (5 per page).
+    table: Vec<u32>,
+    /// Their device copy, uploaded when first asked for after a commit: the fast decode path
+    /// reads its own slot tables, so a commit need not pay an upload nobody reads.
+    desc: OnceLock<DeviceArray>,
     next: u64,
 }
 
@@ -71,8 +76,7 @@ impl<R: Runtime> CubePool<R> {
     pub fn new(client: ComputeClient<R>, plane_words: usize, lut_entries: usize) -> Self {
         let planes = DeviceArray::empty::<R, u32>(&client, plane_words);
         let luts = DeviceArray::empty::<R, f16>(&client, lut_entries);
-        let desc = DeviceArray::from_slice(&client, &[0u32]);
-        Self { client, planes, luts, desc: DeviceArray { len: 0, ..desc }, next: 0 }
+        Self { client, planes, luts, table: Vec::new(), desc: OnceLock::new(), next: 0 }
     }
 
     /// The client.
@@ -91,9 +95,13 @@ impl<R: Runtime> CubePool<R> {
     }
 
     /// The committed descriptor table on the device: 5 words per page
-    /// (plane_off, lut_off, rows, cols, bits), uploaded at each commit.
+    /// (plane_off, lut_off, rows, cols, bits), uploaded into a fresh buffer at the first call
+    /// after each commit (kernels queued before keep reading the old one).
     pub fn descriptors(&self) -> &DeviceArray {
-        &self.desc
+        self.desc.get_or_init(|| match self.table.is_empty() {
+            true => DeviceArray { len: 0, ..DeviceArray::from_slice(&self.client, &[0u32]) },
+            false => DeviceArray::from_slice(&self.client, &self.table),
+        })
     }
 
     fn copy<E: CubePrimitive + CubeElement>(
@@ -161,14 +169,8 @@ impl<R: Runtime> Mover for CubePool<R> {
     }
 
     fn publish(&mut self, table: &[PoolSlot]) -> Result<(), MoveError> {
-        let words: Vec<u32> =
-            table.iter().flat_map(|s| [s.plane_off, s.lut_off, s.rows, s.cols, s.bits]).collect();
-        // A fresh buffer: kernels queued before keep reading the old table.
-        self.desc = if words.is_empty() {
-            DeviceArray { len: 0, ..DeviceArray::from_slice(&self.client, &[0u32]) }
-        } else {
-            DeviceArray::from_slice(&self.client, &words)
-        };
+        self.table = table.iter().flat_map(|s| [s.plane_off, s.lut_off, s.rows, s.cols, s.bits]).collect();
+        self.desc = OnceLock::new();
         Ok(())
     }
 }
