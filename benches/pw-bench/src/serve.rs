@@ -464,8 +464,8 @@ where
         "kv_capacity_gb": capacity as f64 / 1e9,
         "requests": a.requests, "submitted": submitted, "completed": results.len(),
         "failed": m.requests_failed_total, "failed_out_of_memory": m.requests_failed_out_of_memory_total,
-
-        "preempted": m.requests_preempted_total, "calls_out_of_memory": m.calls_out_of_memory_total, "max_step_tokens": a.max_step_tokens,
+        "preempted": m.requests_preempted_total, "calls_out_of_memory": m.calls_out_of_memory_total,
+        "max_step_tokens": a.max_step_tokens,
         "rate_req_s": a.rate, "prompt_tokens": a.prompt, "output_tokens": a.output,
         "max_batch": a.max_batch, "wall_s": wall, "load_s": load_s,
         "page_moves_down": mem.page_moves_down_total, "page_moves_up": mem.page_moves_up_total,
