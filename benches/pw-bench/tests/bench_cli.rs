@@ -64,6 +64,13 @@ fn bench_serve_scaled_down(model: &str) {
             assert!(parts[part]["calls"].as_u64().unwrap() >= 1, "{part}: {r}");
             assert!(parts[part]["s_total"].as_f64().unwrap() > 0.0, "{part}: {r}");
         }
+        // The boundaries' page work: timed, and one row per pair of consecutive boundaries.
+        assert!(r["boundary_commit_s"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(r["calls_out_of_memory"].is_u64(), "{r}");
+        let costs = &r["boundary_costs"];
+        let rows = costs["boundaries"].as_u64().unwrap();
+        assert!(rows >= 1, "{r}");
+        assert_eq!(costs["still"].as_u64().unwrap() + costs["moving"].as_u64().unwrap(), rows, "{r}");
     }
 }
 
