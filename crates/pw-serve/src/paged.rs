@@ -490,7 +490,7 @@ impl PagedMemory {
             let mut target = p.kv.target(free.saturating_sub(demand.next), snapshot.pending_bytes());
             if matches!(target, MemoryTarget::Spare(_)) {
                 // Give back only what the sequences will not take before they finish.
-                let later = free.saturating_sub(demand.until_done.max(demand.next));
+                let later = free.saturating_sub(demand.until_done);
                 target = match p.kv.target(later, snapshot.pending_bytes()) {
                     spare @ MemoryTarget::Spare(_) => spare,
                     _ => MemoryTarget::Hold,
