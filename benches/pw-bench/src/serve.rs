@@ -103,6 +103,19 @@ struct StepTimer {
     steps: Arc<Mutex<(Option<Instant>, Vec<f64>)>>,
     parts: Arc<Mutex<Vec<StepTiming>>>,
     memory: Arc<Mutex<Vec<MemoryState>>>,
+    /// Per boundary: when it ended, the sequences running and waiting, the step's parts and
+    /// the memory after it (for the run's timeline).
+    ticks: Arc<Mutex<Vec<Tick>>>,
+}
+
+/// One boundary as the timeline bins it.
+#[derive(Clone)]
+struct Tick {
+    at: Instant,
+    active: usize,
+    waiting: usize,
+    timing: StepTiming,
+    memory: Option<MemoryState>,
 }
 
 impl BoundaryHook for StepTimer {
@@ -118,6 +131,13 @@ impl BoundaryHook for StepTimer {
         if let Some(m) = &s.memory {
             self.memory.lock().unwrap_or_else(|p| p.into_inner()).push(m.clone());
         }
+        self.ticks.lock().unwrap_or_else(|p| p.into_inner()).push(Tick {
+            at: now,
+            active: s.active,
+            waiting: s.waiting,
+            timing: s.timing,
+            memory: s.memory.clone(),
+        });
     }
 }
 
@@ -430,6 +450,7 @@ where
     let mut step_s = rec.steps.lock().unwrap_or_else(|p| p.into_inner()).1.clone();
     let parts = rec.parts.lock().unwrap_or_else(|p| p.into_inner()).clone();
     let memory = rec.memory.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let ticks = rec.ticks.lock().unwrap_or_else(|p| p.into_inner()).clone();
     let (mut poll_s, polled_pages) = poller.map(|p| p.join().unwrap_or_default()).unwrap_or_default();
     engine.shutdown();
     let results: Vec<_> = clients.into_iter().filter_map(|c| c.join().ok().flatten()).collect();
@@ -470,6 +491,7 @@ where
         "max_batch": a.max_batch, "wall_s": wall, "load_s": load_s,
         "page_moves_down": mem.page_moves_down_total, "page_moves_up": mem.page_moves_up_total,
         "planner_lower": mem.planner_lower_total, "planner_raise": mem.planner_raise_total,
+        "planner_unmet": mem.planner_unmet_total,
         "final_mean_bits": mem.mean_bits(),
         "bit_mix": bit_mix,
     });
@@ -489,6 +511,7 @@ where
         "boundary_tables_published": mem.tables_published_total,
         "boundary_commit_s": mem.commit_time.as_secs_f64(),
         "boundary_costs": boundary_costs(&memory),
+        "timeline": timeline(&ticks, t0),
     });
     if let (Some(r), Value::Object(extra)) = (record.as_object_mut(), steps) {
         r.extend(extra);
@@ -587,6 +610,55 @@ fn step_parts(parts: &[StepTiming]) -> Value {
         "prefill": part(|t| t.prefill_tokens, |t| t.prefill),
         "boundary": part(|_| 1, |t| t.boundary),
     })
+}
+
+/// The run in one-second bins from the first arrival: per bin the time of the decode and
+/// prefill calls and of the boundaries (with their planning and commits), the decode calls'
+/// mean batch, the prompt tokens run, the pages lowered and raised, and at its end the sequences
+/// running and waiting and the experts' mean bits.
+fn timeline(ticks: &[Tick], t0: Instant) -> Value {
+    let Some(last) = ticks.last() else { return json!([]) };
+    let bins = last.at.saturating_duration_since(t0).as_secs() as usize + 1;
+    let mut out = Vec::with_capacity(bins);
+    let mut prev_memory: Option<&MemoryState> = None;
+    let mut i = 0;
+    for bin in 0..bins {
+        let end = t0 + Duration::from_secs(bin as u64 + 1);
+        let (mut decode, mut prefill, mut boundary, mut plan, mut commit) = (0.0, 0.0, 0.0, 0.0, 0.0);
+        let (mut calls, mut seqs, mut tokens, mut down, mut up) = (0usize, 0usize, 0usize, 0u64, 0u64);
+        let mut at_end: Option<&Tick> = None;
+        while i < ticks.len() && ticks[i].at < end {
+            let t = &ticks[i];
+            decode += t.timing.decode.as_secs_f64();
+            prefill += t.timing.prefill.as_secs_f64();
+            boundary += t.timing.boundary.as_secs_f64();
+            if t.timing.decode_seqs > 0 {
+                calls += 1;
+                seqs += t.timing.decode_seqs;
+            }
+            tokens += t.timing.prefill_tokens;
+            if let Some(m) = &t.memory {
+                if let Some(p) = prev_memory {
+                    plan += m.plan_time.saturating_sub(p.plan_time).as_secs_f64();
+                    commit += m.commit_time.saturating_sub(p.commit_time).as_secs_f64();
+                    down += m.page_moves_down_total.saturating_sub(p.page_moves_down_total);
+                    up += m.page_moves_up_total.saturating_sub(p.page_moves_up_total);
+                }
+                prev_memory = Some(m);
+            }
+            at_end = Some(t);
+            i += 1;
+        }
+        out.push(json!({
+            "t": bin, "decode_s": decode, "prefill_s": prefill, "boundary_s": boundary,
+            "plan_s": plan, "commit_s": commit, "decode_calls": calls,
+            "decode_seqs_mean": seqs as f64 / calls.max(1) as f64, "prefill_tokens": tokens,
+            "moves_down": down, "moves_up": up,
+            "active": at_end.map(|t| t.active), "waiting": at_end.map(|t| t.waiting),
+            "mean_bits": at_end.and_then(|t| t.memory.as_ref()).map(MemoryState::mean_bits),
+        }));
+    }
+    Value::Array(out)
 }
 
 #[cfg(test)]

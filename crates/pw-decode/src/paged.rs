@@ -455,6 +455,13 @@ impl<R: Runtime> PagedExperts<R> {
         out
     }
 
+    /// Every page's (desired, committed) bits in [`Self::pages`]' order (desired = committed
+    /// where none was asked): what a boundary's planner refreshes, without copying the pages'
+    /// fixed tables.
+    pub fn page_bits(&self) -> Vec<(u8, u8)> {
+        self.layers.iter().flat_map(|t| t.bits()).map(|(d, q)| (if d == 0 { q } else { d }, q)).collect()
+    }
+
     /// Asks for `bits` on page `index` of [`Self::pages`]; committed at the next boundary.
     pub fn set_desired(&mut self, index: usize, bits: u8) -> Result<(), DecodeError> {
         let per = 2 * self.shape.experts;
@@ -483,12 +490,8 @@ impl<R: Runtime> PagedExperts<R> {
     /// Committed device bytes per bit-width (index = bits, 0..=8).
     pub fn bytes_by_bits(&self) -> [u64; 9] {
         let mut out = [0u64; 9];
-        for t in &self.layers {
-            for id in t.ids() {
-                if let Ok(info) = t.info(id) {
-                    out[info.committed.min(8) as usize] += info.gpu_bytes as u64;
-                }
-            }
+        for (bits, bytes) in self.layers.iter().flat_map(|t| t.committed_bytes()) {
+            out[bits.min(8) as usize] += bytes as u64;
         }
         out
     }

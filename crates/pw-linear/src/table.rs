@@ -183,6 +183,16 @@ impl PageTable {
         with_pages!(&*self.lock(), t => t.info(id))
     }
 
+    /// Every page's (desired, committed) bits in id order (see [`PagedWeights::bits`]).
+    pub fn bits(&self) -> Vec<(u8, u8)> {
+        with_pages!(&*self.lock(), t => t.bits().collect())
+    }
+
+    /// Every page's committed (bits, device bytes) in id order.
+    pub fn committed_bytes(&self) -> Vec<(u8, usize)> {
+        with_pages!(&*self.lock(), t => t.committed_bytes().collect())
+    }
+
     /// A copy of a page's host parent (all bit-widths).
     pub fn parent(&self, id: PageId) -> Result<ApBlock, PageError> {
         with_pages!(&*self.lock(), t => t.parent(id).cloned())

@@ -331,6 +331,25 @@ impl<M: Mover> PagedWeights<M> {
         Ok(&self.get(id)?.parent)
     }
 
+    /// Every page's desired width (0: none asked) and committed width (0: not resident), in id
+    /// order: what a boundary reads of each page, without [`Self::info`]'s copies.
+    pub fn bits(&self) -> impl Iterator<Item = (u8, u8)> + '_ {
+        self.pages.iter().map(|p| (p.desired, p.committed))
+    }
+
+    /// Committed device bytes (planes + LUT) of every page, in id order.
+    pub fn committed_bytes(&self) -> impl Iterator<Item = (u8, usize)> + '_ {
+        self.pages.iter().map(|p| {
+            let bytes = if p.committed == 0 {
+                0
+            } else {
+                let (a, b) = p.parent.bytes_at(p.committed);
+                a + b
+            };
+            (p.committed, bytes)
+        })
+    }
+
     /// A page's state.
     pub fn info(&self, id: PageId) -> Result<PageInfo, PageError> {
         let p = self.get(id)?;

@@ -119,6 +119,9 @@ impl MemoryOptions {
 pub(crate) trait ExpertStore {
     /// Every page in a fixed order; [`ExpertStore::set_desired`] takes indices into it.
     fn pages(&self) -> Vec<ExpertPage>;
+    /// Every page's (desired, committed) bits in the order of [`ExpertStore::pages`] (what
+    /// changes of a page between boundaries).
+    fn page_bits(&self) -> Vec<(u8, u8)>;
     /// Asks for `bits` on page `index`; committed at the next [`ExpertStore::commit`].
     fn set_desired(&mut self, index: usize, bits: u8) -> Result<(), StepError>;
     /// The page table's safe point: lowerings commit at once, finished raisings commit, new
@@ -137,6 +140,10 @@ pub(crate) trait ExpertStore {
 impl<R: Runtime, KV: Float + CubeElement> ExpertStore for Decoder<R, KV> {
     fn pages(&self) -> Vec<ExpertPage> {
         self.experts().pages()
+    }
+
+    fn page_bits(&self) -> Vec<(u8, u8)> {
+        self.experts().page_bits()
     }
 
     fn set_desired(&mut self, index: usize, bits: u8) -> Result<(), StepError> {
@@ -228,6 +235,10 @@ impl ExpertStore for TablePages {
             .collect()
     }
 
+    fn page_bits(&self) -> Vec<(u8, u8)> {
+        self.table.bits().into_iter().map(|(d, q)| (if d == 0 { q } else { d }, q)).collect()
+    }
+
     fn set_desired(&mut self, index: usize, bits: u8) -> Result<(), StepError> {
         self.table.set_desired(Slot(index), bits).map_err(err)
     }
@@ -246,10 +257,8 @@ impl ExpertStore for TablePages {
 
     fn bytes_by_bits(&self) -> [u64; 9] {
         let mut out = [0u64; 9];
-        for i in 0..self.table.len() {
-            if let Ok(info) = self.table.info(Slot(i)) {
-                out[info.committed.min(8) as usize] += info.gpu_bytes as u64;
-            }
+        for (bits, bytes) in self.table.committed_bytes() {
+            out[bits.min(8) as usize] += bytes as u64;
         }
         out
     }
@@ -337,6 +346,9 @@ pub(crate) struct PagedMemory {
     options: MemoryOptions,
     boundaries: u64,
     state: MemoryState,
+    /// The planner's view of the pages: built at the first boundary, then only their bits
+    /// refreshed (their sizes and sensitivities never change).
+    snapshot: Snapshot,
     last_decision: Option<PlannerDecision>,
     /// When the planner last lowered pages (raising waits [`MemoryOptions::raise_after`]).
     last_lowering: Option<Instant>,
@@ -393,6 +405,7 @@ impl PagedMemory {
             options,
             boundaries: 0,
             state,
+            snapshot: Snapshot { pages: Vec::new() },
             last_decision: None,
             last_lowering: None,
         })
@@ -402,6 +415,19 @@ impl PagedMemory {
     /// with their statistics).
     pub(crate) fn samples_routing(&self) -> bool {
         self.planner.is_some()
+    }
+
+    /// Brings [`Self::snapshot`] up to date with `store`'s pages.
+    fn refresh_snapshot(&mut self, store: &impl ExpertStore) {
+        let bits = store.page_bits();
+        if self.snapshot.pages.len() != bits.len() {
+            self.snapshot = Snapshot { pages: store.pages().iter().map(page_state).collect() };
+            return;
+        }
+        for (p, (desired, committed)) in self.snapshot.pages.iter_mut().zip(bits) {
+            p.desired = desired;
+            p.committed = committed;
+        }
     }
 
     /// Free KV blocks the budget allows now.
@@ -480,12 +506,14 @@ impl PagedMemory {
         // A give-back held until the cache has stopped asking for room.
         let mut held_back = false;
         let now = Instant::now();
+        if self.planner.is_some() {
+            self.refresh_snapshot(store);
+        }
         if let Some(p) = self.planner.as_mut() {
             if let Some(rc) = store.take_routing()? {
                 p.observe(rc.tokens.min(u32::MAX as u64) as u32, &rc.counts, &rc.mass).map_err(err)?;
             }
-            let pages = store.pages();
-            let snapshot = Snapshot { pages: pages.iter().map(page_state).collect() };
+            let snapshot = &self.snapshot;
             let free = self.accountant.free() / self.block_bytes;
             let mut target = p.kv.target(free.saturating_sub(demand.next), snapshot.pending_bytes());
             if matches!(target, MemoryTarget::Spare(_)) {
@@ -510,7 +538,7 @@ impl PagedMemory {
             if target != MemoryTarget::Hold {
                 self.state.plans_total += 1;
                 let plan =
-                    plan(&snapshot, Some(&p.routing), p.residual.as_ref(), target, &p.config).map_err(err)?;
+                    plan(snapshot, Some(&p.routing), p.residual.as_ref(), target, &p.config).map_err(err)?;
                 for (i, (page, &d)) in snapshot.pages.iter().zip(&plan.desired).enumerate() {
                     if page.desired != d {
                         store.set_desired(i, d)?;
@@ -682,6 +710,9 @@ mod tests {
     impl ExpertStore for Pages {
         fn pages(&self) -> Vec<ExpertPage> {
             self.0.clone()
+        }
+        fn page_bits(&self) -> Vec<(u8, u8)> {
+            self.0.iter().map(|p| (p.desired, p.committed)).collect()
         }
         fn set_desired(&mut self, index: usize, bits: u8) -> Result<(), StepError> {
             self.0[index].desired = bits;
