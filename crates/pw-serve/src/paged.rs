@@ -405,7 +405,7 @@ impl PagedMemory {
             options,
             boundaries: 0,
             state,
-            snapshot: Snapshot { pages: Vec::new() },
+            snapshot: Snapshot::default(),
             last_decision: None,
             last_lowering: None,
         })
@@ -801,6 +801,30 @@ mod tests {
         let state = mem.boundary(&mut pages, 0, DemandBlocks::default()).unwrap();
         assert!(pages.mean_desired() > lowered, "{}", pages.mean_desired());
         assert!(state.page_moves_up_total > 0);
+    }
+
+    /// The snapshot a boundary refreshes from the pages' bits equals one built from the pages
+    /// after lowerings and raisings.
+    #[test]
+    fn the_refreshed_snapshot_equals_one_built_from_the_pages() {
+        let block = 100;
+        let options = MemoryOptions {
+            budget_bytes: Some(100 * block),
+            raise_after: Duration::ZERO,
+            ..MemoryOptions::default()
+        };
+        let mut mem = PagedMemory::new(Accountant::new(100 * block), block, 1, 8, options).unwrap();
+        let mut pages = Pages::new(16, 8);
+        let built = |p: &Pages| Snapshot { pages: p.pages().iter().map(page_state).collect() };
+        mem.reserve(&mut pages, 90).unwrap();
+        mem.boundary(&mut pages, 90, DemandBlocks::default()).unwrap();
+        pages.0[3].desired = 7;
+        mem.refresh_snapshot(&pages);
+        assert_eq!(mem.snapshot, built(&pages));
+        assert!(mem.snapshot.pages.iter().any(|p| p.committed < 8));
+        mem.boundary(&mut pages, 0, DemandBlocks::default()).unwrap();
+        mem.refresh_snapshot(&pages);
+        assert_eq!(mem.snapshot, built(&pages));
     }
 
     #[test]
