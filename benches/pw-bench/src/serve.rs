@@ -101,14 +101,12 @@ pub struct BenchServeArgs {
 struct StepTimer {
     usage: UsageRecorder,
     steps: Arc<Mutex<(Option<Instant>, Vec<f64>)>>,
-    parts: Arc<Mutex<Vec<StepTiming>>>,
-    memory: Arc<Mutex<Vec<MemoryState>>>,
     /// Per boundary: when it ended, the sequences running and waiting, the step's parts and
-    /// the memory after it (for the run's timeline).
+    /// the memory after it.
     ticks: Arc<Mutex<Vec<Tick>>>,
 }
 
-/// One boundary as the timeline bins it.
+/// One boundary: what the records and the timeline are computed from.
 #[derive(Clone)]
 struct Tick {
     at: Instant,
@@ -127,10 +125,6 @@ impl BoundaryHook for StepTimer {
             g.1.push(now.duration_since(prev).as_secs_f64());
         }
         g.0 = (s.active > 0).then_some(now);
-        self.parts.lock().unwrap_or_else(|p| p.into_inner()).push(s.timing);
-        if let Some(m) = &s.memory {
-            self.memory.lock().unwrap_or_else(|p| p.into_inner()).push(m.clone());
-        }
         self.ticks.lock().unwrap_or_else(|p| p.into_inner()).push(Tick {
             at: now,
             active: s.active,
@@ -448,9 +442,9 @@ where
     let m = handle.metrics().snapshot();
     let r = rec.usage.record();
     let mut step_s = rec.steps.lock().unwrap_or_else(|p| p.into_inner()).1.clone();
-    let parts = rec.parts.lock().unwrap_or_else(|p| p.into_inner()).clone();
-    let memory = rec.memory.lock().unwrap_or_else(|p| p.into_inner()).clone();
     let ticks = rec.ticks.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let parts: Vec<StepTiming> = ticks.iter().map(|t| t.timing).collect();
+    let memory: Vec<MemoryState> = ticks.iter().filter_map(|t| t.memory.clone()).collect();
     let (mut poll_s, polled_pages) = poller.map(|p| p.join().unwrap_or_default()).unwrap_or_default();
     engine.shutdown();
     let results: Vec<_> = clients.into_iter().filter_map(|c| c.join().ok().flatten()).collect();

@@ -71,6 +71,17 @@ fn bench_serve_scaled_down(model: &str) {
         let rows = costs["boundaries"].as_u64().unwrap();
         assert!(rows >= 1, "{r}");
         assert_eq!(costs["still"].as_u64().unwrap() + costs["moving"].as_u64().unwrap(), rows, "{r}");
+        assert!(r["planner_unmet"].is_u64(), "{r}");
+        // The timeline's one-second bins hold every step's calls and every boundary.
+        let bins = r["timeline"].as_array().unwrap();
+        assert!(!bins.is_empty(), "{r}");
+        let sum = |key: &str| bins.iter().map(|b| b[key].as_f64().unwrap()).sum::<f64>();
+        for (bin, part) in [("decode_s", "decode"), ("prefill_s", "prefill"), ("boundary_s", "boundary")] {
+            let total = parts[part]["s_total"].as_f64().unwrap();
+            assert!((sum(bin) - total).abs() <= 1e-6 * total.max(1.0), "{bin}: {r}");
+        }
+        let calls = bins.iter().map(|b| b["decode_calls"].as_u64().unwrap()).sum::<u64>();
+        assert_eq!(calls, parts["decode"]["calls"].as_u64().unwrap(), "{r}");
     }
 }
 
