@@ -746,23 +746,26 @@ mod tests {
         }
     }
 
+    /// Memory of 100 blocks of 100 bytes (the store's bytes are not leased here: the budget is
+    /// all KV) whose KV takes 90 blocks, 16 pages of 8 bits, after the boundary that lowered
+    /// them (10 free blocks, at or below the threshold).
+    fn pressed(raise_after: Duration) -> (PagedMemory, Pages, MemoryState) {
+        let block = 100;
+        let options =
+            MemoryOptions { budget_bytes: Some(100 * block), raise_after, ..MemoryOptions::default() };
+        let mut mem = PagedMemory::new(Accountant::new(100 * block), block, 1, 8, options).unwrap();
+        let mut pages = Pages::new(16, 8);
+        mem.reserve(&mut pages, 90).unwrap();
+        let state = mem.boundary(&mut pages, 90, DemandBlocks::default()).unwrap();
+        (mem, pages, state)
+    }
+
     /// Memory freed right after a lowering stays with the KV cache for `raise_after`; the
     /// boundary reports itself unsettled meanwhile (so an idle engine comes back), then the
     /// pages go up.
     #[test]
     fn raising_waits_until_the_cache_has_stopped_asking_for_room() {
-        let block = 100;
-        let options = MemoryOptions {
-            budget_bytes: Some(100 * block),
-            raise_after: Duration::from_millis(200),
-            ..MemoryOptions::default()
-        };
-        // The store's bytes are not leased here: the budget is all KV.
-        let mut mem = PagedMemory::new(Accountant::new(100 * block), block, 1, 8, options).unwrap();
-        let mut pages = Pages::new(16, 8);
-        mem.reserve(&mut pages, 90).unwrap();
-        // 10 free blocks, at or below the threshold: pages go down.
-        let state = mem.boundary(&mut pages, 90, DemandBlocks::default()).unwrap();
+        let (mut mem, mut pages, state) = pressed(Duration::from_millis(200));
         assert!(state.page_moves_down_total > 0);
         assert_eq!(state.plans_total, 1);
         let lowered = pages.mean_desired();
@@ -782,16 +785,7 @@ mod tests {
     /// is gone, pages go up.
     #[test]
     fn raising_leaves_what_the_sequences_take_before_they_finish() {
-        let block = 100;
-        let options = MemoryOptions {
-            budget_bytes: Some(100 * block),
-            raise_after: Duration::ZERO,
-            ..MemoryOptions::default()
-        };
-        let mut mem = PagedMemory::new(Accountant::new(100 * block), block, 1, 8, options).unwrap();
-        let mut pages = Pages::new(16, 8);
-        mem.reserve(&mut pages, 90).unwrap();
-        mem.boundary(&mut pages, 90, DemandBlocks::default()).unwrap();
+        let (mut mem, mut pages, _) = pressed(Duration::ZERO);
         let lowered = pages.mean_desired();
         assert!(lowered < 8.0);
         let later = DemandBlocks { next: 0, until_done: 95 };
@@ -807,17 +801,8 @@ mod tests {
     /// after lowerings and raisings.
     #[test]
     fn the_refreshed_snapshot_equals_one_built_from_the_pages() {
-        let block = 100;
-        let options = MemoryOptions {
-            budget_bytes: Some(100 * block),
-            raise_after: Duration::ZERO,
-            ..MemoryOptions::default()
-        };
-        let mut mem = PagedMemory::new(Accountant::new(100 * block), block, 1, 8, options).unwrap();
-        let mut pages = Pages::new(16, 8);
+        let (mut mem, mut pages, _) = pressed(Duration::ZERO);
         let built = |p: &Pages| Snapshot { pages: p.pages().iter().map(page_state).collect() };
-        mem.reserve(&mut pages, 90).unwrap();
-        mem.boundary(&mut pages, 90, DemandBlocks::default()).unwrap();
         pages.0[3].desired = 7;
         mem.refresh_snapshot(&pages);
         assert_eq!(mem.snapshot, built(&pages));
