@@ -178,6 +178,15 @@ struct Page {
 }
 
 impl Page {
+    /// Device bytes (planes + LUT) at the committed width (0 when not resident).
+    fn gpu_bytes(&self) -> usize {
+        if self.committed == 0 {
+            return 0;
+        }
+        let (planes, lut) = self.parent.bytes_at(self.committed);
+        planes + lut
+    }
+
     fn plane_words(&self) -> usize {
         self.parent.rows * self.parent.words_per_row()
     }
@@ -339,15 +348,7 @@ impl<M: Mover> PagedWeights<M> {
 
     /// Committed device bytes (planes + LUT) of every page, in id order.
     pub fn committed_bytes(&self) -> impl Iterator<Item = (u8, usize)> + '_ {
-        self.pages.iter().map(|p| {
-            let bytes = if p.committed == 0 {
-                0
-            } else {
-                let (a, b) = p.parent.bytes_at(p.committed);
-                a + b
-            };
-            (p.committed, bytes)
-        })
+        self.pages.iter().map(|p| (p.committed, p.gpu_bytes()))
     }
 
     /// A page's state.
@@ -363,12 +364,7 @@ impl<M: Mover> PagedWeights<M> {
             desired: p.desired,
             committed: p.committed,
             raising_to: p.raise.as_ref().and_then(Transfer::raising).filter(|&t| t > p.committed),
-            gpu_bytes: if p.committed == 0 {
-                0
-            } else {
-                let (a, b) = p.parent.bytes_at(p.committed);
-                a + b
-            },
+            gpu_bytes: p.gpu_bytes(),
         })
     }
 
