@@ -459,7 +459,7 @@ impl<R: Runtime> PagedExperts<R> {
     /// where none was asked): what a boundary's planner refreshes, without copying the pages'
     /// fixed tables.
     pub fn page_bits(&self) -> Vec<(u8, u8)> {
-        self.layers.iter().flat_map(|t| t.bits()).map(|(d, q)| (if d == 0 { q } else { d }, q)).collect()
+        self.layers.iter().flat_map(|t| t.bits()).collect()
     }
 
     /// Asks for `bits` on page `index` of [`Self::pages`]; committed at the next boundary.
@@ -490,8 +490,10 @@ impl<R: Runtime> PagedExperts<R> {
     /// Committed device bytes per bit-width (index = bits, 0..=8).
     pub fn bytes_by_bits(&self) -> [u64; 9] {
         let mut out = [0u64; 9];
-        for (bits, bytes) in self.layers.iter().flat_map(|t| t.committed_bytes()) {
-            out[bits.min(8) as usize] += bytes as u64;
+        for t in &self.layers {
+            for (o, b) in out.iter_mut().zip(t.bytes_by_bits()) {
+                *o += b;
+            }
         }
         out
     }

@@ -188,9 +188,9 @@ impl PageTable {
         with_pages!(&*self.lock(), t => t.bits().collect())
     }
 
-    /// Every page's committed (bits, device bytes) in id order.
-    pub fn committed_bytes(&self) -> Vec<(u8, usize)> {
-        with_pages!(&*self.lock(), t => t.committed_bytes().collect())
+    /// Committed device bytes per bit-width (see [`PagedWeights::bytes_by_bits`]).
+    pub fn bytes_by_bits(&self) -> [u64; 9] {
+        with_pages!(&*self.lock(), t => t.bytes_by_bits())
     }
 
     /// A copy of a page's host parent (all bit-widths).

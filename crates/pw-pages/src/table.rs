@@ -340,15 +340,20 @@ impl<M: Mover> PagedWeights<M> {
         Ok(&self.get(id)?.parent)
     }
 
-    /// Every page's desired width (0: none asked) and committed width (0: not resident), in id
-    /// order: what a boundary reads of each page, without [`Self::info`]'s copies.
+    /// Every page's (desired, committed) width in id order, the desired one being the committed
+    /// one where none was asked (committed 0: not resident): what a boundary reads of each
+    /// page, without [`Self::info`]'s copies.
     pub fn bits(&self) -> impl Iterator<Item = (u8, u8)> + '_ {
-        self.pages.iter().map(|p| (p.desired, p.committed))
+        self.pages.iter().map(|p| (if p.desired == 0 { p.committed } else { p.desired }, p.committed))
     }
 
-    /// Committed device bytes (planes + LUT) of every page, in id order.
-    pub fn committed_bytes(&self) -> impl Iterator<Item = (u8, usize)> + '_ {
-        self.pages.iter().map(|p| (p.committed, p.gpu_bytes()))
+    /// Committed device bytes (planes + LUT) per bit-width (index = bits, 0..=8).
+    pub fn bytes_by_bits(&self) -> [u64; 9] {
+        let mut out = [0u64; 9];
+        for p in &self.pages {
+            out[p.committed.min(8) as usize] += p.gpu_bytes() as u64;
+        }
+        out
     }
 
     /// A page's state.

@@ -236,7 +236,7 @@ impl ExpertStore for TablePages {
     }
 
     fn page_bits(&self) -> Vec<(u8, u8)> {
-        self.table.bits().into_iter().map(|(d, q)| (if d == 0 { q } else { d }, q)).collect()
+        self.table.bits()
     }
 
     fn set_desired(&mut self, index: usize, bits: u8) -> Result<(), StepError> {
@@ -256,11 +256,7 @@ impl ExpertStore for TablePages {
     }
 
     fn bytes_by_bits(&self) -> [u64; 9] {
-        let mut out = [0u64; 9];
-        for (bits, bytes) in self.table.committed_bytes() {
-            out[bits.min(8) as usize] += bytes as u64;
-        }
-        out
+        self.table.bytes_by_bits()
     }
 
     fn take_routing(&mut self) -> Result<Option<RoutingCounts>, StepError> {
