@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use cubecl::prelude::*;
 use pw_decode::DecodeConfig;
+use pw_pages::BoundaryTimes;
 use pw_serve::{
     BoundaryHook, BoundaryState, Engine, EngineConfig, Event, FastOptions, FastStepModel, GenerateRequest,
     MemoryOptions, MemoryState, SamplingParams, StepModel, StepTiming, UsageRecorder, WeightPolicy,
@@ -504,6 +505,7 @@ where
         "boundary_plan_s": mem.plan_time.as_secs_f64(),
         "boundary_tables_published": mem.tables_published_total,
         "boundary_commit_s": mem.commit_time.as_secs_f64(),
+        "boundary_commit_parts_s": commit_parts(&mem.commit_parts),
         "boundary_costs": boundary_costs(&memory),
         "timeline": timeline(&ticks, t0),
     });
@@ -606,6 +608,12 @@ fn step_parts(parts: &[StepTiming]) -> Value {
     })
 }
 
+/// The commits' time by part, in seconds.
+fn commit_parts(t: &BoundaryTimes) -> Value {
+    json!({"finished": t.finished.as_secs_f64(), "lower": t.lower.as_secs_f64(),
+        "start": t.start.as_secs_f64(), "start_mover": t.start_mover.as_secs_f64(), "publish": t.publish.as_secs_f64()})
+}
+
 /// The run in one-second bins from the first arrival: per bin the time of the decode and
 /// prefill calls and of the boundaries (with their planning and commits), the decode calls'
 /// mean batch, the prompt tokens run, the pages lowered and raised, and at its end the sequences
@@ -619,6 +627,7 @@ fn timeline(ticks: &[Tick], t0: Instant) -> Value {
     for bin in 0..bins {
         let end = t0 + Duration::from_secs(bin as u64 + 1);
         let (mut decode, mut prefill, mut boundary, mut plan, mut commit) = (0.0, 0.0, 0.0, 0.0, 0.0);
+        let mut parts = BoundaryTimes::default();
         let (mut calls, mut seqs, mut tokens, mut down, mut up) = (0usize, 0usize, 0usize, 0u64, 0u64);
         let mut at_end: Option<&Tick> = None;
         while i < ticks.len() && ticks[i].at < end {
@@ -635,6 +644,7 @@ fn timeline(ticks: &[Tick], t0: Instant) -> Value {
                 if let Some(p) = prev_memory {
                     plan += m.plan_time.saturating_sub(p.plan_time).as_secs_f64();
                     commit += m.commit_time.saturating_sub(p.commit_time).as_secs_f64();
+                    parts.add(&m.commit_parts.since(&p.commit_parts));
                     down += m.page_moves_down_total.saturating_sub(p.page_moves_down_total);
                     up += m.page_moves_up_total.saturating_sub(p.page_moves_up_total);
                 }
@@ -645,7 +655,7 @@ fn timeline(ticks: &[Tick], t0: Instant) -> Value {
         }
         out.push(json!({
             "t": bin, "decode_s": decode, "prefill_s": prefill, "boundary_s": boundary,
-            "plan_s": plan, "commit_s": commit, "decode_calls": calls,
+            "plan_s": plan, "commit_s": commit, "commit_parts_s": commit_parts(&parts), "decode_calls": calls,
             "decode_seqs_mean": seqs as f64 / calls.max(1) as f64, "prefill_tokens": tokens,
             "moves_down": down, "moves_up": up,
             "active": at_end.map(|t| t.active), "waiting": at_end.map(|t| t.waiting),

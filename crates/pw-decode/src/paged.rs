@@ -11,8 +11,8 @@ use half::f16;
 use kernels_cubecl::{DeviceArray, MoeShape, PoolSlot, expert_slot_words};
 use pw_format::{ApBlock, BlockKind};
 use pw_pages::{
-    Accountant, CommitReport, CubePool, DeviceMover, MoveError, Mover, PageId, PageKey, PagedWeights, Ticket,
-    Write,
+    Accountant, BoundaryTimes, CommitReport, CubePool, DeviceMover, MoveError, Mover, PageId, PageKey,
+    PagedWeights, Ticket, Write,
 };
 
 use crate::DecodeError;
@@ -61,6 +61,10 @@ impl<R: Runtime> Mover for ExpertMover<R> {
         self.inner.publish(table)
     }
 
+    fn end_boundary(&mut self) -> Result<(), MoveError> {
+        self.inner.end_boundary()
+    }
+
     fn pin_host(&mut self, data: &[u8]) {
         if !self.skip_planes {
             self.inner.pin_host(data)
@@ -93,6 +97,9 @@ pub struct ExpertCommit {
     pub published: usize,
     /// Relocations (against arena fragmentation) started or committed.
     pub relocations: usize,
+    /// Host time of the boundary's parts over all layers (publishing includes the slot tables'
+    /// uploads).
+    pub times: BoundaryTimes,
 }
 
 impl ExpertCommit {
@@ -103,6 +110,7 @@ impl ExpertCommit {
         self.deferred += r.deferred.len();
         self.published += r.published as usize;
         self.relocations += r.relocating.len() + r.relocated.len();
+        self.times.add(&r.times);
     }
 }
 
@@ -479,10 +487,12 @@ impl<R: Runtime> PagedExperts<R> {
         let mut out = ExpertCommit::default();
         for l in 0..self.layers.len() {
             let r = self.layers[l].boundary()?;
-            if r.published {
-                self.slots[l] = self.slot_words(l)?;
-            }
             out.add(&r);
+            if r.published {
+                let upload = std::time::Instant::now();
+                self.slots[l] = self.slot_words(l)?;
+                out.times.publish += upload.elapsed();
+            }
         }
         Ok(out)
     }

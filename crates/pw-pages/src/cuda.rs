@@ -1,19 +1,20 @@
 //! The asynchronous mover on CUDA: raising transfers are cudarc copies from
-//! the host parents (page-locked in place when large, see [`Mover::pin_host`])
-//! or else from reused pinned staging buffers, into the raw device pointers of
-//! the CubeCL arenas, on a stream of their own, each closed by an event that
-//! [`Mover::finished`] polls. Measured on the H200 (`shared/notes/
-//! cubecl-0.10-on-h200.md`): 55 GB/s this way against 0.4–0.6 GB/s through
-//! CubeCL's `create`, without slowing the kernel stream.
+//! the host parents (large ranges page-locked in place, small ones copied once
+//! into pinned slabs, see [`Mover::pin_host`]; anything else through reused
+//! pinned staging buffers) into the raw device pointers of the CubeCL arenas,
+//! on a stream of their own, each closed by an event that [`Mover::finished`]
+//! polls. Measured on the H200 (`shared/notes/cubecl-0.10-on-h200.md`): 55 GB/s
+//! this way against 0.4–0.6 GB/s through CubeCL's `create`, without slowing
+//! the kernel stream.
 //!
 //! Ordering: CubeCL's stream is private, so no event can be recorded on it.
 //! A transfer's destinations may have been read by kernels launched before
-//! the boundary that freed them, so [`CudaMover::start`] first waits for the
-//! CubeCL queue (`client.sync()`). At a boundary between decode steps the
-//! host has normally just read the step's logits, so the queue is already
-//! drained and the wait costs a round trip, not a step. Ordered writes
-//! (lowering LUT swaps, descriptor tables) go through CubeCL as in
-//! [`CubePool`].
+//! the boundary that freed them, so the first copy of a boundary waits for the
+//! CubeCL queue (`client.sync()`). At a boundary between decode steps the host
+//! has normally just read the step's logits, so the queue is already drained
+//! and the wait costs a round trip, not a step. Ordered writes (lowering LUT
+//! swaps) are copies on a second stream that [`Mover::end_boundary`] waits for,
+//! so the kernels launched after the boundary read them.
 
 use crate::cube::{CubePool, DeviceMover};
 use crate::mover::{MoveError, Mover, Ticket, Write};
@@ -48,6 +49,26 @@ fn err(what: &str, e: cu::DriverError) -> MoveError {
     MoveError(format!("CUDA {what}: {e:?}"))
 }
 
+/// Host ranges shorter than this are copied into pinned slabs rather than page-locked in place
+/// (a registration covers whole OS pages, which small allocations share with their neighbours).
+const MIRROR_BELOW: usize = 1 << 20;
+/// Bytes of one pinned slab holding small host ranges.
+const SLAB_BYTES: usize = 64 << 20;
+
+/// A small host range announced by [`Mover::pin_host`] and its copy in a pinned slab.
+struct Mirror {
+    src: usize,
+    len: usize,
+    ptr: *const u8,
+}
+
+/// Pinned host memory that small ranges are copied into.
+struct Slab {
+    ptr: *mut u8,
+    cap: usize,
+    used: usize,
+}
+
 /// A pinned host buffer, reused across transfers.
 struct Pinned {
     ptr: *mut u8,
@@ -68,8 +89,19 @@ pub struct CudaMover {
     pinned: Vec<Pinned>,
     /// Host ranges page-locked in place by [`Mover::pin_host`]: (start, len).
     registered: Vec<(usize, usize)>,
+    /// Small announced ranges and their pinned copies, by source address.
+    mirrors: Vec<Mirror>,
+    slabs: Vec<Slab>,
     in_flight: BTreeMap<Ticket, (sys::CUevent, Vec<usize>)>,
     next: u64,
+    /// The stream of ordered writes, waited for at the end of each boundary.
+    ordered: sys::CUstream,
+    /// Whether ordered writes were issued since the stream was last waited for, and their
+    /// staging buffers.
+    ordered_pending: bool,
+    ordered_used: Vec<usize>,
+    /// Whether CubeCL's queue was drained in the current boundary.
+    drained: bool,
 }
 
 // SAFETY: the raw handles (context, stream, events) are CUDA driver objects that any host
@@ -136,6 +168,8 @@ impl CudaMover {
         // SAFETY: `ctx` was just retained.
         unsafe { cu::ctx::set_current(ctx) }.map_err(|e| err("set context", e))?;
         let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(|e| err("stream", e))?;
+        let ordered =
+            cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(|e| err("stream", e))?;
         Ok(Self {
             pool,
             ctx,
@@ -144,8 +178,14 @@ impl CudaMover {
             _resources: resources,
             pinned: Vec::new(),
             registered: Vec::new(),
+            mirrors: Vec::new(),
+            slabs: Vec::new(),
             in_flight: BTreeMap::new(),
             next: 0,
+            ordered,
+            ordered_pending: false,
+            ordered_used: Vec::new(),
+            drained: false,
         })
     }
 
@@ -168,12 +208,35 @@ impl CudaMover {
         Ok(self.pinned.len() - 1)
     }
 
-    fn copy(&mut self, dst: u64, src: &[u8], used: &mut Vec<usize>) -> Result<(), MoveError> {
+    /// Where `src` can be copied from without staging: itself when page-locked, else its
+    /// pinned copy.
+    fn pinned_source<'a>(&self, src: &'a [u8]) -> Option<&'a [u8]> {
         let (a, b) = (src.as_ptr() as usize, src.as_ptr() as usize + src.len());
         if self.registered.iter().any(|&(s, l)| s <= a && b <= s + l) {
-            // SAFETY: `src` is page-locked and, per `pin_host`'s contract, stays
-            // alive and unchanged while the mover lives; `dst` lies in an arena.
-            return unsafe { cu::memcpy_htod_async(dst, src, self.stream) }.map_err(|e| err("copy", e));
+            return Some(src);
+        }
+        let i = self.mirrors.partition_point(|m| m.src <= a);
+        let m = self.mirrors.get(i.checked_sub(1)?)?;
+        (b <= m.src + m.len).then(|| {
+            // SAFETY: `[a, b)` lies within the mirrored range, whose pinned copy lives (and,
+            // like its source per `pin_host`'s contract, stays unchanged) as long as the mover.
+            unsafe { std::slice::from_raw_parts(m.ptr.add(a - m.src), src.len()) }
+        })
+    }
+
+    /// Issues the copy of `src` to device address `dst` on `stream`, staging it through a
+    /// pinned buffer (its index pushed to `used`) when it has no pinned source.
+    fn copy(
+        &mut self,
+        dst: u64,
+        src: &[u8],
+        stream: sys::CUstream,
+        used: &mut Vec<usize>,
+    ) -> Result<(), MoveError> {
+        if let Some(pinned) = self.pinned_source(src) {
+            // SAFETY: `pinned` is page-locked and stays alive and unchanged while the mover
+            // lives; `dst` lies in an arena (checked by the caller).
+            return unsafe { cu::memcpy_htod_async(dst, pinned, stream) }.map_err(|e| err("copy", e));
         }
         let i = self.pinned(src.len())?;
         used.push(i);
@@ -184,8 +247,89 @@ impl CudaMover {
             std::slice::from_raw_parts(p.ptr, src.len())
         };
         // SAFETY: `dst` lies inside an arena (checked by the caller), the
-        // pinned source stays alive and untouched until the event completes.
-        unsafe { cu::memcpy_htod_async(dst, staged, self.stream) }.map_err(|e| err("copy", e))
+        // pinned source stays alive and untouched until the stream passes the copy.
+        unsafe { cu::memcpy_htod_async(dst, staged, stream) }.map_err(|e| err("copy", e))
+    }
+
+    /// Checks that `writes` fit the arenas.
+    fn check(&self, writes: &[Write<'_>]) -> Result<(), MoveError> {
+        let (plane_cap, lut_cap) = self.pool.capacity();
+        for w in writes {
+            let (off, len, cap) = match *w {
+                Write::Planes { off, data } => (off, data.len(), plane_cap),
+                Write::Lut { off, data } => (off, data.len(), lut_cap),
+            };
+            if off + len > cap {
+                return Err(MoveError(format!("write [{off}, {}) past the arena of {cap}", off + len)));
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits for the CubeCL queue once per boundary (kernels launched before may still read
+    /// the destinations' old contents) and makes the mover's context current.
+    fn begin_copies(&mut self) -> Result<(), MoveError> {
+        if !self.drained {
+            cubecl::future::block_on(self.pool.client().sync()).map_err(|e| MoveError(format!("{e:?}")))?;
+            self.drained = true;
+        }
+        // SAFETY: `ctx` is retained for the mover's life.
+        unsafe { cu::ctx::set_current(self.ctx) }.map_err(|e| err("set context", e))
+    }
+
+    /// Issues `writes` on `stream`; on failure waits for the partial copies and frees their
+    /// staging buffers.
+    fn copy_all(&mut self, writes: &[Write<'_>], stream: sys::CUstream) -> Result<Vec<usize>, MoveError> {
+        let mut used = Vec::new();
+        for w in writes {
+            let r = match *w {
+                Write::Planes { off, data } => {
+                    self.copy(self.ptrs.0 + 4 * off as u64, bytemuck_u32(data), stream, &mut used)
+                }
+                Write::Lut { off, data } => {
+                    self.copy(self.ptrs.1 + 2 * off as u64, bytemuck_f16(data), stream, &mut used)
+                }
+            };
+            if let Err(e) = r {
+                // SAFETY: the stream is ours; wait for the partial copies before reuse.
+                let _ = unsafe { cu::stream::synchronize(stream) };
+                for &i in &used {
+                    self.pinned[i].busy = false;
+                }
+                return Err(e);
+            }
+        }
+        Ok(used)
+    }
+
+    /// Copies a small host range into a pinned slab once, for direct copies later.
+    fn mirror(&mut self, data: &[u8]) -> Result<(), MoveError> {
+        const ALIGN: usize = 256;
+        let len = data.len();
+        let slab = match self.slabs.iter().position(|s| s.used.next_multiple_of(ALIGN) + len <= s.cap) {
+            Some(i) => i,
+            None => {
+                let cap = SLAB_BYTES.max(len);
+                // SAFETY: `ctx` is retained; plain allocation, freed in Drop.
+                let ptr = unsafe { cu::ctx::set_current(self.ctx).and_then(|()| cu::malloc_host(cap, 0)) }
+                    .map_err(|e| err("pinned alloc", e))? as *mut u8;
+                self.slabs.push(Slab { ptr, cap, used: 0 });
+                self.slabs.len() - 1
+            }
+        };
+        let s = &mut self.slabs[slab];
+        let at = s.used.next_multiple_of(ALIGN);
+        // SAFETY: `[at, at + len)` lies within the slab (checked above) and is used by nothing else.
+        let ptr = unsafe {
+            let ptr = s.ptr.add(at);
+            std::ptr::copy_nonoverlapping(data.as_ptr(), ptr, len);
+            ptr
+        };
+        s.used = at + len;
+        let src = data.as_ptr() as usize;
+        let i = self.mirrors.partition_point(|m| m.src <= src);
+        self.mirrors.insert(i, Mirror { src, len, ptr });
+        Ok(())
     }
 }
 
@@ -220,43 +364,18 @@ impl Mover for CudaMover {
     }
 
     fn write_ordered(&mut self, writes: &[Write<'_>]) -> Result<(), MoveError> {
-        self.pool.write_ordered(writes)
+        self.check(writes)?;
+        self.begin_copies()?;
+        self.ordered_pending = true;
+        let used = self.copy_all(writes, self.ordered)?;
+        self.ordered_used.extend(used);
+        Ok(())
     }
 
     fn start(&mut self, writes: &[Write<'_>]) -> Result<Ticket, MoveError> {
-        let (plane_cap, lut_cap) = self.pool.capacity();
-        for w in writes {
-            let (off, len, cap) = match *w {
-                Write::Planes { off, data } => (off, data.len(), plane_cap),
-                Write::Lut { off, data } => (off, data.len(), lut_cap),
-            };
-            if off + len > cap {
-                return Err(MoveError(format!("write [{off}, {}) past the arena of {cap}", off + len)));
-            }
-        }
-        // Kernels launched before may still read the destinations' old contents.
-        cubecl::future::block_on(self.pool.client().sync()).map_err(|e| MoveError(format!("{e:?}")))?;
-        // SAFETY: `ctx` is retained for the mover's life.
-        unsafe { cu::ctx::set_current(self.ctx) }.map_err(|e| err("set context", e))?;
-        let mut used = Vec::new();
-        for w in writes {
-            let r = match *w {
-                Write::Planes { off, data } => {
-                    self.copy(self.ptrs.0 + 4 * off as u64, bytemuck_u32(data), &mut used)
-                }
-                Write::Lut { off, data } => {
-                    self.copy(self.ptrs.1 + 2 * off as u64, bytemuck_f16(data), &mut used)
-                }
-            };
-            if let Err(e) = r {
-                for &i in &used {
-                    self.pinned[i].busy = false;
-                }
-                // SAFETY: the stream is ours; wait for the partial copies before reuse.
-                let _ = unsafe { cu::stream::synchronize(self.stream) };
-                return Err(e);
-            }
-        }
+        self.check(writes)?;
+        self.begin_copies()?;
+        let used = self.copy_all(writes, self.stream)?;
         let event =
             cu::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).map_err(|e| err("event", e))?;
         // SAFETY: both are live objects of the current context.
@@ -291,11 +410,28 @@ impl Mover for CudaMover {
         self.pool.publish(table)
     }
 
+    fn end_boundary(&mut self) -> Result<(), MoveError> {
+        self.drained = false;
+        if !std::mem::take(&mut self.ordered_pending) {
+            return Ok(());
+        }
+        // SAFETY: `ctx` is retained for the mover's life; the stream is ours.
+        unsafe { cu::ctx::set_current(self.ctx).and_then(|()| cu::stream::synchronize(self.ordered)) }
+            .map_err(|e| err("ordered writes", e))?;
+        for i in std::mem::take(&mut self.ordered_used) {
+            self.pinned[i].busy = false;
+        }
+        Ok(())
+    }
+
     fn pin_host(&mut self, data: &[u8]) {
-        // Small ranges are not worth a registration (and share OS pages with
-        // other allocations); a failed one (e.g. a page already registered by
-        // a neighbour) leaves the range to the staging path.
-        if data.len() < 1 << 20 {
+        // Small ranges share OS pages with other allocations, which a registration would
+        // cover: they get a pinned copy instead. A failed registration (e.g. of a page
+        // already registered by a neighbour) or copy leaves the range to the staging path.
+        if data.len() < MIRROR_BELOW {
+            if !data.is_empty() && self.pinned_source(data).is_none() {
+                let _ = self.mirror(data);
+            }
             return;
         }
         // SAFETY: `ctx` is retained; the range is live host memory that outlives
@@ -322,10 +458,15 @@ impl Drop for CudaMover {
             for &(start, _) in &self.registered {
                 let _ = sys::cuMemHostUnregister(start as *mut std::ffi::c_void);
             }
+            let _ = cu::stream::synchronize(self.ordered);
             for p in &self.pinned {
                 let _ = cu::free_host(p.ptr as *mut std::ffi::c_void);
             }
+            for s in &self.slabs {
+                let _ = cu::free_host(s.ptr as *mut std::ffi::c_void);
+            }
             let _ = cu::stream::destroy(self.stream);
+            let _ = cu::stream::destroy(self.ordered);
         }
     }
 }

@@ -51,7 +51,8 @@ pub use cuda::{CudaMover, device_memory};
 pub use extent::{Extent, ExtentAllocator};
 pub use mover::{HostPool, ManualMover, MoveError, Mover, POISON_WORD, Ticket, Write};
 pub use table::{
-    CommitReport, DeferReason, Deferred, Group, Location, PageId, PageInfo, PageKey, PagedWeights,
+    BoundaryTimes, CommitReport, DeferReason, Deferred, Group, Location, PageId, PageInfo, PageKey,
+    PagedWeights,
 };
 
 /// Errors of the page table.

@@ -77,7 +77,7 @@ pub trait Mover {
     fn capacity(&self) -> (usize, usize);
 
     /// Writes ordered with the kernels: launched-before kernels see the old
-    /// contents, launched-after ones the new.
+    /// contents, those launched after the next [`Self::end_boundary`] the new.
     fn write_ordered(&mut self, writes: &[Write<'_>]) -> Result<(), MoveError>;
 
     /// Starts a transfer that may overlap with kernels. The destinations are
@@ -94,6 +94,13 @@ pub trait Mover {
     /// Publishes the committed descriptor table (one slot per page; `bits == 0`
     /// for a page not resident). Called only at a commit.
     fn publish(&mut self, table: &[PoolSlot]) -> Result<(), MoveError>;
+
+    /// Closes a boundary: ordered writes issued since the last call are visible to kernels
+    /// launched from now on. [`PagedWeights::boundary`](crate::PagedWeights::boundary) calls it
+    /// last, so a mover may issue ordered writes asynchronously and wait for them once here.
+    fn end_boundary(&mut self) -> Result<(), MoveError> {
+        Ok(())
+    }
 
     /// Announces host memory that later transfers copy from (a page's parent
     /// planes). It stays at this address, unchanged, for the mover's life, so
@@ -253,6 +260,10 @@ impl<M: Mover> Mover for ManualMover<M> {
 
     fn publish(&mut self, table: &[PoolSlot]) -> Result<(), MoveError> {
         self.inner.publish(table)
+    }
+
+    fn end_boundary(&mut self) -> Result<(), MoveError> {
+        self.inner.end_boundary()
     }
 
     fn pin_host(&mut self, data: &[u8]) {

@@ -9,6 +9,7 @@ use kernels_cubecl::{PoolSlot, WorkItem};
 use pw_format::{ApBlock, BlockKind, Checkpoint};
 use std::collections::HashMap;
 use std::fmt;
+use std::time::{Duration, Instant};
 
 /// Bytes of one plane word and one LUT entry.
 const WORD_BYTES: usize = 4;
@@ -110,6 +111,52 @@ pub struct CommitReport {
     pub relocated: Vec<PageId>,
     /// Whether the descriptor table changed (and was published).
     pub published: bool,
+    /// Host time of the boundary's parts.
+    pub times: BoundaryTimes,
+}
+
+/// Host time of a boundary's parts: where a commit spends what the steps wait for.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BoundaryTimes {
+    /// Polling the transfers in flight and committing those that finished.
+    pub finished: Duration,
+    /// Lowerings, their ordered LUT writes included.
+    pub lower: Duration,
+    /// Starting raisings and relocations, the mover's copies included.
+    pub start: Duration,
+    /// Of `start`, the time inside the mover's `start` (waiting for the kernels, issuing the
+    /// copies).
+    pub start_mover: Duration,
+    /// Rebuilding and publishing the descriptor table (and any copy of it a reader keeps), and
+    /// waiting for the boundary's ordered writes.
+    pub publish: Duration,
+}
+
+impl BoundaryTimes {
+    /// Adds `other`'s times to these.
+    pub fn add(&mut self, other: &Self) {
+        self.finished += other.finished;
+        self.lower += other.lower;
+        self.start += other.start;
+        self.start_mover += other.start_mover;
+        self.publish += other.publish;
+    }
+
+    /// The times added since `earlier` (a cumulative total's difference).
+    pub fn since(&self, earlier: &Self) -> Self {
+        Self {
+            finished: self.finished.saturating_sub(earlier.finished),
+            lower: self.lower.saturating_sub(earlier.lower),
+            start: self.start.saturating_sub(earlier.start),
+            start_mover: self.start_mover.saturating_sub(earlier.start_mover),
+            publish: self.publish.saturating_sub(earlier.publish),
+        }
+    }
+
+    /// The parts' sum (`start_mover` lies within `start`).
+    pub fn total(&self) -> Duration {
+        self.finished + self.lower + self.start + self.publish
+    }
 }
 
 /// A page's state, for inspection.
@@ -240,6 +287,8 @@ pub struct PagedWeights<M> {
     accountant: Accountant,
     table: Vec<PoolSlot>,
     generation: u64,
+    /// Time inside the mover's `start` during the current boundary.
+    mover_time: Duration,
 }
 
 impl<M: Mover> PagedWeights<M> {
@@ -287,6 +336,7 @@ impl<M: Mover> PagedWeights<M> {
             mover,
             table,
             generation: 0,
+            mover_time: Duration::ZERO,
         })
     }
 
@@ -479,7 +529,15 @@ impl<M: Mover> PagedWeights<M> {
     /// table if it changed. Never waits for a transfer.
     pub fn boundary(&mut self) -> Result<CommitReport, PageError> {
         let mut report = CommitReport::default();
+        let mut times = BoundaryTimes::default();
+        let mut clock = Instant::now();
+        let mut lap = |part: &mut Duration| {
+            let now = Instant::now();
+            *part += now - clock;
+            clock = now;
+        };
         let mut changed = self.commit_finished(&mut report)?;
+        lap(&mut times.finished);
         for i in 0..self.pages.len() {
             let p = &self.pages[i];
             if p.desired != 0 && p.desired < p.committed {
@@ -488,6 +546,7 @@ impl<M: Mover> PagedWeights<M> {
                 changed = true;
             }
         }
+        lap(&mut times.lower);
         for i in 0..self.pages.len() {
             let p = &self.pages[i];
             if p.desired <= p.committed {
@@ -518,13 +577,19 @@ impl<M: Mover> PagedWeights<M> {
                 report.relocating.push(id);
             }
         }
+        lap(&mut times.start);
+        times.start_mover = std::mem::take(&mut self.mover_time);
         changed |= self.commit_finished(&mut report)?;
+        lap(&mut times.finished);
         if changed {
             self.table = self.pages.iter().map(Page::slot).collect();
             self.generation += 1;
             self.mover.publish(&self.table)?;
             report.published = true;
         }
+        self.mover.end_boundary()?;
+        lap(&mut times.publish);
+        report.times = times;
         Ok(report)
     }
 
@@ -680,7 +745,10 @@ impl<M: Mover> PagedWeights<M> {
             Write::Planes { off: planes.off, data: src },
             Write::Lut { off: lut.off, data: page.parent.lut(t) },
         ];
-        let ticket = match self.mover.start(&writes) {
+        let started = Instant::now();
+        let ticket = self.mover.start(&writes);
+        self.mover_time += started.elapsed();
+        let ticket = match ticket {
             Ok(t) => t,
             Err(e) => {
                 self.plane_arena.free(planes);
@@ -750,7 +818,10 @@ impl<M: Mover> PagedWeights<M> {
                 (Write::Lut { off: e.off, data: page.parent.lut(q) }, None, Some((e, lease)))
             }
         };
-        let ticket = match self.mover.start(&[write]) {
+        let started = Instant::now();
+        let ticket = self.mover.start(&[write]);
+        self.mover_time += started.elapsed();
+        let ticket = match ticket {
             Ok(t) => t,
             Err(e) => {
                 match arena {

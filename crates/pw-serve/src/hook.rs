@@ -1,6 +1,7 @@
 //! The call the engine makes between steps: where the planner computes the memory target and
 //! commits page moves (no model call is in flight then).
 
+use pw_pages::BoundaryTimes;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -85,6 +86,8 @@ pub struct MemoryState {
     /// Time boundaries spent committing pages so far (lowerings, transfers started and
     /// finished, tables published).
     pub commit_time: Duration,
+    /// The commits' time so far by part.
+    pub commit_parts: BoundaryTimes,
 }
 
 impl MemoryState {

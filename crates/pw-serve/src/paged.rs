@@ -252,6 +252,7 @@ impl ExpertStore for TablePages {
             deferred: r.deferred.len(),
             published: r.published as usize,
             relocations: r.relocating.len() + r.relocated.len(),
+            times: r.times,
         })
     }
 
@@ -575,6 +576,7 @@ impl PagedMemory {
         self.state.plan_time += planned - now;
         let commit = store.commit()?;
         self.state.commit_time += planned.elapsed();
+        self.state.commit_parts.add(&commit.times);
         self.state.page_moves_down_total += commit.lowered as u64;
         self.state.page_moves_up_total += commit.raised as u64;
         self.state.raisings_started_total += commit.started as u64;

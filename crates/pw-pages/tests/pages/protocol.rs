@@ -7,6 +7,7 @@ use pw_format::{ApBlock, BlockKind, BlockMeta, Checkpoint, CheckpointWriter};
 use pw_pages::*;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+use std::time::Duration;
 
 type Table = PagedWeights<ManualMover<HostPool>>;
 
@@ -183,6 +184,9 @@ fn lowering_commits_at_once_and_raising_only_after_its_transfer() {
     let r = t.boundary().unwrap();
     assert_eq!(r.started.len(), 4);
     assert!(r.raised.is_empty() && !r.published, "committed before the transfer finished");
+    // The boundary's host time by part: the starts, the mover's share within them.
+    let times = r.times;
+    assert!(times.start >= times.start_mover && times.start_mover > Duration::ZERO, "{times:?}");
     assert_eq!(t.plane_location(id, 0).unwrap(), Location::InTransfer);
     assert_eq!(t.lut_location(id, 6).unwrap(), Location::InTransfer);
     // Boundaries never wait.
@@ -193,6 +197,7 @@ fn lowering_commits_at_once_and_raising_only_after_its_transfer() {
     let r = t.boundary().unwrap();
     assert_eq!(r.raised.len(), 4);
     assert!(r.published);
+    assert!(r.times.finished > Duration::ZERO && r.times.publish > Duration::ZERO, "{:?}", r.times);
     assert_eq!(t.info(id).unwrap().committed, 6);
     assert_eq!(t.plane_location(id, 5).unwrap(), Location::Gpu);
     assert_eq!(t.plane_location(id, 6).unwrap(), Location::Host);
@@ -202,6 +207,7 @@ fn lowering_commits_at_once_and_raising_only_after_its_transfer() {
     t.set_desired(id, 4).unwrap();
     let r = t.boundary().unwrap();
     assert_eq!(r.lowered, vec![id]);
+    assert!(r.times.lower > Duration::ZERO, "{:?}", r.times);
     assert_eq!(t.info(id).unwrap().committed, 4);
     let (p6, l6) = t.parent(id).unwrap().bytes_at(6);
     let (p4, l4) = t.parent(id).unwrap().bytes_at(4);
