@@ -41,9 +41,10 @@ impl Planner {
         self.routing.update(tokens, counts, mass)
     }
 
-    /// At a safe boundary: the target from `free_blocks` and what is in flight in `snapshot`,
-    /// and the new desired bit-widths when there is something to do (`None` on hold).
-    pub fn at_boundary(&self, snapshot: &Snapshot, free_blocks: u64) -> Result<Option<Plan>, PlanError> {
+    /// At a safe boundary: the target from `free_blocks` (negative: blocks short, see
+    /// [`KvPressureConfig::target`]) and what is in flight in `snapshot`, and the new desired
+    /// bit-widths when there is something to do (`None` on hold).
+    pub fn at_boundary(&self, snapshot: &Snapshot, free_blocks: i64) -> Result<Option<Plan>, PlanError> {
         match self.kv.target(free_blocks, snapshot.pending_bytes()) {
             MemoryTarget::Hold => Ok(None),
             t => plan(snapshot, Some(&self.routing), self.residual.as_ref(), t, &self.config).map(Some),

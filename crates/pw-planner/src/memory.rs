@@ -66,8 +66,10 @@ impl KvPressureConfig {
     }
 
     /// The target at a boundary with `free_blocks` free KV blocks and `(pending_free,
-    /// pending_alloc)` bytes in flight (see [`crate::Snapshot::pending_bytes`]).
-    pub fn target(&self, free_blocks: u64, pending: (u64, u64)) -> MemoryTarget {
+    /// pending_alloc)` bytes in flight (see [`crate::Snapshot::pending_bytes`]). A caller that
+    /// counts the blocks the next steps will take as taken passes a negative count when they
+    /// exceed the free ones, so that the whole shortfall is freed at once.
+    pub fn target(&self, free_blocks: i64, pending: (u64, u64)) -> MemoryTarget {
         let (pending_free, pending_alloc) = (pending.0 as i128, pending.1 as i128);
         let b = self.bytes_per_block as i128;
         let (t, f) = (self.threshold_blocks as i128, free_blocks as i128);

@@ -511,11 +511,14 @@ impl PagedMemory {
                 p.observe(rc.tokens.min(u32::MAX as u64) as u32, &rc.counts, &rc.mass).map_err(err)?;
             }
             let snapshot = &self.snapshot;
-            let free = self.accountant.free() / self.block_bytes;
-            let mut target = p.kv.target(free.saturating_sub(demand.next), snapshot.pending_bytes());
+            // Free blocks once the demand is taken: negative when short, so that one plan frees
+            // the whole shortfall.
+            let free = i64::try_from(self.accountant.free() / self.block_bytes).unwrap_or(i64::MAX);
+            let after = |blocks: u64| free.saturating_sub(i64::try_from(blocks).unwrap_or(i64::MAX));
+            let mut target = p.kv.target(after(demand.next), snapshot.pending_bytes());
             if matches!(target, MemoryTarget::Spare(_)) {
                 // Give back only what the sequences will not take before they finish.
-                let later = free.saturating_sub(demand.until_done);
+                let later = after(demand.until_done);
                 target = match p.kv.target(later, snapshot.pending_bytes()) {
                     spare @ MemoryTarget::Spare(_) => spare,
                     _ => MemoryTarget::Hold,
@@ -793,6 +796,23 @@ mod tests {
         let state = mem.boundary(&mut pages, 0, DemandBlocks::default()).unwrap();
         assert!(pages.mean_desired() > lowered, "{}", pages.mean_desired());
         assert!(state.page_moves_up_total > 0);
+    }
+
+    /// Blocks the next steps take beyond the free ones are freed by one plan: the whole
+    /// shortfall plus the threshold, not only the threshold's worth.
+    #[test]
+    fn one_plan_frees_the_whole_shortfall_of_the_next_steps() {
+        let block = 100;
+        let options = MemoryOptions { budget_bytes: Some(100 * block), ..MemoryOptions::default() };
+        let threshold = options.threshold_blocks;
+        let mut mem = PagedMemory::new(Accountant::new(100 * block), block, 1, 8, options).unwrap();
+        let mut pages = Pages::new(16, 8);
+        mem.reserve(&mut pages, 50).unwrap();
+        // 50 blocks free, 80 asked for by the next steps: 30 short.
+        mem.boundary(&mut pages, 50, DemandBlocks { next: 80, until_done: 80 }).unwrap();
+        let decision = mem.last_decision.clone().expect("the shortfall is planned for");
+        assert_eq!(decision.target, "free");
+        assert_eq!(decision.target_bytes, (threshold + 1 + 30) * block);
     }
 
     /// The snapshot a boundary refreshes from the pages' bits equals one built from the pages

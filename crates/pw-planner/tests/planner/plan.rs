@@ -363,7 +363,7 @@ fn give_back_rule_prevents_oscillation() {
     let kv: Vec<u64> = [vec![10, 14, 17], (0..60).map(|i| [15, 17, 16, 14][i % 4]).collect()].concat();
     for used in kv {
         let free_blocks = (pool - s.committed_bytes() - used * block) / block;
-        let target = rule.target(free_blocks, s.pending_bytes());
+        let target = rule.target(free_blocks as i64, s.pending_bytes());
         let p = plan(&s, None, None, target, &cfg).unwrap();
         for (pg, d) in s.pages.iter_mut().zip(&p.desired) {
             pg.desired = *d;
@@ -378,7 +378,7 @@ fn give_back_rule_prevents_oscillation() {
     assert!(*history.last().unwrap() < weights0, "pressure lowered the weights");
     // When the cache empties, memory goes back to the weights.
     let free_blocks = (pool - s.committed_bytes()) / block;
-    let p = plan(&s, None, None, rule.target(free_blocks, s.pending_bytes()), &cfg).unwrap();
+    let p = plan(&s, None, None, rule.target(free_blocks as i64, s.pending_bytes()), &cfg).unwrap();
     assert!(p.freed() < 0, "an empty cache gives memory back");
     // ...but never so much that the cache is left with T + H or fewer free blocks.
     let left = (pool - p.bytes_after) / block;

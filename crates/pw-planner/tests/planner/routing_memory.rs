@@ -132,6 +132,8 @@ fn kv_pressure_target_follows_the_design_formula() {
     assert_eq!(rule.target(8, (0, 0)), MemoryTarget::Free(b));
     assert_eq!(rule.target(5, (0, 0)), MemoryTarget::Free(4 * b));
     assert_eq!(rule.target(0, (0, 0)), MemoryTarget::Free(9 * b));
+    // Blocks the next steps take beyond the free ones count in full.
+    assert_eq!(rule.target(-20, (0, 0)), MemoryTarget::Free(29 * b));
     // Inside the band: hold.
     for f in 9..=12 {
         assert_eq!(rule.target(f, (0, 0)), MemoryTarget::Hold, "F = {f}");
