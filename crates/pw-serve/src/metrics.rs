@@ -388,6 +388,22 @@ fn memory_metrics(out: &mut String, mem: &crate::MemoryState) {
          pw_planner_decisions_total{{target=\"free\"}} {}\npw_planner_decisions_total{{target=\"spare\"}} {}",
         mem.planner_lower_total, mem.planner_raise_total
     );
+    let parts = &mem.commit_parts;
+    let _ = writeln!(
+        out,
+        "# HELP pw_boundary_page_seconds_total Host time of the boundaries' page work, by part: planning, \
+         polling transfers, lowering, starting raisings, publishing tables.\n\
+         # TYPE pw_boundary_page_seconds_total counter"
+    );
+    for (part, t) in [
+        ("plan", mem.plan_time),
+        ("finished", parts.finished),
+        ("lower", parts.lower),
+        ("start", parts.start),
+        ("publish", parts.publish),
+    ] {
+        let _ = writeln!(out, "pw_boundary_page_seconds_total{{part=\"{part}\"}} {:.6}", t.as_secs_f64());
+    }
     put(
         out,
         "pw_planner_unmet_total",

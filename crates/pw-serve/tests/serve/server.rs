@@ -521,6 +521,7 @@ async fn the_planner_lowers_pages_under_16_concurrent_requests_and_raises_them_a
     assert!(r.peak_kv_bytes_used > 24 * block, "the cache outgrew the room beside 8-bit experts: {r:?}");
     assert!(s.metric("pw_page_moves_total{direction=\"down\"}").await > 0.0, "{}", s.metrics_text().await);
     assert!(s.metric("pw_planner_decisions_total{target=\"free\"}").await > 0.0);
+    assert!(s.metric("pw_boundary_page_seconds_total{part=\"lower\"}").await > 0.0);
     // Idle again: the cache is empty and the pages go back up to 8 bits.
     let t0 = Instant::now();
     while s.metric("pw_expert_mean_bits").await < 8.0 {
@@ -533,6 +534,7 @@ async fn the_planner_lowers_pages_under_16_concurrent_requests_and_raises_them_a
     }
     assert!(s.metric("pw_page_moves_total{direction=\"up\"}").await > 0.0);
     assert!(s.metric("pw_planner_decisions_total{target=\"spare\"}").await > 0.0);
+    assert!(s.metric("pw_boundary_page_seconds_total{part=\"start\"}").await > 0.0);
     assert_eq!(s.metric(name).await, experts8 as f64);
     assert_eq!(s.metric("pw_kv_blocks_used").await, 0.0);
 
