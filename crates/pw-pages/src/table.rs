@@ -3,7 +3,7 @@
 use crate::PageError;
 use crate::accountant::{Accountant, BudgetError, Lease, MemoryUsage, Use};
 use crate::extent::{Extent, ExtentAllocator};
-use crate::mover::{Mover, Ticket, Write};
+use crate::mover::{MoveError, Mover, Ticket, Write};
 use cubecl::prelude::CubeElement;
 use kernels_cubecl::{PoolSlot, WorkItem};
 use pw_format::{ApBlock, BlockKind, Checkpoint};
@@ -151,11 +151,6 @@ impl BoundaryTimes {
             start_mover: self.start_mover.saturating_sub(earlier.start_mover),
             publish: self.publish.saturating_sub(earlier.publish),
         }
-    }
-
-    /// The parts' sum (`start_mover` lies within `start`).
-    pub fn total(&self) -> Duration {
-        self.finished + self.lower + self.start + self.publish
     }
 }
 
@@ -687,6 +682,15 @@ impl<M: Mover> PagedWeights<M> {
         Ok(())
     }
 
+    /// `mover.start(writes)`, its time added to `time` (the boundary's `start_mover`). Takes the
+    /// fields apart because the writes borrow the pages.
+    fn start_transfer(mover: &mut M, time: &mut Duration, writes: &[Write<'_>]) -> Result<Ticket, MoveError> {
+        let started = Instant::now();
+        let ticket = mover.start(writes);
+        *time += started.elapsed();
+        ticket
+    }
+
     /// Starts raising page `i` to its desired bits, or says why not.
     fn start_raise(&mut self, i: usize) -> Result<Result<(), DeferReason>, PageError> {
         let page = &self.pages[i];
@@ -745,10 +749,7 @@ impl<M: Mover> PagedWeights<M> {
             Write::Planes { off: planes.off, data: src },
             Write::Lut { off: lut.off, data: page.parent.lut(t) },
         ];
-        let started = Instant::now();
-        let ticket = self.mover.start(&writes);
-        self.mover_time += started.elapsed();
-        let ticket = match ticket {
+        let ticket = match Self::start_transfer(&mut self.mover, &mut self.mover_time, &writes) {
             Ok(t) => t,
             Err(e) => {
                 self.plane_arena.free(planes);
@@ -818,10 +819,7 @@ impl<M: Mover> PagedWeights<M> {
                 (Write::Lut { off: e.off, data: page.parent.lut(q) }, None, Some((e, lease)))
             }
         };
-        let started = Instant::now();
-        let ticket = self.mover.start(&[write]);
-        self.mover_time += started.elapsed();
-        let ticket = match ticket {
+        let ticket = match Self::start_transfer(&mut self.mover, &mut self.mover_time, &[write]) {
             Ok(t) => t,
             Err(e) => {
                 match arena {
