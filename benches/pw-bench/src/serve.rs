@@ -403,12 +403,20 @@ where
         if let Some(d) = arrival.checked_duration_since(Instant::now()) {
             std::thread::sleep(d);
         }
+        let prompt_tokens = prompt.len();
         let params = SamplingParams { max_tokens: out_len, ignore_eos: true, ..Default::default() };
         let mut stream = handle.submit(GenerateRequest { prompt, params })?;
-        clients.push(std::thread::spawn(move || -> Option<(f64, Vec<f64>, usize)> {
+        clients.push(std::thread::spawn(move || -> Option<Served> {
             let submitted = Instant::now();
+            let mut served = Served {
+                submitted_s: submitted.duration_since(t0).as_secs_f64(),
+                prompt_tokens,
+                ttft: 0.0,
+                gaps: Vec::new(),
+                tokens: 0,
+                done_s: 0.0,
+            };
             let mut last = None::<Instant>;
-            let (mut ttft, mut gaps, mut n) = (0.0, Vec::new(), 0usize);
             loop {
                 if Instant::now() > deadline {
                     return None; // dropping the stream cancels the request
@@ -417,13 +425,16 @@ where
                     Event::Token { .. } => {
                         let now = Instant::now();
                         match last {
-                            None => ttft = now.duration_since(submitted).as_secs_f64(),
-                            Some(l) => gaps.push(now.duration_since(l).as_secs_f64()),
+                            None => served.ttft = now.duration_since(submitted).as_secs_f64(),
+                            Some(l) => served.gaps.push(now.duration_since(l).as_secs_f64()),
                         }
                         last = Some(now);
-                        n += 1;
+                        served.tokens += 1;
                     }
-                    Event::Done { .. } => return Some((ttft, gaps, n)),
+                    Event::Done { .. } => {
+                        served.done_s = t0.elapsed().as_secs_f64();
+                        return Some(served);
+                    }
                     Event::Failed(msg) => {
                         eprintln!("request failed: {msg}");
                         return None;
@@ -451,9 +462,16 @@ where
     let results: Vec<_> = clients.into_iter().filter_map(|c| c.join().ok().flatten()).collect();
     let bit_mix = sampler.join().unwrap_or_default();
 
-    let mut ttft: Vec<f64> = results.iter().map(|r| r.0).collect();
-    let mut tpot: Vec<f64> = results.iter().flat_map(|r| r.1.iter().copied()).collect();
-    let tokens: usize = results.iter().map(|r| r.2).sum();
+    let mut ttft: Vec<f64> = results.iter().map(|r| r.ttft).collect();
+    let mut tpot: Vec<f64> = results.iter().flat_map(|r| r.gaps.iter().copied()).collect();
+    let tokens: usize = results.iter().map(|r| r.tokens).sum();
+    let per_request: Vec<Value> = results
+        .iter()
+        .map(|r| {
+            json!({"submitted_s": r.submitted_s, "prompt_tokens": r.prompt_tokens, "ttft_ms": r.ttft * 1e3,
+                "output_tokens": r.tokens, "done_s": r.done_s})
+        })
+        .collect();
     // Lowest committed expert bytes seen (at peak KV pressure) and the peak KV.
     let min_experts = bit_mix
         .iter()
@@ -489,6 +507,7 @@ where
         "planner_unmet": mem.planner_unmet_total,
         "final_mean_bits": mem.mean_bits(),
         "bit_mix": bit_mix,
+        "per_request": per_request,
     });
     let steps = json!({
         "steps": step_s.len(),
@@ -513,6 +532,22 @@ where
         r.extend(extra);
     }
     Ok(record)
+}
+
+/// One completed request as its client saw it.
+struct Served {
+    /// When it was submitted, seconds after the run's start.
+    submitted_s: f64,
+    /// Its prompt's length.
+    prompt_tokens: usize,
+    /// Seconds from submission to its first token.
+    ttft: f64,
+    /// Seconds between its consecutive tokens.
+    gaps: Vec<f64>,
+    /// Tokens it received.
+    tokens: usize,
+    /// When it ended, seconds after the run's start.
+    done_s: f64,
 }
 
 /// What the boundaries' page work cost. Between consecutive boundaries (including those a step

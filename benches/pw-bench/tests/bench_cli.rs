@@ -82,6 +82,17 @@ fn bench_serve_scaled_down(model: &str) {
         }
         let calls = bins.iter().map(|b| b["decode_calls"].as_u64().unwrap()).sum::<u64>();
         assert_eq!(calls, parts["decode"]["calls"].as_u64().unwrap(), "{r}");
+        // One row per completed request, whose tokens and first-token times make the totals.
+        let served = r["per_request"].as_array().unwrap();
+        assert_eq!(served.len(), 6, "{r}");
+        let tokens: u64 = served.iter().map(|q| q["output_tokens"].as_u64().unwrap()).sum();
+        let wall = r["wall_s"].as_f64().unwrap();
+        assert!((tokens as f64 / wall - r["tok_s"].as_f64().unwrap()).abs() < 1e-6, "{r}");
+        for q in served {
+            let (at, done) = (q["submitted_s"].as_f64().unwrap(), q["done_s"].as_f64().unwrap());
+            assert!(at + q["ttft_ms"].as_f64().unwrap() / 1e3 <= done && done <= wall, "{q}");
+            assert!((4..=8).contains(&q["prompt_tokens"].as_u64().unwrap()), "{q}");
+        }
     }
 }
 
