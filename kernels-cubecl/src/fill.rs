@@ -72,6 +72,34 @@ pub fn fill_uniform_reference(len: usize, seed: u32, scale: f32) -> Vec<f32> {
         .collect()
 }
 
+/// `out[i] = 0`. Grid-stride over `out`.
+#[cube(launch_unchecked)]
+pub fn fill_zero_kernel<T: Numeric>(out: &mut Array<T>) {
+    let total = CUBE_COUNT * CUBE_DIM as usize;
+    let mut i = ABSOLUTE_POS;
+    while i < out.len() {
+        out[i] = T::from_int(0);
+        i += total;
+    }
+}
+
+/// Zeroes `out` (elements of `T`) on the device, without an upload. Does not synchronise.
+pub fn fill_zero<R: Runtime, T: Numeric + CubeElement>(client: &ComputeClient<R>, out: &DeviceArray) {
+    if out.len == 0 {
+        return;
+    }
+    let cubes = out.len.div_ceil(256).min(1024);
+    // SAFETY: the kernel writes only indices below `out.len`.
+    unsafe {
+        fill_zero_kernel::launch_unchecked::<T, R>(
+            client,
+            CubeCount::Static(cubes as u32, 1, 1),
+            CubeDim::new_1d(256),
+            out.arg(),
+        )
+    };
+}
+
 /// Fills `out` with a hash of each index and `seed` (random-looking plane words for
 /// benchmarks, generated on the device instead of uploaded).
 #[cube(launch_unchecked)]
@@ -123,6 +151,19 @@ mod tests {
 
     use crate::testing::{assert_close, client};
     use crate::*;
+
+    #[test]
+    fn fill_zero_zeroes_every_element() {
+        let client = client();
+        for n in [1usize, 255, 257, 300_001] {
+            let u = DeviceArray::from_slice(&client, &fill_hash_reference(n, 3));
+            fill_zero::<WgpuRuntime, u32>(&client, &u);
+            assert!(read_u32(&client, &u).unwrap().iter().all(|&w| w == 0), "u32, {n}");
+            let f = DeviceArray::from_slice(&client, &fill_uniform_reference(n, 4, 2.0));
+            fill_zero::<WgpuRuntime, f32>(&client, &f);
+            assert!(read_f32(&client, &f).unwrap().iter().all(|&x| x == 0.0), "f32, {n}");
+        }
+    }
 
     #[test]
     fn fill_hash_matches_reference() {

@@ -74,7 +74,9 @@ pub use dense::{
     DenseGemm, dense_gemm, dense_gemm_normed, dense_gemm_normed_reference, dense_gemm_reference,
 };
 pub use dequantize::{ap_dequantize, ap_dequantize_reference};
-pub use device::{DeviceArray, KernelError, read_f32, read_f32_prefix, read_u32, sync};
+pub use device::{
+    DeviceArray, KernelError, VIEW_ALIGN, read_f32, read_f32_prefix, read_u32, read_u32_f32, sync,
+};
 pub use embed::{embed, embed_reference};
 pub use expert_gemm::gemv::{
     GEMV_HOST_MAX_TOKENS, GEMV_MAX_TOKENS, GEMV_MIN_ITEMS, GEMV_ROWS, GEMV_WARPS_PER_SM, GemvPlan, gemv_plan,
@@ -87,7 +89,7 @@ pub use expert_gemm::grouped::{
 };
 pub use expert_gemm::routed::{GATED_MAX_TOKENS, ap_gemm_routed, ap_gemm_routed_gated};
 pub use expert_gemm::{GemmConfig, LUT_SLOTS, ap_gemm, ap_gemm_reference};
-pub use fill::{fill_hash, fill_hash_reference, fill_uniform, fill_uniform_reference};
+pub use fill::{fill_hash, fill_hash_reference, fill_uniform, fill_uniform_reference, fill_zero};
 pub use gemma::{GemmaFfnOut, gemma_ffn_out, gemma_ffn_out_reference};
 pub use norms::head::{
     HeadNorm, head_norm, head_norm_reference, head_norm_rope_append, head_norm_rope_append_reference,

@@ -65,6 +65,14 @@ impl<R: Runtime> Mover for ExpertMover<R> {
         self.inner.end_boundary()
     }
 
+    fn waits_for_queue(&self) -> bool {
+        self.inner.waits_for_queue()
+    }
+
+    fn queue_drained(&mut self) {
+        self.inner.queue_drained()
+    }
+
     fn pin_host(&mut self, data: &[u8]) {
         if !self.skip_planes {
             self.inner.pin_host(data)
@@ -252,7 +260,7 @@ impl<R: Runtime> PagedExperts<R> {
             layers.push(table);
         }
         let mut me = Self { client: client.clone(), shape, slots: Vec::new(), layers, index, accountant };
-        me.slots = (0..me.layers.len()).map(|l| me.slot_words(l)).collect::<Result<_, _>>()?;
+        me.slots = me.slot_tables(&(0..me.layers.len()).collect::<Vec<_>>())?;
         // The first boundary started every page's upload; an asynchronous mover commits them
         // at later boundaries (which refresh the slot tables).
         me.settle()?;
@@ -297,10 +305,18 @@ impl<R: Runtime> PagedExperts<R> {
         }
     }
 
-    fn slot_words(&self, l: usize) -> Result<DeviceArray, DecodeError> {
-        let t = self.layers[l].table();
-        let pairs: Vec<(PoolSlot, PoolSlot)> = t.chunks(2).map(|c| (c[0], c[1])).collect();
-        Ok(DeviceArray::from_slice(&self.client, &expert_slot_words(self.shape, &pairs)?))
+    /// The committed slot tables of sparse layers `layers`, in one upload.
+    fn slot_tables(&self, layers: &[usize]) -> Result<Vec<DeviceArray>, DecodeError> {
+        let words = layers
+            .iter()
+            .map(|&l| {
+                let t = self.layers[l].table();
+                let pairs: Vec<(PoolSlot, PoolSlot)> = t.chunks(2).map(|c| (c[0], c[1])).collect();
+                expert_slot_words(self.shape, &pairs)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let parts: Vec<&[u32]> = words.iter().map(Vec::as_slice).collect();
+        Ok(DeviceArray::from_slices(&self.client, &parts))
     }
 
     /// Random-weight experts for speed measurements: every sparse layer (`sparse[l]`) holds
@@ -481,18 +497,29 @@ impl<R: Runtime> PagedExperts<R> {
     }
 
     /// The safe point between decode steps: every layer's [`PagedWeights::boundary`] (lowerings
-    /// commit at once, finished raisings commit, new raisings start), and the slot table of each
-    /// layer that published. Never waits for a transfer.
+    /// commit at once, finished raisings commit, new raisings start; the kernels' queue waited
+    /// for at most once, see [`pw_pages::boundaries`]), and the slot tables of the layers that
+    /// published, uploaded together. Never waits for a transfer.
     pub fn boundary(&mut self) -> Result<ExpertCommit, DecodeError> {
         let mut out = ExpertCommit::default();
-        for l in 0..self.layers.len() {
-            let r = self.layers[l].boundary()?;
-            out.add(&r);
-            if r.published {
-                let upload = std::time::Instant::now();
-                self.slots[l] = self.slot_words(l)?;
-                out.times.publish += upload.elapsed();
+        let client = &self.client;
+        let drain = || kernels_cubecl::sync(client).map_err(|e| MoveError(e.to_string()));
+        let (reports, waited) = pw_pages::boundaries(&mut self.layers, drain)?;
+        // Waiting for the kernels is part of starting copies (the mover would wait itself).
+        out.times.start += waited;
+        out.times.start_mover += waited;
+        for r in &reports {
+            out.add(r);
+        }
+        let published: Vec<usize> =
+            reports.iter().enumerate().filter(|(_, r)| r.published).map(|(l, _)| l).collect();
+        if !published.is_empty() {
+            let upload = std::time::Instant::now();
+            let views = self.slot_tables(&published)?;
+            for (l, v) in published.into_iter().zip(views) {
+                self.slots[l] = v;
             }
+            out.times.publish += upload.elapsed();
         }
         Ok(out)
     }

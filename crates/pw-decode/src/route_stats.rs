@@ -5,7 +5,7 @@
 
 use cubecl::prelude::*;
 pub use kernels_cubecl::route_stats_reference;
-use kernels_cubecl::{DeviceArray, KernelError, MoeShape, RouteCounters, read_f32, read_u32};
+use kernels_cubecl::{DeviceArray, KernelError, MoeShape, RouteCounters, fill_zero, read_u32_f32};
 
 use crate::DecodeError;
 
@@ -84,11 +84,9 @@ impl RouteStats {
         if self.tokens == 0 {
             return Ok(None);
         }
-        let counts = read_u32(client, &self.counts)?;
-        let mass = read_f32(client, &self.mass)?;
-        let n = self.layers * self.experts;
-        self.counts = DeviceArray::from_slice(client, &vec![0u32; n]);
-        self.mass = DeviceArray::from_slice(client, &vec![0.0f32; n]);
+        let (counts, mass) = read_u32_f32(client, &self.counts, &self.mass)?;
+        fill_zero::<R, u32>(client, &self.counts);
+        fill_zero::<R, f32>(client, &self.mass);
         let tokens = std::mem::take(&mut self.tokens);
         Ok(Some(RoutingCounts { tokens, counts, mass }))
     }
@@ -146,7 +144,23 @@ mod tests {
         for (i, (g, r)) in got.mass.iter().zip(&mass).enumerate() {
             assert!((g - r).abs() <= MASS_TOL, "entry {i}: {g} vs {r}");
         }
-        // Taken counters start again from zero.
+        // Taken counters start again from zero: nothing recorded, nothing taken, and a new
+        // step's counts are that step's alone.
         assert!(stats.take(&client).unwrap().is_none());
+        stats.armed = true;
+        let logits: Vec<f32> = (0..3 * shape.experts).map(|i| (i % 5) as f32 * 0.25).collect();
+        let meta = DeviceArray::from_slice(&client, &[3u32]);
+        let dl = DeviceArray::from_slice(&client, &logits);
+        let counters = stats.counters(shape, 1, 3).unwrap();
+        moe_route_counted(&client, shape, 3, &meta, &dl, &slots, &route, counters).unwrap();
+        let (sel, w) = route_reference(shape, &logits);
+        let sel: Vec<usize> = sel.iter().map(|&e| e as usize).collect();
+        let (mut counts, mut mass) = (vec![0u32; layers * 8], vec![0.0f32; layers * 8]);
+        route_stats_reference(shape.experts, 1, &sel, &w, &mut counts, &mut mass);
+        let got = stats.take(&client).unwrap().expect("a step was recorded");
+        assert_eq!((got.tokens, &got.counts), (3, &counts));
+        for (i, (g, r)) in got.mass.iter().zip(&mass).enumerate() {
+            assert!((g - r).abs() <= MASS_TOL, "after a take, entry {i}: {g} vs {r}");
+        }
     }
 }

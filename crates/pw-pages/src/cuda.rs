@@ -10,7 +10,8 @@
 //! Ordering: CubeCL's stream is private, so no event can be recorded on it.
 //! A transfer's destinations may have been read by kernels launched before
 //! the boundary that freed them, so the first copy of a boundary waits for the
-//! CubeCL queue (`client.sync()`). At a boundary between decode steps the host
+//! CubeCL queue (`client.sync()`), unless the caller already did for several
+//! tables at once ([`crate::boundaries`]). At a boundary between decode steps the host
 //! has normally just read the step's logits, so the queue is already drained
 //! and the wait costs a round trip, not a step. Ordered writes (lowering LUT
 //! swaps) are copies on a second stream that [`Mover::end_boundary`] waits for,
@@ -408,6 +409,14 @@ impl Mover for CudaMover {
 
     fn publish(&mut self, table: &[PoolSlot]) -> Result<(), MoveError> {
         self.pool.publish(table)
+    }
+
+    fn waits_for_queue(&self) -> bool {
+        true
+    }
+
+    fn queue_drained(&mut self) {
+        self.drained = true;
     }
 
     fn end_boundary(&mut self) -> Result<(), MoveError> {

@@ -52,7 +52,7 @@ pub use extent::{Extent, ExtentAllocator};
 pub use mover::{HostPool, ManualMover, MoveError, Mover, POISON_WORD, Ticket, Write};
 pub use table::{
     BoundaryTimes, CommitReport, DeferReason, Deferred, Group, Location, PageId, PageInfo, PageKey,
-    PagedWeights,
+    PagedWeights, boundaries,
 };
 
 /// Errors of the page table.

@@ -102,6 +102,17 @@ pub trait Mover {
         Ok(())
     }
 
+    /// Whether the first copy of a boundary waits for the kernels' queue (copies that do not
+    /// run on that queue), so that a caller running several tables' boundaries together can
+    /// wait once for all of them ([`Self::queue_drained`]).
+    fn waits_for_queue(&self) -> bool {
+        false
+    }
+
+    /// The caller has just drained the kernels' queue and launches no kernel before
+    /// [`Self::end_boundary`]: this boundary's copies need not wait for it again.
+    fn queue_drained(&mut self) {}
+
     /// Announces host memory that later transfers copy from (a page's parent
     /// planes). It stays at this address, unchanged, for the mover's life, so
     /// a mover may page-lock it in place for direct asynchronous copies. Best
@@ -264,6 +275,14 @@ impl<M: Mover> Mover for ManualMover<M> {
 
     fn end_boundary(&mut self) -> Result<(), MoveError> {
         self.inner.end_boundary()
+    }
+
+    fn waits_for_queue(&self) -> bool {
+        self.inner.waits_for_queue()
+    }
+
+    fn queue_drained(&mut self) {
+        self.inner.queue_drained()
     }
 
     fn pin_host(&mut self, data: &[u8]) {

@@ -392,6 +392,18 @@ impl<M: Mover> PagedWeights<M> {
         self.pages.iter().map(|p| (if p.desired == 0 { p.committed } else { p.desired }, p.committed))
     }
 
+    /// Whether the next [`Self::boundary`] may copy (a lowering's LUT, a raising to start): the
+    /// boundaries that wait for the kernels' queue when the mover
+    /// [`waits_for_queue`](Mover::waits_for_queue). False only where no page wants other bits
+    /// than it holds or than its transfer in flight brings.
+    pub fn copies_pending(&self) -> bool {
+        self.pages.iter().any(|p| {
+            p.desired != 0
+                && p.desired != p.committed
+                && p.raise.as_ref().is_none_or(|r| r.target != p.desired)
+        })
+    }
+
     /// Committed device bytes (planes + LUT) per bit-width (index = bits, 0..=8).
     pub fn bytes_by_bits(&self) -> [u64; 9] {
         let mut out = [0u64; 9];
@@ -914,6 +926,27 @@ impl<M: Mover> PagedWeights<M> {
         }
         Ok(())
     }
+}
+
+/// [`PagedWeights::boundary`] of several tables whose kernels share one queue (a model's
+/// layers), waiting for that queue at most once: where some table will copy and its mover
+/// [`waits_for_queue`](Mover::waits_for_queue), `drain` runs first and every mover is told
+/// ([`Mover::queue_drained`]). Returns each table's report and the time `drain` took.
+pub fn boundaries<M: Mover>(
+    tables: &mut [PagedWeights<M>],
+    drain: impl FnOnce() -> Result<(), MoveError>,
+) -> Result<(Vec<CommitReport>, Duration), PageError> {
+    let mut waited = Duration::ZERO;
+    if tables.iter().any(|t| t.mover.waits_for_queue() && t.copies_pending()) {
+        let started = Instant::now();
+        drain()?;
+        for t in tables.iter_mut() {
+            t.mover.queue_drained();
+        }
+        waited = started.elapsed();
+    }
+    let reports = tables.iter_mut().map(PagedWeights::boundary).collect::<Result<_, _>>()?;
+    Ok((reports, waited))
 }
 
 fn check_bits(p: &Page, bits: u8) -> Result<(), PageError> {

@@ -524,6 +524,12 @@ impl PagedMemory {
                     _ => MemoryTarget::Hold,
                 };
             }
+            if matches!(target, MemoryTarget::Spare(_))
+                && snapshot.pages.iter().all(|p| p.desired >= p.max_bits)
+            {
+                // Every page already asks for its top width: nothing to give the memory to.
+                target = MemoryTarget::Hold;
+            }
             if let MemoryTarget::Spare(s) = target
                 && self.options.max_raise_bytes > 0
             {
@@ -813,6 +819,29 @@ mod tests {
         let decision = mem.last_decision.clone().expect("the shortfall is planned for");
         assert_eq!(decision.target, "free");
         assert_eq!(decision.target_bytes, (threshold + 1 + 30) * block);
+    }
+
+    /// Free memory with every page asking for its top width computes no plan (there is nothing
+    /// to raise), and the boundary is settled; once pages are lower, the same free memory is
+    /// planned for.
+    #[test]
+    fn free_memory_is_not_planned_for_when_every_page_is_at_its_top_width() {
+        let block = 100;
+        let options = MemoryOptions {
+            budget_bytes: Some(100 * block),
+            raise_after: Duration::ZERO,
+            ..MemoryOptions::default()
+        };
+        let mut mem = PagedMemory::new(Accountant::new(100 * block), block, 1, 8, options).unwrap();
+        let mut pages = Pages::new(16, 8);
+        let state = mem.boundary(&mut pages, 0, DemandBlocks::default()).unwrap();
+        assert_eq!(state.plans_total, 0);
+        assert!(state.settled);
+        let (mut mem, mut pages, state) = pressed(Duration::ZERO);
+        let plans = state.plans_total;
+        let state = mem.boundary(&mut pages, 0, DemandBlocks::default()).unwrap();
+        assert_eq!(state.plans_total, plans + 1);
+        assert!(state.page_moves_up_total > 0);
     }
 
     /// The snapshot a boundary refreshes from the pages' bits equals one built from the pages

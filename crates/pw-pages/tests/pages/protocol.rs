@@ -180,9 +180,12 @@ fn lowering_commits_at_once_and_raising_only_after_its_transfer() {
     let blocks = moe_blocks(1, 2, 3);
     let mut t = table(blocks, u64::MAX / 2, 8);
     let id = t.page(PageKey { layer: 0, expert: 1, kind: BlockKind::Down }).unwrap();
+    assert!(!t.copies_pending());
     t.set_desired_all(6);
+    assert!(t.copies_pending());
     let r = t.boundary().unwrap();
     assert_eq!(r.started.len(), 4);
+    assert!(!t.copies_pending(), "the raisings are in flight: nothing to copy until they finish");
     assert!(r.raised.is_empty() && !r.published, "committed before the transfer finished");
     // The boundary's host time by part: the starts, the mover's share within them.
     let times = r.times;
@@ -203,10 +206,13 @@ fn lowering_commits_at_once_and_raising_only_after_its_transfer() {
     assert_eq!(t.plane_location(id, 6).unwrap(), Location::Host);
     check_visible(&t);
 
+    assert!(!t.copies_pending());
     let before = t.usage().weights;
     t.set_desired(id, 4).unwrap();
+    assert!(t.copies_pending(), "a lowering writes its LUT");
     let r = t.boundary().unwrap();
     assert_eq!(r.lowered, vec![id]);
+    assert!(!t.copies_pending());
     assert!(r.times.lower > Duration::ZERO, "{:?}", r.times);
     assert_eq!(t.info(id).unwrap().committed, 4);
     let (p6, l6) = t.parent(id).unwrap().bytes_at(6);
@@ -222,11 +228,13 @@ fn lowering_commits_at_once_and_raising_only_after_its_transfer() {
     t.boundary().unwrap();
     assert_eq!(t.info(id).unwrap().raising_to, Some(8));
     t.set_desired(id, 3).unwrap();
+    assert!(t.copies_pending(), "a lowering under a raising in flight");
     let r = t.boundary().unwrap();
     assert_eq!(r.lowered, vec![id]);
     assert_eq!(t.info(id).unwrap().raising_to, None);
     check_visible(&t);
     t.set_desired(id, 5).unwrap();
+    assert!(t.copies_pending(), "the cancelled transfer may have finished: a raising may start");
     let r = t.boundary().unwrap();
     assert_eq!(r.deferred[0].reason, DeferReason::InFlight);
     t.mover_mut().complete_all().unwrap();
@@ -409,4 +417,105 @@ fn builds_from_a_checkpoint_and_reports_bad_requests_by_name() {
     let dup = vec![blocks[0].clone(), blocks[0].clone()];
     let e = PagedWeights::new(dup, Accountant::new(1), HostPool::new(1, 1)).err().unwrap().to_string();
     assert!(e.contains("appears twice"), "{e}");
+}
+
+/// A mover whose copies leave the kernels' queue: its first copy of a boundary waits for that
+/// queue unless the caller already did ([`Mover::queue_drained`]).
+struct QueueMover {
+    inner: HostPool,
+    drained: bool,
+    /// Waits of its own.
+    waits: usize,
+}
+
+impl QueueMover {
+    fn wait(&mut self) {
+        if !self.drained {
+            self.waits += 1;
+            self.drained = true;
+        }
+    }
+}
+
+impl Mover for QueueMover {
+    fn capacity(&self) -> (usize, usize) {
+        self.inner.capacity()
+    }
+    fn write_ordered(&mut self, writes: &[Write<'_>]) -> Result<(), MoveError> {
+        self.wait();
+        self.inner.write_ordered(writes)
+    }
+    fn start(&mut self, writes: &[Write<'_>]) -> Result<Ticket, MoveError> {
+        self.wait();
+        self.inner.start(writes)
+    }
+    fn finished(&mut self, ticket: Ticket) -> Result<bool, MoveError> {
+        self.inner.finished(ticket)
+    }
+    fn publish(&mut self, table: &[kernels_cubecl::PoolSlot]) -> Result<(), MoveError> {
+        self.inner.publish(table)
+    }
+    fn end_boundary(&mut self) -> Result<(), MoveError> {
+        self.drained = false;
+        Ok(())
+    }
+    fn waits_for_queue(&self) -> bool {
+        true
+    }
+    fn queue_drained(&mut self) {
+        self.drained = true;
+    }
+}
+
+/// Several tables' boundaries wait for the kernels' queue once, and only when one of them
+/// copies; each table on its own waits once per boundary that copies.
+#[test]
+fn boundaries_of_several_tables_wait_for_the_queue_once() {
+    let layer = |l: usize| -> PagedWeights<QueueMover> {
+        let blocks = moe_blocks(1, 2, 10 + l as u64);
+        let (_, words, luts) = size_at(&blocks, 8);
+        let (_, slack_words, slack_luts) = size_at(&blocks[..1], 8);
+        let mover = QueueMover {
+            inner: HostPool::new(words + slack_words, luts + slack_luts),
+            drained: false,
+            waits: 0,
+        };
+        PagedWeights::new(blocks, Accountant::new(u64::MAX / 2), mover).unwrap()
+    };
+    let mut tables: Vec<_> = (0..3).map(layer).collect();
+    let drains = std::cell::Cell::new(0);
+    let drain = || {
+        drains.set(drains.get() + 1);
+        Ok(())
+    };
+    for t in &mut tables {
+        t.set_desired_all(8);
+    }
+    let (reports, _) = boundaries(&mut tables, drain).unwrap();
+    // Host transfers finish at once: the raisings start and commit in this boundary.
+    assert!(reports.iter().all(|r| r.started.len() == 4 && r.raised.len() == 4));
+    assert_eq!(drains.get(), 1);
+    assert!(tables.iter().all(|t| t.mover().waits == 0));
+    // Nothing to copy: no wait.
+    let (reports, waited) = boundaries(&mut tables, || Err(MoveError("no copy, no wait".into()))).unwrap();
+    assert!(reports.iter().all(|r| r.started.is_empty() && r.lowered.is_empty()));
+    assert_eq!(waited, Duration::ZERO);
+    // Lowerings in two tables: one wait for both.
+    for t in &mut tables[1..] {
+        t.set_desired_all(5);
+    }
+    let drain = || {
+        drains.set(drains.get() + 1);
+        Ok(())
+    };
+    let (reports, _) = boundaries(&mut tables, drain).unwrap();
+    assert_eq!((reports[0].lowered.len(), reports[1].lowered.len(), reports[2].lowered.len()), (0, 4, 4));
+    assert_eq!(drains.get(), 2);
+    assert!(tables.iter().all(|t| t.mover().waits == 0));
+    // On their own, the tables wait once each per boundary that copies.
+    for t in &mut tables {
+        t.set_desired_all(4);
+        t.boundary().unwrap();
+    }
+    assert!(tables.iter().all(|t| t.mover().waits == 1));
 }
