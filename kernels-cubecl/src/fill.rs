@@ -1,5 +1,5 @@
 //! Device-side fills: random weights of synthetic models and random plane words for
-//! benchmarks, generated on the device instead of uploaded.
+//! benchmarks, and zeroed counters, generated on the device instead of uploaded.
 
 use cubecl::prelude::*;
 
