@@ -1,5 +1,6 @@
 //! `plan` on model-sized page tables: it runs between decode steps, so it must cost far less
-//! than a step. Mixtral-8x7B: 32 layers × 8 experts × 2 kinds; Gemma-4-26B-A4B: 30 × 128 × 2.
+//! than a step. Mixtral-8x7B: 32 layers × 8 experts × 2 kinds; Qwen1.5-MoE-A2.7B: 24 × 60 × 2;
+//! Gemma-4-26B-A4B: 30 × 128 × 2.
 //!
 //! `cargo bench -p pw-planner --bench plan -- --warm-up-time 1 --measurement-time 3`; figures go
 //! to `benches/results/planner-cpu.md`. Calls repeat on one thread, as a server's calls between
@@ -54,7 +55,9 @@ fn routing(layers: usize, experts: usize, rng: &mut StdRng) -> RoutingStats {
 
 fn bench(c: &mut Criterion) {
     let mut rng = StdRng::seed_from_u64(7);
-    for (name, l, e, h, i) in [("mixtral", 32, 8, 4096, 14336), ("gemma4", 30, 128, 2816, 704)] {
+    for (name, l, e, h, i) in
+        [("mixtral", 32, 8, 4096, 14336), ("qwen2_moe", 24, 60, 2048, 1408), ("gemma4", 30, 128, 2816, 704)]
+    {
         let snap = table(l, e, h, i, &mut rng);
         let r = routing(l, e, &mut rng);
         let cfg = PlannerConfig::default();
