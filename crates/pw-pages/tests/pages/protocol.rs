@@ -504,10 +504,6 @@ fn boundaries_of_several_tables_wait_for_the_queue_once() {
     for t in &mut tables[1..] {
         t.set_desired_all(5);
     }
-    let drain = || {
-        drains.set(drains.get() + 1);
-        Ok(())
-    };
     let (reports, _) = boundaries(&mut tables, drain).unwrap();
     assert_eq!((reports[0].lowered.len(), reports[1].lowered.len(), reports[2].lowered.len()), (0, 4, 4));
     assert_eq!(drains.get(), 2);
